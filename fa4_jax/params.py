@@ -1,0 +1,45 @@
+"""The static description of one attention call, shared by every backend.
+
+`AttentionParams` is what `api.attention` hands to the differentiable op after validation: plain
+Python values, hashable, so it can be a `nondiff_argnums` of `jax.custom_vjp` and a static
+attribute source for the FFI call. It imports nothing else from the package.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionParams:
+    """Validated, canonical options of one attention call.
+
+    Mask semantics (query row i in [0, seqlen_q), key column j in [0, seqlen_k)), with the
+    bottom-right alignment offset `offset = seqlen_k - seqlen_q`:
+
+    - causal: key j is visible when j <= i + offset;
+    - window_left (None = unbounded): visible when j >= i + offset - window_left;
+    - window_right (None = unbounded): visible when j <= i + offset + window_right.
+
+    A row with no visible key produces output 0 and lse -inf.
+
+    Attributes:
+      softmax_scale: multiplies q·k before the softcap and the softmax.
+      causal: bottom-right aligned causal mask.
+      window_left, window_right: sliding-window bounds, ints >= 0 or None.
+      softcap: if not None, scores become softcap * tanh(scores / softcap).
+      deterministic: the backward pass must be bitwise reproducible.
+      implementation: the resolved backend, "cute" or "reference".
+    """
+
+    softmax_scale: float
+    causal: bool = False
+    window_left: int | None = None
+    window_right: int | None = None
+    softcap: float | None = None
+    deterministic: bool = False
+    implementation: str = "reference"
+
+    @property
+    def is_local(self) -> bool:
+        """True when a sliding window bounds either side."""
+        return self.window_left is not None or self.window_right is not None
