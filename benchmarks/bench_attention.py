@@ -5,9 +5,10 @@ and "xla", and the Pallas Mosaic GPU kernel (jax.experimental.pallas.ops.gpu.att
 Grid (ANCHORS.md): batch·seqlen = 16384 tokens, heads = 2048 / head_dim, head dims 64/128/256,
 seqlen 1024/4096/16384, causal and not, forward and forward+backward.
 
-Run on the H200 from the repository root (one command, ~8 minutes at most):
+Run on the H200 from the repository root (one command; it stops starting measurements after
+--time-budget-s = 420 s, and `timeout` makes it write what it has and exit by 8 minutes regardless):
 
-    python -m benchmarks.bench_attention --out .bench_out
+    timeout -k 30 450 python -m benchmarks.bench_attention --out .bench_out
 
 and on any machine, on the CPU with tiny shapes, to test the harness itself:
 
@@ -28,7 +29,6 @@ import argparse
 import dataclasses
 import importlib
 import json
-import math
 import os
 import signal
 import statistics
@@ -252,7 +252,7 @@ def time_step(step: Callable, input_sets: list[tuple], settings: Settings) -> Ti
     compile_s = max(first_s - warm_s, 0.0)
     if warm_s > settings.max_call_s:
         return Timing(warm_s * 1e3, compile_s, 1, 1, [warm_s * 1e3],
-                      f"one call took {warm_s:.1f} s > --max-call-s: timed once, not looped")
+                      f"one call took {warm_s:.3g} s > --max-call-s: timed once, not looped")
     # Keep the whole case under max_case_s: long calls get shorter loops, never fewer repeats.
     calls = max(1, min(settings.calls, int(settings.max_case_s / (settings.repeats * warm_s))))
     samples_ms = []
@@ -330,7 +330,7 @@ def measure(case: Case, peer: str, input_sets_of: Callable, settings: Settings,
     predicted = predicted_call_s(slowest, case, peer)
     if predicted is not None and predicted > settings.max_call_s:
         return record(case, peer, "skipped",
-                      note=f"predicted {predicted:.1f} s per call > --max-call-s")
+                      note=f"predicted {predicted:.3g} s per call > --max-call-s")
     try:
         candidates = PEERS[peer](case, settings)
         candidate, timing, tried = measure_candidates(case, candidates, input_sets_of, settings)
@@ -496,8 +496,13 @@ def plot(results: list[dict], peers: list[str], settings: Settings, out_dir: str
             ax.set_ylabel("TFLOP/s")
             ax.set_ylim(bottom=0)
             ax.grid(alpha=0.3)
-        handles, labels = axes[0][0].get_legend_handles_labels()
-        fig.legend(handles, labels, loc="lower center", ncol=len(labels), frameon=False)
+        # A peer may be absent from some panels (XLA above 4k): gather labels from all of them.
+        legend = {}
+        for ax in axes.flat:
+            for handle, label in zip(*ax.get_legend_handles_labels()):
+                legend.setdefault(label, handle)
+        fig.legend(legend.values(), legend.keys(), loc="lower center", ncol=len(legend),
+                   frameon=False)
         fig.suptitle(f"Attention {'forward' if mode == 'fwd' else 'forward + backward'}, "
                      f"{settings.dtype}, {settings.tokens} tokens, hidden {settings.hidden}")
         fig.tight_layout(rect=(0, 0.06, 1, 1))
