@@ -197,6 +197,7 @@ PEERS = {
     "mgpu": mgpu_candidates,
 }
 PEER_LABELS = {"cudnn": "JAX cuDNN", "xla": "JAX XLA", "mgpu": "Pallas MGPU (fp16)"}
+# The ANCHORS.md column measured with the same peer: a drift check of the machine and the timer.
 ANCHOR_COLUMN = {"cudnn": "jax_cudnn", "xla": "jax_xla", "mgpu": "pallas_mgpu"}
 
 
@@ -226,6 +227,7 @@ def make_input_sets(case: Case, dtype, seed: int) -> list[tuple]:
     """INPUT_SETS fresh standard-normal (q, k, v, do) sets; the same values for every dtype."""
     keys = jax.random.split(jax.random.key(seed), INPUT_SETS * 4)
     tensors = [jax.random.normal(key, case.shape, jnp.float32).astype(dtype) for key in keys]
+    jax.block_until_ready(tensors)  # else the first timed call would wait for the generation
     return [tuple(tensors[4 * i:4 * i + 4]) for i in range(INPUT_SETS)]
 
 
@@ -315,9 +317,9 @@ def short_error(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[:300]}"
 
 
-def predicted_call_s(slowest: dict, case: Case, peer: str) -> float | None:
+def predicted_call_s(last_call_s: dict, case: Case, peer: str) -> float | None:
     """A call's time extrapolated from this peer's last smaller seqlen (FLOPs grow with seqlen)."""
-    previous = slowest.get((peer, case.mode, case.head_dim, case.causal))
+    previous = last_call_s.get((peer, case.mode, case.head_dim, case.causal))
     if previous is None or previous[0] >= case.seqlen:
         return None
     seqlen, call_s = previous
@@ -325,9 +327,9 @@ def predicted_call_s(slowest: dict, case: Case, peer: str) -> float | None:
 
 
 def measure(case: Case, peer: str, input_sets_of: Callable, settings: Settings,
-            slowest: dict) -> dict:
+            last_call_s: dict) -> dict:
     """One peer on one case, as a result record; never raises except OutOfTime."""
-    predicted = predicted_call_s(slowest, case, peer)
+    predicted = predicted_call_s(last_call_s, case, peer)
     if predicted is not None and predicted > settings.max_call_s:
         return record(case, peer, "skipped",
                       note=f"predicted {predicted:.3g} s per call > --max-call-s")
@@ -340,8 +342,12 @@ def measure(case: Case, peer: str, input_sets_of: Callable, settings: Settings,
         return record(case, peer, "skipped", note=str(reason))
     except Exception as error:
         return record(case, peer, "failed", note=short_error(error))
-    slowest[(peer, case.mode, case.head_dim, case.causal)] = (case.seqlen, timing.ms / 1e3)
+    last_call_s[(peer, case.mode, case.head_dim, case.causal)] = (case.seqlen, timing.ms / 1e3)
+    anchor_tflops = (anchors.anchor(case.mode, case.head_dim, case.seqlen, case.causal,
+                                    ANCHOR_COLUMN[peer])
+                     if settings.matches_anchors and peer in ANCHOR_COLUMN else None)
     return record(case, peer, "ok", ms=timing.ms, tflops=case.flops / timing.ms / 1e9,
+                  anchor_tflops=anchor_tflops,
                   compile_s=timing.compile_s, calls=timing.calls, repeats=timing.repeats,
                   samples_ms=timing.samples_ms, dtype=jnp.dtype(candidate.dtype).name,
                   config=candidate.config, candidates=tried if len(tried) > 1 else None,
@@ -364,13 +370,13 @@ def input_cache(case: Case, seed: int) -> Callable:
 def run_grid(cases: list[Case], peers: list[str], settings: Settings, deadline: float,
              results: list[dict], save: Callable[[], None]) -> None:
     """Measure every (case, peer) into `results`; raises OutOfTime at the deadline or SIGTERM."""
-    slowest = {}
+    last_call_s = {}
     for seed, case in enumerate(cases):
         input_sets_of = input_cache(case, seed)
         for peer in peers:
             if time.monotonic() > deadline:
                 raise OutOfTime("time budget spent")
-            result = measure(case, peer, input_sets_of, settings, slowest)
+            result = measure(case, peer, input_sets_of, settings, last_call_s)
             print_progress(case, result)
             results.append(result)
             save()
@@ -384,8 +390,10 @@ def not_run(cases: list[Case], peers: list[str], results: list[dict], reason: st
 
 def print_progress(case: Case, result: dict) -> None:
     if result["status"] == "ok":
+        anchor = result["anchor_tflops"]
         what = (f"{result['ms']:9.3f} ms {result['tflops']:6.1f} TF/s "
-                f"(compile {result['compile_s']:.1f} s) {result['note']}")
+                f"{'' if anchor is None else f'(ANCHORS {anchor:.0f}) '}"
+                f"compile {result['compile_s']:.1f} s {result['note']}")
     else:
         what = f"{result['status']}: {result['note']}"
     print(f"{case.label()}  {result['peer']:8s} {what}", flush=True)
