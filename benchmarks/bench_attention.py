@@ -177,7 +177,7 @@ def mgpu_configs(case: Case) -> list[dict]:
 def mgpu_candidates(case: Case, settings: Settings) -> list[Candidate]:
     if case.mode == "fwd_bwd" and case.causal:
         raise Skip("attention_mgpu has no causal backward")
-    if jax.default_backend() != "gpu":
+    if jax.default_backend() not in ("gpu", "cuda"):
         raise Skip("Mosaic GPU needs an sm_90a GPU")
     from jax.experimental.pallas.ops.gpu import attention_mgpu
 
@@ -447,7 +447,7 @@ def format_table(results: list[dict], peers: list[str], settings: Settings) -> s
             f" | {fmt(cmp['best_here'], '7.3g'):>7} | {fmt(cmp['vs_best'], '8.2f'):>8}"
             f" | {fmt(cmp['bar'], '6.3g'):>6} | {fmt(cmp['vs_bar'], '7.2f'):>7}"
             f" | {fmt(cmp['upstream'], '6.0f'):>6}")
-    return "\n".join(lines + format_notes(results))
+    return "\n".join(lines + format_notes(results) + format_compile_times(results, peers))
 
 
 def format_notes(results: list[dict]) -> list[str]:
@@ -459,6 +459,17 @@ def format_notes(results: list[dict]) -> list[str]:
             counts[key] = counts.get(key, 0) + 1
     return [""] + [f"  {peer} {status} ×{n}: {note}"
                    for (peer, status, note), n in sorted(counts.items())] if counts else []
+
+
+def format_compile_times(results: list[dict], peers: list[str]) -> list[str]:
+    """Compile time per peer, reported apart from the timings (first call minus a warm call)."""
+    lines = []
+    for peer in peers:
+        times = [r["compile_s"] for r in results if r["peer"] == peer and r["status"] == "ok"]
+        if times:
+            lines.append(f"  {peer}: median {statistics.median(times):.1f} s, "
+                         f"max {max(times):.1f} s over {len(times)} cases")
+    return ["", "compile (first call - warm call):"] + lines if lines else []
 
 
 def write_json(path: str, payload: dict) -> None:
@@ -554,7 +565,7 @@ def parse_args(argv):
     p.add_argument("--hidden", type=int, help="heads·head_dim (2048)")
     p.add_argument("--calls", type=int, help="calls per timed loop (20)")
     p.add_argument("--repeats", type=int, help="timed loops; the median is reported (5)")
-    p.add_argument("--max-call-s", type=float, default=2.0,
+    p.add_argument("--max-call-s", type=float, default=3.0,
                    help="a warm call slower than this is timed once and the peer's larger seqlens "
                         "that extrapolate above it are skipped")
     p.add_argument("--max-case-s", type=float, default=8.0,
