@@ -568,7 +568,7 @@ def parse_args(argv):
     p.add_argument("--max-call-s", type=float, default=3.0,
                    help="a warm call slower than this is timed once and the peer's larger seqlens "
                         "that extrapolate above it are skipped")
-    p.add_argument("--max-case-s", type=float, default=8.0,
+    p.add_argument("--max-case-s", type=float, default=5.0,
                    help="shorten the loop so one (case, peer) spends at most this timing")
     p.add_argument("--max-xla-seqlen", type=int, help="XLA is skipped above this seqlen (4096)")
     p.add_argument("--fa4-implementation", help='fa4_jax implementation= ("cute")')
