@@ -1,0 +1,1 @@
+"""Side-by-side attention benchmarks; run `python -m benchmarks.bench_attention --help`."""
