@@ -6,8 +6,16 @@ FA4_JAX_TEST_SEED is set; a failing test's report shows the seed to replay it.
 import os
 import secrets
 
-import jax
-import pytest
+# The CPU tier is dominated by XLA compiling many small programs; LLVM's optimisation of the
+# generated code costs more than it saves there. Must be set before jax starts a backend.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "")
+        + " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    )
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 
 def pytest_configure(config):
