@@ -35,7 +35,8 @@ def test_check_grads_of_out_and_lse(next_key, case):
     seqlen_q, seqlen_k, heads_q, heads_kv, options = case
     q, k, v = _qkv(next_key, seqlen_q, seqlen_k, heads_q, heads_kv)
     attend = jax.jit(lambda q, k, v: fa4_jax.attention(q, k, v, return_lse=True, **options))
-    check_grads(attend, (q, k, v), order=1, modes=["rev"], atol=2e-2, rtol=2e-2)
+    # eps 1e-3: central differences then err ~eps² in fp32, well below a 1% gradient bug.
+    check_grads(attend, (q, k, v), order=1, modes=["rev"], eps=1e-3, atol=3e-3, rtol=3e-3)
 
 
 def _naive_options(options, head_dim):
