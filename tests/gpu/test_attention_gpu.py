@@ -31,9 +31,13 @@ def _qkv(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype
     return q, k, v
 
 
-def _reference_options(causal=False, window_size=(None, None), softcap=None):
-    return dict(causal=causal, window_left=window_size[0], window_right=window_size[1],
-                softcap=softcap)
+def _mask_options(causal=False, window_size=(None, None), softcap=None):
+    del softcap  # not a mask
+    return dict(causal=causal, window_left=window_size[0], window_right=window_size[1])
+
+
+def _reference_options(**options):
+    return dict(_mask_options(**options), softcap=options.get("softcap"))
 
 
 def _cute(q, k, v, **options):
@@ -56,7 +60,7 @@ def _check_forward(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_
     assert_close_by_rule(lse, ref_lse, lowp_lse, factor=factor, name="lse")
     # Nothing left unwritten: every entry is finite; rows seeing no key are exactly 0 / -inf.
     assert np.isfinite(np.asarray(out, np.float32)).all()
-    visible = visible_mask(seqlen_q, seqlen_k, **_reference_options(**options)).any(axis=1)
+    visible = visible_mask(seqlen_q, seqlen_k, **_mask_options(**options)).any(axis=1)
     assert np.all(np.asarray(out, np.float32)[:, ~visible] == 0.0)
     assert np.all(np.isneginf(np.asarray(lse)[:, :, ~visible]))
     assert np.isfinite(np.asarray(lse)[:, :, visible]).all()
