@@ -1,81 +1,426 @@
-"""STAND-IN for the Hopper forward kernel: the real one replaces this file on merge.
+"""FlashAttention forward for Hopper (sm_90a): TMA loads, WGMMA, online softmax in registers.
 
-It has exactly the entry contract of the real kernel (constructor and `__call__` signature) so the
-AOT build, the C++ dispatch and the FFI handler can be built and tested before that kernel lands.
-It is deliberately naive: one thread per query row, fp32 loops, no tensor cores (so it holds no
-HGMMA, which tests/test_build.py expects to fail until the real kernel is merged).
+One CTA computes one (tile_m query rows, head, batch) tile of O and LSE. Warp-role table:
+
+- warp group 0 (`producer_warp_group`): its first warp issues TMA for the Q tile once, then for
+  K and V blocks through a `kv_stages`-deep ring of mbarrier-guarded shared-memory buffers; the
+  rest of the group idles at a low register budget.
+- warp groups 1..2 (`mma_warp_groups`): each owns 64 of the tile's rows. S = Q·Kᵀ by WGMMA from
+  shared memory, mask and online softmax in registers, then O += P·V with P fed straight from
+  registers as the WGMMA A operand, so S and P never touch shared memory.
+- epilogue (the MMA warp groups): O / ℓ to shared memory (reusing Q's buffer), one TMA store;
+  LSE written per row by the lane that holds the row's first columns.
+
+Key blocks are visited from the highest to the lowest so the first block carries the sequence
+tail and the causal diagonal; the tail mask, the causal/window masks and the unmasked middle run
+in separate loops (block_info.py) so the common case does no per-element mask work.
 """
-from __future__ import annotations
-
+import functools
 import math
 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
 
-_THREADS = 128
-_LOG2E = math.log2(math.e)
+from fa4_jax.kernels.common.block_info import BlockInfo
+from fa4_jax.kernels.common.layouts import acc_as_operand_a, acc_rows_cols
+from fa4_jax.kernels.common.mask import AttentionMask
+from fa4_jax.kernels.common.softmax import OnlineSoftmax, scale_rows
+
+# Tile configuration per head dim: (tile_m, tile_n, kv_stages). 128 query rows = two MMA warp
+# groups of 64. Shared memory bounds tile_n and the ring depth: Q (tile_m·d) plus
+# kv_stages·tile_n·(d + dv), 2 bytes each, under the 227 KB an sm_90 CTA may use.
+TILE_CONFIGS = {
+    64: (128, 128, 3),   # 16 KB Q + 3 x 32 KB K/V
+    96: (128, 128, 2),   # 24 KB Q + 2 x 48 KB K/V
+    128: (128, 128, 2),  # 32 KB Q + 2 x 64 KB K/V
+    192: (128, 96, 2),   # 48 KB Q + 2 x 60 KB K/V (dv = 128)
+    256: (128, 64, 2),   # 64 KB Q + 2 x 64 KB K/V
+}
+
+LOG2_E = math.log2(math.e)
+
+
+def _smem_layout(dtype, rows: int, cols: int, stages: int | None = None):
+    """Row-major, 128-byte-swizzled tile (cols contiguous), as TMA writes it and WGMMA reads it."""
+    atom = warpgroup.make_smem_layout_atom(
+        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype
+    )
+    shape = (rows, cols) if stages is None else (rows, cols, stages)
+    return cute.tile_to_shape(atom, shape, order=tuple(range(len(shape))))
+
+
+def _transpose(tensor: cute.Tensor) -> cute.Tensor:
+    """Swap the first two modes (a view: V as (dv, tile_n) for the P·V B operand)."""
+    rank = cute.rank(tensor.layout)
+    return cute.make_tensor(tensor.iterator, cute.select(tensor.layout, mode=[1, 0, *range(2, rank)]))
+
+
+def _permute(tensor: cute.Tensor, order) -> cute.Tensor:
+    return cute.make_tensor(tensor.iterator, cute.select(tensor.layout, mode=list(order)))
 
 
 class FlashAttentionForwardSm90:
-    def __init__(self, dtype: type[cutlass.Numeric], head_dim: int, head_dim_v: int, mask: str,
-                 has_softcap: bool):
+    producer_warp_group = 0
+    mma_warp_groups = (1, 2)
+    threads_per_warp_group = 128
+    # setmaxnreg budgets: the producer needs few registers; the MMA groups hold S, P and O.
+    producer_registers = 24
+    mma_registers = 240
+    # Named barrier 0 is __syncthreads; 1 syncs the MMA warp groups around the epilogue.
+    epilogue_barrier_id = 1
+
+    def __init__(self, dtype, head_dim: int, head_dim_v: int, mask: str, has_softcap: bool):
+        if mask not in ("none", "causal", "local"):
+            raise ValueError(f"mask must be 'none', 'causal' or 'local', got {mask!r}")
+        if head_dim not in TILE_CONFIGS:
+            raise ValueError(f"no tile configuration for head_dim={head_dim}")
         self.dtype = dtype
         self.head_dim = head_dim
         self.head_dim_v = head_dim_v
-        self.mask = mask
+        self.causal = mask == "causal"
+        self.local = mask == "local"
         self.has_softcap = has_softcap
+        self.tile_m, self.tile_n, self.kv_stages = TILE_CONFIGS[head_dim]
+        self.num_mma_threads = len(self.mma_warp_groups) * self.threads_per_warp_group
+        self.num_threads = self.num_mma_threads + self.threads_per_warp_group
 
     @cute.jit
-    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                 mLSE: cute.Tensor, softmax_scale: cutlass.Float32, softcap: cutlass.Float32,
-                 window_left: cutlass.Int32, window_right: cutlass.Int32, stream: cuda.CUstream):
-        b, sq, h, _ = mQ.shape
-        self.kernel(mQ, mK, mV, mO, mLSE, softmax_scale, softcap, window_left, window_right).launch(
-            grid=((sq + _THREADS - 1) // _THREADS, h, b), block=(_THREADS, 1, 1), stream=stream)
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        softmax_scale: Float32,
+        softcap: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        stream: cuda.CUstream,
+    ):
+        """mQ [b, sq, h, d], mK [b, sk, hk, d], mV [b, sk, hk, dv], mO [b, sq, h, dv], mLSE [b, h, sq]."""
+        # Kernel-side views put the sequence and feature modes first: (s, d, heads, batch).
+        mQ, mK, mV, mO = [_permute(t, (1, 3, 2, 0)) for t in (mQ, mK, mV, mO)]
+        mLSE = _permute(mLSE, (2, 1, 0))
+
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            Float32, (len(self.mma_warp_groups), 1, 1), (64, self.tile_n),
+        )
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            Float32, (len(self.mma_warp_groups), 1, 1), (64, self.head_dim_v),
+            warpgroup.OperandSource.RMEM,
+        )
+
+        sQ_layout = _smem_layout(self.dtype, self.tile_m, self.head_dim)
+        sK_layout = _smem_layout(self.dtype, self.tile_n, self.head_dim, self.kv_stages)
+        sV_layout = _smem_layout(self.dtype, self.tile_n, self.head_dim_v, self.kv_stages)
+        sO_layout = _smem_layout(self.dtype, self.tile_m, self.head_dim_v)
+
+        tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mQ, sQ_layout, (self.tile_m, self.head_dim)
+        )
+        tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mK, cute.select(sK_layout, mode=[0, 1]),
+            (self.tile_n, self.head_dim),
+        )
+        tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mV, cute.select(sV_layout, mode=[0, 1]),
+            (self.tile_n, self.head_dim_v),
+        )
+        tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (self.tile_m, self.head_dim_v)
+        )
+        self.tma_bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)
+        self.tma_bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
+        self.tma_bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
+
+        q_o_elems = max(cute.cosize(sQ_layout), cute.cosize(sO_layout))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, q_o_elems], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+
+        # With softcap the scores become tanh(s·scale/softcap), and softcap·log2(e) carries them
+        # into the exp2 domain; without it, scale·log2(e) does.
+        if cutlass.const_expr(self.has_softcap):
+            score_prescale = softmax_scale / softcap
+            scale_log2 = softcap * LOG2_E
+        else:
+            score_prescale = Float32(1.0)
+            scale_log2 = softmax_scale * LOG2_E
+
+        grid = (cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
+        self.kernel(
+            tiled_mma_qk, tiled_mma_pv,
+            tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o,
+            mLSE, sQ_layout, sK_layout, sV_layout, sO_layout,
+            score_prescale, scale_log2, window_left, window_right,
+        ).launch(
+            grid=grid,
+            block=[self.num_threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
 
     @cute.kernel
-    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-               mLSE: cute.Tensor, softmax_scale: cutlass.Float32, softcap: cutlass.Float32,
-               window_left: cutlass.Int32, window_right: cutlass.Int32):
-        tidx, _, _ = cute.arch.thread_idx()
-        bq, hi, bi = cute.arch.block_idx()
-        i = bq * _THREADS + tidx
-        sq = mQ.shape[1]
-        sk = mK.shape[1]
-        hki = hi // (mQ.shape[2] // mK.shape[2])
-        if i < sq:
-            lo = 0
-            hi_k = sk
-            diag = i + sk - sq
-            if cutlass.const_expr(self.mask == "causal"):
-                hi_k = cutlass.min(sk, diag + 1)
-            if cutlass.const_expr(self.mask == "local"):
-                lo = cutlass.max(0, diag - window_left)
-                hi_k = cutlass.min(sk, diag + window_right + 1)
-            acc = cute.make_rmem_tensor((self.head_dim_v,), cutlass.Float32)
-            acc.fill(0.0)
-            row_max = -cutlass.Float32.inf
-            row_sum = cutlass.Float32(0.0)
-            for j in cutlass.range(lo, hi_k, 1):
-                s = cutlass.Float32(0.0)
-                for c in cutlass.range_constexpr(self.head_dim):
-                    s += mQ[bi, i, hi, c].to(cutlass.Float32) * mK[bi, j, hki, c].to(cutlass.Float32)
-                s = s * softmax_scale
-                if cutlass.const_expr(self.has_softcap):
-                    s = softcap * cute.math.tanh(s / softcap)
-                new_max = cutlass.max(row_max, s)
-                corr = cute.math.exp2((row_max - new_max) * _LOG2E)
-                p = cute.math.exp2((s - new_max) * _LOG2E)
-                row_sum = row_sum * corr + p
-                for c in cutlass.range_constexpr(self.head_dim_v):
-                    acc[c] = acc[c] * corr + p * mV[bi, j, hki, c].to(cutlass.Float32)
-                row_max = new_max
-            inv = cutlass.Float32(0.0)
-            lse = -cutlass.Float32.inf
-            if row_sum > 0.0:
-                inv = 1.0 / row_sum
-                lse = row_max + cute.math.log(row_sum)
-            for c in cutlass.range_constexpr(self.head_dim_v):
-                mO[bi, i, hi, c] = (acc[c] * inv).to(self.dtype)
-            mLSE[bi, hi, i] = lse
+    def kernel(
+        self,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        tma_atom_q: cute.CopyAtom,
+        mQ: cute.Tensor,
+        tma_atom_k: cute.CopyAtom,
+        mK: cute.Tensor,
+        tma_atom_v: cute.CopyAtom,
+        mV: cute.Tensor,
+        tma_atom_o: cute.CopyAtom,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
+        score_prescale: Float32,
+        scale_log2: Float32,
+        window_left: Int32,
+        window_right: Int32,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # Consumers release a stage once per warp (the pipeline elects one lane per warp).
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+        pipeline_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=producer,
+            consumer_group=consumers, tx_count=self.tma_bytes_q, defer_sync=True,
+        )
+        pipeline_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.kv_stages, producer_group=producer,
+            consumer_group=consumers, tx_count=self.tma_bytes_k, defer_sync=True,
+        )
+        pipeline_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.kv_stages, producer_group=producer,
+            consumer_group=consumers, tx_count=self.tma_bytes_v, defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+
+        m_block, head, batch = cute.arch.block_idx()
+        seqlen_q = mQ.shape[0]
+        seqlen_k = mK.shape[0]
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        block_info = BlockInfo(self.tile_m, self.tile_n, self.causal, self.local)
+        n_block_min, n_block_max = block_info.n_block_range(
+            m_block, seqlen_q, seqlen_k, window_left, window_right
+        )
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        warp_group = cute.arch.make_warp_uniform(warp_idx // 4)
+        if warp_group == self.producer_warp_group:
+            cute.arch.setmaxregister_decrease(self.producer_registers)
+            if warp_idx == 0:
+                self.load(
+                    tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, sQ, sK, sV,
+                    pipeline_q, pipeline_k, pipeline_v, m_block, head, head_kv, batch,
+                    n_block_min, n_block_max,
+                )
+        else:
+            cute.arch.setmaxregister_increase(self.mma_registers)
+            tidx, _, _ = cute.arch.thread_idx()
+            self.mma(
+                tiled_mma_qk, tiled_mma_pv, tidx - self.threads_per_warp_group,
+                sQ, sK, sV, sO, tma_atom_o, mO, mLSE, pipeline_q, pipeline_k, pipeline_v,
+                m_block, head, batch, seqlen_q, seqlen_k, n_block_min, n_block_max,
+                score_prescale, scale_log2, window_left, window_right, block_info,
+            )
+
+    @cute.jit
+    def load(
+        self, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, sQ, sK, sV,
+        pipeline_q, pipeline_k, pipeline_v, m_block, head, head_kv, batch, n_block_min, n_block_max,
+    ):
+        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim_v), (None, 0))
+        no_cluster = cute.make_layout(1)
+        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, no_cluster, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        tKsK, tKgK = cpasync.tma_partition(tma_atom_k, 0, no_cluster, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_atom_v, 0, no_cluster, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipeline_q.producer_acquire(q_state)
+        cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
+        for i in cutlass.range(n_block_max - n_block_min, unroll=1):
+            n_block = n_block_max - 1 - i
+            pipeline_k.producer_acquire(kv_state)
+            cute.copy(tma_atom_k, tKgK[None, n_block], tKsK[None, kv_state.index],
+                      tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
+            pipeline_v.producer_acquire(kv_state)
+            cute.copy(tma_atom_v, tVgV[None, n_block], tVsV[None, kv_state.index],
+                      tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
+            kv_state.advance()
+
+    @cute.jit
+    def mma(
+        self, tiled_mma_qk, tiled_mma_pv, tidx, sQ, sK, sV, sO, tma_atom_o, mO, mLSE,
+        pipeline_q, pipeline_k, pipeline_v, m_block, head, batch, seqlen_q, seqlen_k,
+        n_block_min, n_block_max, score_prescale, scale_log2, window_left, window_right, block_info,
+    ):
+        warp_group = cute.arch.make_warp_uniform(tidx // self.threads_per_warp_group)
+        # WGMMA descriptors are per warp group; register fragments are per thread.
+        wg_mma_qk = tiled_mma_qk.get_slice(warp_group * self.threads_per_warp_group)
+        wg_mma_pv = tiled_mma_pv.get_slice(warp_group * self.threads_per_warp_group)
+        thr_mma_qk = tiled_mma_qk.get_slice(tidx)
+        thr_mma_pv = tiled_mma_pv.get_slice(tidx)
+
+        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
+        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
+        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(_transpose(sV)))
+        acc_o = thr_mma_pv.make_fragment_C(thr_mma_pv.partition_shape_C((self.tile_m, self.head_dim_v)))
+        acc_o.fill(0.0)
+        acc_o_rc = acc_rows_cols(acc_o)
+        score_coords = acc_rows_cols(thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+
+        softmax = OnlineSoftmax.create(scale_log2, cute.size(acc_o_rc, mode=[0]))
+        row_scale = cute.make_rmem_tensor_like(softmax.row_max, Float32)
+        mask = AttentionMask(self.tile_m, self.tile_n, self.causal, self.local)
+        apply_mask = functools.partial(
+            mask.apply, coords=score_coords, m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+            window_left=window_left, window_right=window_right,
+        )
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipeline_q.consumer_wait(q_state)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
+        step = functools.partial(
+            self.mma_one_block, tiled_mma_qk, tiled_mma_pv, thr_mma_qk, tSrQ, tSrK, tOrVt, acc_o,
+            acc_o_rc, softmax, row_scale, pipeline_k, pipeline_v, score_prescale,
+        )
+        masked = functools.partial(step, apply_mask=apply_mask)
+
+        if n_block_max > n_block_min:
+            # The highest block holds the sequence tail (and the diagonal): always masked.
+            kv_state = masked(kv_state, n_block_max - 1)
+            n_block = n_block_max - 2
+            if cutlass.const_expr(block_info.has_right_bound):
+                n_masked_from = block_info.n_block_min_right_masked(
+                    m_block, n_block_min, seqlen_q, seqlen_k, window_right
+                )
+                for _ in cutlass.range(n_block + 1 - n_masked_from, unroll=1):
+                    kv_state = masked(kv_state, n_block)
+                    n_block -= 1
+            n_unmasked_from = block_info.n_block_min_unmasked(
+                m_block, n_block_min, seqlen_q, seqlen_k, window_left
+            )
+            for _ in cutlass.range(n_block + 1 - n_unmasked_from, unroll=1):
+                kv_state = step(kv_state, n_block)
+                n_block -= 1
+            if cutlass.const_expr(self.local):
+                for _ in cutlass.range(n_block + 1 - n_block_min, unroll=1):
+                    kv_state = masked(kv_state, n_block)
+                    n_block -= 1
+
+        lse = cute.make_rmem_tensor_like(softmax.row_max, Float32)
+        softmax.finalize(row_scale, lse)
+        scale_rows(acc_o_rc, row_scale)
+        self.epilogue(tiled_mma_pv, thr_mma_pv, tidx, acc_o, lse, sO, tma_atom_o, mO, mLSE,
+                      m_block, head, batch, seqlen_q)
+
+    @cute.jit
+    def mma_one_block(
+        self, tiled_mma_qk, tiled_mma_pv, thr_mma_qk, tSrQ, tSrK, tOrVt, acc_o, acc_o_rc,
+        softmax, row_scale, pipeline_k, pipeline_v, score_prescale, kv_state, n_block, apply_mask=None,
+    ):
+        """One key block: S = Q·Kᵀ, softcap/mask, online softmax, O = O·scale + P·V. Returns the next ring state."""
+        acc_s = thr_mma_qk.make_fragment_C(thr_mma_qk.partition_shape_C((self.tile_m, self.tile_n)))
+        pipeline_k.consumer_wait(kv_state)
+        self.gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, kv_state.index], zero_init=True)
+        pipeline_k.consumer_release(kv_state)
+
+        scores = acc_rows_cols(acc_s)
+        if cutlass.const_expr(self.has_softcap):
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                acc_s[i] = cute.math.tanh(acc_s[i] * score_prescale, fastmath=True)
+        if cutlass.const_expr(apply_mask is not None):
+            apply_mask(scores, n_block=n_block)
+        softmax.step(scores, row_scale)
+        scale_rows(acc_o_rc, row_scale)
+
+        p = cute.make_rmem_tensor_like(acc_s, self.dtype)
+        p.store(acc_s.load().to(self.dtype))
+        pipeline_v.consumer_wait(kv_state)
+        self.gemm(tiled_mma_pv, acc_o, acc_as_operand_a(p), tOrVt[None, None, None, kv_state.index], zero_init=False)
+        pipeline_v.consumer_release(kv_state)
+        kv_state.advance()
+        return kv_state
+
+    @cute.jit
+    def gemm(self, tiled_mma, acc, frag_a, frag_b, zero_init: cutlass.Constexpr[bool]):
+        """acc (+)= A·B over the k blocks, issued as one WGMMA batch and waited on."""
+        warpgroup.fence()
+        # A fresh atom per GEMM: its ACCUMULATE field is mutated across the k loop.
+        atom = cute.make_mma_atom(tiled_mma.op)
+        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+        for k in cutlass.range_constexpr(cute.size(frag_a.shape[2])):
+            cute.gemm(atom, acc, frag_a[None, None, k], frag_b[None, None, k], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+
+    @cute.jit
+    def epilogue(self, tiled_mma_pv, thr_mma_pv, tidx, acc_o, lse, sO, tma_atom_o, mO, mLSE,
+                 m_block, head, batch, seqlen_q):
+        # LSE: the lane holding column 0 of a row writes it; rows past seqlen_q are padding.
+        o_coords = acc_rows_cols(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
+        gLSE = mLSE[None, head, batch]
+        if o_coords[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                row = m_block * self.tile_m + o_coords[r, 0][0]
+                if row < seqlen_q:
+                    gLSE[row] = lse[r]
+
+        # O: registers -> shared memory (Q's buffer: every WGMMA reading it has completed) -> TMA.
+        o_out = cute.make_rmem_tensor_like(acc_o, self.dtype)
+        o_out.store(acc_o.load().to(self.dtype))
+        # Both warp groups must be done reading Q before O overwrites it (layouts differ if dv != d).
+        cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.num_mma_threads)
+        tOsO = thr_mma_pv.partition_C(sO)
+        for i in cutlass.range_constexpr(cute.size(o_out)):
+            tOsO[i] = o_out[i]
+        # Ordinary stores must be made visible to the TMA (async proxy) before the store is issued.
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.num_mma_threads)
+        if tidx < 32:
+            gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim_v), (m_block, 0))
+            tOsO_tma, tOgO_tma = cpasync.tma_partition(
+                tma_atom_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
+            )
+            cute.copy(tma_atom_o, tOsO_tma, tOgO_tma)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)

@@ -1,0 +1,73 @@
+"""Which key blocks a query tile visits, and which of them need a mask.
+
+Mask geometry (DESIGN.md): query row i sees key column j when
+`i + offset - window_left <= j <= i + offset + window_right`, offset = seqlen_k - seqlen_q
+(bottom-right alignment), and j < seqlen_k. A causal mask is window_right = 0 with no left bound.
+Kernels walk key blocks from the highest to the lowest, so the first block visited carries the
+sequence tail and the diagonal, and the row maximum is seeded by real scores.
+
+Integer division here truncates toward zero, so every numerator is clamped to >= 0 first.
+"""
+import dataclasses
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockInfo:
+    tile_m: int
+    tile_n: int
+    causal: bool
+    local: bool
+
+    @property
+    def has_right_bound(self) -> bool:
+        return self.causal or self.local
+
+    @cute.jit
+    def _right_limit(self, window_right: Int32) -> Int32:
+        """How far right of the diagonal a row sees (0 for causal)."""
+        limit = Int32(0)
+        if cutlass.const_expr(self.local):
+            limit = window_right
+        return limit
+
+    @cute.jit
+    def n_block_range(
+        self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32, window_left: Int32, window_right: Int32
+    ):
+        """[n_block_min, n_block_max): the key blocks with at least one visible key for this tile."""
+        n_block_max = cute.ceil_div(seqlen_k, self.tile_n)
+        n_block_min = Int32(0)
+        offset = seqlen_k - seqlen_q
+        if cutlass.const_expr(self.has_right_bound):
+            last_row = cutlass.min((m_block + 1) * self.tile_m, seqlen_q) - 1
+            # Blocks up to the one holding column last_row + offset + right; none if that is < 0.
+            reach = last_row + offset + self._right_limit(window_right) + self.tile_n
+            n_block_max = cutlass.min(n_block_max, cutlass.max(reach, 0) // self.tile_n)
+        if cutlass.const_expr(self.local):
+            first_col = m_block * self.tile_m + offset - window_left
+            n_block_min = cutlass.max(first_col, 0) // self.tile_n
+        return n_block_min, n_block_max
+
+    @cute.jit
+    def n_block_min_right_masked(
+        self, m_block: Int32, n_block_min: Int32, seqlen_q: Int32, seqlen_k: Int32, window_right: Int32
+    ) -> Int32:
+        """Blocks at or above this index cross the right (causal/window) edge for some row."""
+        first_unseen = m_block * self.tile_m + seqlen_k - seqlen_q + self._right_limit(window_right) + 1
+        return cutlass.max(n_block_min, cutlass.max(first_unseen, 0) // self.tile_n)
+
+    @cute.jit
+    def n_block_min_unmasked(
+        self, m_block: Int32, n_block_min: Int32, seqlen_q: Int32, seqlen_k: Int32, window_left: Int32
+    ) -> Int32:
+        """Blocks below this index cross the left window edge for some row."""
+        result = n_block_min
+        if cutlass.const_expr(self.local):
+            last_row = cutlass.min((m_block + 1) * self.tile_m, seqlen_q) - 1
+            left_edge = last_row + seqlen_k - seqlen_q - window_left
+            result = cutlass.max(n_block_min, (cutlass.max(left_edge, 0) + self.tile_n - 1) // self.tile_n)
+        return result

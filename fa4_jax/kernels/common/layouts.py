@@ -1,0 +1,40 @@
+"""Register-fragment views of WGMMA accumulators, shared by the Hopper and Blackwell kernels.
+
+A Hopper WGMMA accumulator fragment has the per-thread layout ((2, 2, V), MMA_M, MMA_N): two
+adjacent columns, two rows eight apart, and V groups of eight columns. Softmax wants it as a
+(rows, cols) matrix; the P·V GEMM wants the same registers as an A operand,
+((2, 2, 2), MMA_M, K/16), where each pair of eight-column groups forms one k16 block. Both are
+re-indexings of the same registers (no data moves), so P never leaves the register file.
+"""
+import cutlass.cute as cute
+
+
+def _compose(layout, view_shape, view_stride):
+    """`layout` re-indexed by a view expressed on its compact column-major domain."""
+    return cute.composition(layout, cute.make_layout(view_shape, stride=view_stride))
+
+
+def acc_rows_cols(tensor: cute.Tensor) -> cute.Tensor:
+    """((2, 2, V), M, N) accumulator-shaped tensor -> ((2, M), (2, V, N)) rows x cols view."""
+    compact = cute.make_layout(tensor.layout.shape)
+    sh, st = compact.shape, compact.stride
+    layout = _compose(
+        tensor.layout,
+        ((sh[0][1], sh[1]), (sh[0][0], sh[0][2], sh[2])),
+        ((st[0][1], st[1]), (st[0][0], st[0][2], st[2])),
+    )
+    return cute.make_tensor(tensor.iterator, layout)
+
+
+def acc_as_operand_a(tensor: cute.Tensor) -> cute.Tensor:
+    """((2, 2, V), M, N) accumulator-shaped tensor -> ((2, 2, 2), M, (V/2, N)) WGMMA A fragment."""
+    compact = cute.make_layout(tensor.layout.shape)
+    sh, st = compact.shape, compact.stride
+    groups = sh[0][2]
+    assert groups % 2 == 0, "P·V needs whole k16 blocks: the tile's N must be a multiple of 16"
+    layout = _compose(
+        tensor.layout,
+        ((sh[0][0], sh[0][1], 2), sh[1], (groups // 2, sh[2])),
+        ((st[0][0], st[0][1], st[0][2]), st[1], (2 * st[0][2], st[2])),
+    )
+    return cute.make_tensor(tensor.iterator, layout)

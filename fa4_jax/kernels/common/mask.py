@@ -1,0 +1,52 @@
+"""Element masks on a score tile held in registers (-inf where a key is not visible)."""
+import dataclasses
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionMask:
+    """Applies the sequence-tail, causal and sliding-window rules of block_info.py to one tile.
+
+    `coords` is the identity tensor of the tile partitioned like the scores and viewed as
+    (rows, cols), so each register knows its (row, col) inside the tile.
+    """
+
+    tile_m: int
+    tile_n: int
+    causal: bool
+    local: bool
+
+    @cute.jit
+    def apply(
+        self,
+        scores: cute.Tensor,
+        coords: cute.Tensor,
+        m_block: Int32,
+        n_block: Int32,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+        window_left: Int32,
+        window_right: Int32,
+    ):
+        col_base = n_block * self.tile_n
+        offset = seqlen_k - seqlen_q
+        for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
+            row = m_block * self.tile_m + coords[r, 0][0]
+            # Visible columns of this row, as [col_lo, col_hi) relative to the tile.
+            col_hi = seqlen_k - col_base
+            col_lo = Int32(0)
+            if cutlass.const_expr(self.causal):
+                col_hi = cutlass.min(col_hi, row + offset + 1 - col_base)
+            if cutlass.const_expr(self.local):
+                col_hi = cutlass.min(col_hi, row + offset + window_right + 1 - col_base)
+                col_lo = row + offset - window_left - col_base
+            for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+                col = coords[r, c][1]
+                if col >= col_hi:
+                    scores[r, c] = -Float32.inf
+                if cutlass.const_expr(self.local):
+                    if col < col_lo:
+                        scores[r, c] = -Float32.inf
