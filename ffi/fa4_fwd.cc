@@ -91,13 +91,33 @@ ffi::Error CheckAttrs(const Attrs& a) {
   return ffi::Error::Success();
 }
 
-// Loads every variant this call site can select (its dtype and head dims are not known yet).
-ffi::Error Instantiate(int64_t device, float softmax_scale, bool causal, int32_t window_left,
+// The arch shared by every visible device, or "" when they differ. The instantiate stage has no
+// device (XLA runs it when it builds the thunk), and Module_Load loads onto every visible device.
+ffi::ErrorOr<std::string> VisibleArch() {
+  int count = 0;
+  cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess)
+    return ffi::Error::Internal(std::string(kTarget) + ": " + cudaGetErrorString(e));
+  std::string common;
+  for (int i = 0; i < count; ++i) {
+    ffi::ErrorOr<std::string> arch = DeviceArch(i);
+    if (arch.has_error()) return arch.error();
+    if (i > 0 && *arch != common) return std::string();
+    common = *arch;
+  }
+  return common;
+}
+
+// Loads every variant this call site can select; its dtype and head dims are not known yet.
+// Binding no arguments keeps this stage independent of whether XLA passes placeholder buffers.
+ffi::Error Instantiate(float softmax_scale, bool causal, int32_t window_left,
                        int32_t window_right, float softcap) {
   Attrs a{softmax_scale, causal, window_left, window_right, softcap};
   if (ffi::Error err = CheckAttrs(a); err.failure()) return err;
-  ffi::ErrorOr<std::string> arch = DeviceArch(device);
+  ffi::ErrorOr<std::string> arch = VisibleArch();
   if (arch.has_error()) return arch.error();
+  // Mixed archs: loading would fail on some device; execute then loads the one variant it needs.
+  if (arch->empty()) return ffi::Error::Success();
   const char* mask = SelectMask(a);
   for (int i = 0; i < kFa4FwdVariantCount; ++i) {
     const Fa4FwdVariant& v = kFa4FwdVariants[i];
@@ -165,7 +185,8 @@ ffi::Error Execute(cudaStream_t stream, int64_t device, ffi::AnyBuffer q, ffi::A
   if (variant == nullptr)
     return Invalid("no compiled variant " + VariantName(*arch, *dtype, d, dv, mask, has_softcap) +
                    " (see fa4_jax/_lib/variants.json for the menu)");
-  if (ffi::Error err = Load(*variant); err.failure()) return err;  // a no-op after instantiate
+  // A no-op after instantiate loaded it (always, unless the visible devices mix archs).
+  if (ffi::Error err = Load(*variant); err.failure()) return err;
   if (b == 0 || sq == 0 || h == 0) return ffi::Error::Success();  // nothing to write
 
   // "local" kernels bound both sides; an unbounded side becomes max(sq, sk), which covers every
@@ -196,7 +217,6 @@ ffi::Error Execute(cudaStream_t stream, int64_t device, ffi::AnyBuffer q, ffi::A
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fa4FwdInstantiate, Instantiate,
                               ffi::Ffi::BindInstantiate()
-                                  .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<float>("softmax_scale")
                                   .Attr<bool>("causal")
                                   .Attr<int32_t>("window_left")
