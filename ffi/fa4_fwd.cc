@@ -43,16 +43,22 @@ const char* SelectMask(const Attrs& a) {
   return a.causal ? "causal" : "none";
 }
 
+// Helpers return ffi::Error and write results through pointers: ErrorOr's converting
+// constructors differ between jaxlib versions, and we build against the oldest we support.
+
+ffi::Error CudaError(cudaError_t e) {
+  return ffi::Error::Internal(std::string(kTarget) + ": " + cudaGetErrorString(e));
+}
+
 // "sm_90a" for an H100/H200: the arch the variants were compiled for.
-ffi::ErrorOr<std::string> DeviceArch(int64_t ordinal) {
+ffi::Error DeviceArch(int ordinal, std::string* arch) {
   int major = 0, minor = 0;
   cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, ordinal);
   if (e == cudaSuccess)
     e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, ordinal);
-  if (e != cudaSuccess)
-    return ffi::Error::Internal(std::string(kTarget) + ": " + cudaGetErrorString(e));
-  std::string arch = "sm_" + std::to_string(major) + std::to_string(minor);
-  return (major >= 9) ? arch + "a" : arch;
+  if (e != cudaSuccess) return CudaError(e);
+  *arch = "sm_" + std::to_string(major) + std::to_string(minor) + (major >= 9 ? "a" : "");
+  return ffi::Error::Success();
 }
 
 // Mirrors variants.Variant.name, to name a variant missing from the menu.
@@ -93,19 +99,21 @@ ffi::Error CheckAttrs(const Attrs& a) {
 
 // The arch shared by every visible device, or "" when they differ. The instantiate stage has no
 // device (XLA runs it when it builds the thunk), and Module_Load loads onto every visible device.
-ffi::ErrorOr<std::string> VisibleArch() {
+ffi::Error VisibleArch(std::string* common) {
   int count = 0;
   cudaError_t e = cudaGetDeviceCount(&count);
-  if (e != cudaSuccess)
-    return ffi::Error::Internal(std::string(kTarget) + ": " + cudaGetErrorString(e));
-  std::string common;
+  if (e != cudaSuccess) return CudaError(e);
+  common->clear();
   for (int i = 0; i < count; ++i) {
-    ffi::ErrorOr<std::string> arch = DeviceArch(i);
-    if (arch.has_error()) return arch.error();
-    if (i > 0 && *arch != common) return std::string();
-    common = *arch;
+    std::string arch;
+    if (ffi::Error err = DeviceArch(i, &arch); err.failure()) return err;
+    if (i > 0 && arch != *common) {
+      common->clear();
+      break;
+    }
+    *common = arch;
   }
-  return common;
+  return ffi::Error::Success();
 }
 
 // Loads every variant this call site can select; its dtype and head dims are not known yet.
@@ -114,23 +122,23 @@ ffi::Error Instantiate(float softmax_scale, bool causal, int32_t window_left,
                        int32_t window_right, float softcap) {
   Attrs a{softmax_scale, causal, window_left, window_right, softcap};
   if (ffi::Error err = CheckAttrs(a); err.failure()) return err;
-  ffi::ErrorOr<std::string> arch = VisibleArch();
-  if (arch.has_error()) return arch.error();
+  std::string arch;
+  if (ffi::Error err = VisibleArch(&arch); err.failure()) return err;
   // Mixed archs: loading would fail on some device; execute then loads the one variant it needs.
-  if (arch->empty()) return ffi::Error::Success();
+  if (arch.empty()) return ffi::Error::Success();
   const char* mask = SelectMask(a);
   for (int i = 0; i < kFa4FwdVariantCount; ++i) {
     const Fa4FwdVariant& v = kFa4FwdVariants[i];
-    if (*arch == v.arch && std::strcmp(mask, v.mask) == 0 && (softcap > 0.0f) == v.softcap)
+    if (arch == v.arch && std::strcmp(mask, v.mask) == 0 && (softcap > 0.0f) == v.softcap)
       if (ffi::Error err = Load(v); err.failure()) return err;
   }
   return ffi::Error::Success();
 }
 
-ffi::ErrorOr<Fa4Dtype> IoDtype(ffi::DataType t) {
+ffi::Error IoDtype(ffi::DataType t, Fa4Dtype* dtype) {
   switch (t) {
-    case ffi::DataType::BF16: return Fa4Dtype::kBF16;
-    case ffi::DataType::F16: return Fa4Dtype::kF16;
+    case ffi::DataType::BF16: *dtype = Fa4Dtype::kBF16; return ffi::Error::Success();
+    case ffi::DataType::F16: *dtype = Fa4Dtype::kF16; return ffi::Error::Success();
     default: return Invalid("q must be bfloat16 or float16");
   }
 }
@@ -150,7 +158,7 @@ ffi::Error ExpectShape(const char* what, ffi::Span<const int64_t> got,
   return Invalid(std::string(what) + " has shape " + Shape(got) + ", expected " + w + "]");
 }
 
-ffi::Error Execute(cudaStream_t stream, int64_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
+ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
                    ffi::AnyBuffer v, ffi::Result<ffi::AnyBuffer> out,
                    ffi::Result<ffi::Buffer<ffi::F32>> lse, float softmax_scale, bool causal,
                    int32_t window_left, int32_t window_right, float softcap) {
@@ -160,8 +168,8 @@ ffi::Error Execute(cudaStream_t stream, int64_t device, ffi::AnyBuffer q, ffi::A
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4)
     return Invalid("q, k, v must have rank 4 [batch, seq, heads, head_dim]; got " + Shape(qd) +
                    ", " + Shape(kd) + ", " + Shape(vd));
-  ffi::ErrorOr<Fa4Dtype> dtype = IoDtype(q.element_type());
-  if (dtype.has_error()) return dtype.error();
+  Fa4Dtype dtype;
+  if (ffi::Error err = IoDtype(q.element_type(), &dtype); err.failure()) return err;
   if (k.element_type() != q.element_type() || v.element_type() != q.element_type() ||
       out->element_type() != q.element_type())
     return Invalid("q, k, v and out must have the same dtype");
@@ -177,13 +185,13 @@ ffi::Error Execute(cudaStream_t stream, int64_t device, ffi::AnyBuffer q, ffi::A
   if (b > kMax || sq > kMax || sk > kMax || h > kMax)
     return Invalid("batch, sequence lengths and heads must fit in int32");
 
-  ffi::ErrorOr<std::string> arch = DeviceArch(device);
-  if (arch.has_error()) return arch.error();
+  std::string arch;
+  if (ffi::Error err = DeviceArch(device, &arch); err.failure()) return err;
   const char* mask = SelectMask(a);
   const bool has_softcap = softcap > 0.0f;
-  const Fa4FwdVariant* variant = Find(*arch, *dtype, d, dv, mask, has_softcap);
+  const Fa4FwdVariant* variant = Find(arch, dtype, d, dv, mask, has_softcap);
   if (variant == nullptr)
-    return Invalid("no compiled variant " + VariantName(*arch, *dtype, d, dv, mask, has_softcap) +
+    return Invalid("no compiled variant " + VariantName(arch, dtype, d, dv, mask, has_softcap) +
                    " (see fa4_jax/_lib/variants.json for the menu)");
   // A no-op after instantiate loaded it (always, unless the visible devices mix archs).
   if (ffi::Error err = Load(*variant); err.failure()) return err;
@@ -206,8 +214,7 @@ ffi::Error Execute(cudaStream_t stream, int64_t device, ffi::AnyBuffer q, ffi::A
   if (ret != 0)
     return ffi::Error::Internal(std::string(kTarget) + ": " + variant->name +
                                 " launcher returned " + std::to_string(ret));
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess)
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess)
     return ffi::Error::Internal(std::string(kTarget) + ": " + variant->name + ": " +
                                 cudaGetErrorString(e));
   return ffi::Error::Success();
