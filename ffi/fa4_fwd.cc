@@ -198,12 +198,13 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::A
   if (b == 0 || sq == 0 || h == 0) return ffi::Error::Success();  // nothing to write
 
   // "local" kernels bound both sides; an unbounded side becomes max(sq, sk), which covers every
-  // key while keeping the kernel's index arithmetic far from int32 overflow.
+  // key while keeping the kernel's index arithmetic far from int32 overflow (so wider windows
+  // are clamped to it too: the same keys are visible). Causal is a right bound of 0.
   int32_t wl = 0, wr = 0;
   if (std::strcmp(mask, "local") == 0) {
     const int32_t unbounded = static_cast<int32_t>(std::max(sq, sk));
-    wl = window_left < 0 ? unbounded : window_left;
-    wr = causal ? 0 : (window_right < 0 ? unbounded : window_right);
+    wl = window_left < 0 ? unbounded : std::min(window_left, unbounded);
+    wr = causal ? 0 : (window_right < 0 ? unbounded : std::min(window_right, unbounded));
   }
   Fa4FwdArgs args{q.untyped_data(),     k.untyped_data(),        v.untyped_data(),
                   out->untyped_data(),  lse->untyped_data(),     static_cast<int32_t>(b),
