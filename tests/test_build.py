@@ -81,6 +81,8 @@ def test_sm90_cubin_holds_hgmma(library, variant):
 
 
 def test_second_build_is_all_cached(library):
+    missing = [name for name, found in build.cubins().items() if not found]
+    assert not missing, f"not in the cache {build.cache_dir()} (built with another one?): {missing}"
     lines = []
     start = time.monotonic()
     build.compile_variants(variants.MENU, jobs=2, log=lines.append)
