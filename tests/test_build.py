@@ -64,7 +64,8 @@ def _cuobjdump() -> str:
     candidates.append(shutil.which("cuobjdump") or "")
     found = next((c for c in candidates if c and os.access(c, os.X_OK)), None)
     if found is None:
-        pytest.fail("no cuobjdump: pip install nvidia-cuda-cuobjdump, or set CUDA_HOME")
+        pytest.fail("no cuobjdump: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm, "
+                    "or set CUDA_HOME")
     return found
 
 
@@ -75,8 +76,15 @@ def test_sm90_cubin_holds_hgmma(library, variant):
     # kernel that preceded it had no tensor-core instructions and failed here by design.
     cubins = build.cubins([variant])[variant.name]
     assert cubins, f"no cached cubin for {variant.name} under {build.cache_dir()}"
-    sass = "".join(subprocess.run([_cuobjdump(), "--dump-sass", str(c)], capture_output=True,
-                                  text=True, check=True).stdout for c in cubins)
+    cuobjdump = _cuobjdump()
+    # --dump-sass runs nvdisasm, which the wheels install beside cuobjdump.
+    env = dict(os.environ, PATH=os.pathsep.join([os.path.dirname(cuobjdump), os.environ["PATH"]]))
+    sass = ""
+    for cubin in cubins:
+        proc = subprocess.run([cuobjdump, "--dump-sass", str(cubin)], capture_output=True,
+                              text=True, env=env)
+        assert proc.returncode == 0, f"cuobjdump failed on {cubin}:\n{proc.stderr}"
+        sass += proc.stdout
     assert "HGMMA" in sass, f"{variant.name}: no HGMMA in its SASS"
 
 
