@@ -14,7 +14,7 @@ HEAD_DIMS = ((64, 64), (128, 128), (256, 256))
 MASKS = ("none", "causal", "local")
 
 
-@dataclasses.dataclass(frozen=True, order=True)
+@dataclasses.dataclass(frozen=True)
 class Variant:
     arch: str
     dtype: str
@@ -57,7 +57,3 @@ def select(dtype: str, head_dim: int, head_dim_v: int, causal: bool, window_left
     """The variant that serves a call; it may be absent from MENU (callers check membership)."""
     return Variant(arch, dtype, head_dim, head_dim_v, mask_kind(causal, window_left, window_right),
                    bool(softcap))
-
-
-def by_name() -> dict[str, Variant]:
-    return {v.name: v for v in MENU}
