@@ -1,22 +1,134 @@
-"""Loads the built kernel library and exposes the FFI custom calls (contract; the build fills it in).
+"""Loads the built kernel library and exposes the FFI custom calls.
 
 Contract used by `vjp.py` and `api.py`:
 
-- `is_available() -> bool`: the library is built, loads, and its targets are registered for CUDA.
+- `is_available() -> bool`: the library is built, loads, and its targets are registered for CUDA,
+  and the default device is a CUDA device of a compiled arch. Never raises.
 - `unsupported_reason(q, k, v, params) -> str | None`: None when a compiled variant serves this
   call on the current default device, else a sentence saying why not (names the missing variant).
-- `forward(q, k, v, params) -> (out, lse)`: the `fa4_fwd` custom call.
+- `forward(q, k, v, params) -> (out, lse)`: the `fa4_fwd_v1` custom call.
+
+The library is fa4_jax/_lib/libfa4_jax.so (FA4_JAX_LIBRARY overrides), built by
+`python -m fa4_jax.aot.build`; fa4_jax/_lib/variants.json lists the variants compiled into it.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
+import json
+import os
+
+import numpy as np
+
+FWD_TARGET = "fa4_fwd_v1"
+_LIB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lib")
+# Compute capability -> the arch the variants are compiled for.
+_ARCH_OF_CC = {"9.0": "sm_90a", "10.0": "sm_100a"}
+_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16"}
+
+
+def library_path() -> str:
+    return os.environ.get("FA4_JAX_LIBRARY") or os.path.join(_LIB_DIR, "libfa4_jax.so")
+
+
+@functools.cache
+def _load() -> tuple[frozenset[str], str | None]:
+    """(names of compiled variants, None) once loaded and registered, else ((), reason)."""
+    path = library_path()
+    if not os.path.exists(path):
+        return frozenset(), f"the fa4_jax kernel library is not built ({path} is missing)"
+    try:
+        lib = ctypes.cdll.LoadLibrary(path)
+        manifest = os.path.join(os.path.dirname(path), "variants.json")
+        with open(manifest) as f:
+            compiled = frozenset(v["name"] for v in json.load(f))
+        import jax.ffi
+
+        jax.ffi.register_ffi_target(
+            FWD_TARGET,
+            {"instantiate": jax.ffi.pycapsule(lib.Fa4FwdInstantiate),
+             "execute": jax.ffi.pycapsule(lib.Fa4FwdExecute)},
+            platform="CUDA")
+    except Exception as e:  # noqa: BLE001 - any failure means "not available", with the reason
+        return frozenset(), f"the fa4_jax kernel library at {path} does not load: {e}"
+    return compiled, None
+
+
+def _device_arch() -> tuple[str | None, str | None]:
+    """(arch of the default device, None), or (None, why there is none)."""
+    import jax
+
+    try:
+        device = jax.devices()[0]
+    except RuntimeError as e:
+        return None, f"no JAX device: {e}"
+    cc = getattr(device, "compute_capability", None)
+    if device.platform != "gpu" or cc is None:
+        return None, f"the default device is {device.platform}, not a CUDA GPU"
+    arch = _ARCH_OF_CC.get(cc)
+    if arch is None:
+        return None, f"the default device {device.device_kind} (compute capability {cc}) has no kernels"
+    return arch, None
+
 
 def is_available() -> bool:
-    return False
+    try:
+        compiled, reason = _load()
+        if reason is not None:
+            return False
+        arch, _ = _device_arch()
+        return arch is not None and any(name.startswith(f"fwd_{arch.replace('_', '')}_")
+                                        for name in compiled)
+    except Exception:  # noqa: BLE001 - the contract: never raises
+        return False
+
+
+def _variant(q, k, v, params, arch: str):
+    from fa4_jax.aot.variants import select
+
+    return select(_DTYPE_NAMES[str(q.dtype)], q.shape[-1], v.shape[-1], params.causal,
+                  params.window_left, params.window_right, params.softcap is not None, arch=arch)
 
 
 def unsupported_reason(q, k, v, params) -> str | None:
-    return "the fa4_jax kernel library is not built"
+    compiled, reason = _load()
+    if reason is not None:
+        return reason
+    arch, reason = _device_arch()
+    if reason is not None:
+        return reason
+    if str(q.dtype) not in _DTYPE_NAMES:
+        return f"dtype {q.dtype} has no kernel (bfloat16 and float16 do)"
+    if len({str(x.dtype) for x in (q, k, v)}) != 1:
+        return f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})"
+    if k.shape[-1] != q.shape[-1]:
+        return f"head dims of q ({q.shape[-1]}) and k ({k.shape[-1]}) differ"
+    variant = _variant(q, k, v, params, arch)
+    if variant.name not in compiled:
+        return (f"variant {variant.name} (head dim {variant.head_dim}, head dim of v "
+                f"{variant.head_dim_v}) is not compiled into {library_path()}")
+    return None
+
+
+def _window(w: int | None) -> np.int32:
+    return np.int32(-1 if w is None else w)
 
 
 def forward(q, k, v, params):
-    raise RuntimeError("the fa4_jax kernel library is not built")
+    """(out [b, sq, h, dv] in q's dtype, lse [b, h, sq] float32) from the compiled kernel."""
+    import jax
+
+    reason = unsupported_reason(q, k, v, params)
+    if reason is not None:
+        raise RuntimeError(f"fa4_jax kernel unavailable: {reason}")
+    b, sq, h, _ = q.shape
+    dv = v.shape[-1]
+    call = jax.ffi.ffi_call(
+        FWD_TARGET,
+        (jax.ShapeDtypeStruct((b, sq, h, dv), q.dtype), jax.ShapeDtypeStruct((b, h, sq), np.float32)))
+    return call(q, k, v,
+                softmax_scale=np.float32(params.softmax_scale),
+                causal=bool(params.causal),
+                window_left=_window(params.window_left),
+                window_right=_window(params.window_right),
+                softcap=np.float32(params.softcap or 0.0))

@@ -1,0 +1,98 @@
+"""Where the build's tools and libraries are: CUDA headers/runtime, the DSL's runtime archive, g++.
+
+CUDA comes from CUDA_HOME when set (a toolkit), else from PyPI's nvidia/cu13 (nvidia-cuda-runtime,
+-crt, -cccl), so `pip install .` needs no toolkit. Everything here is build-time only.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import shutil
+import subprocess
+
+
+class ToolchainError(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Cuda:
+    include: str
+    lib: str
+
+
+@functools.cache
+def cuda() -> Cuda:
+    home = os.environ.get("CUDA_HOME")
+    if home:
+        found = Cuda(os.path.join(home, "include"), os.path.join(home, "lib64"))
+    else:
+        try:
+            import nvidia.cu13
+        except ImportError as e:
+            raise ToolchainError("no CUDA: set CUDA_HOME or pip install 'nvidia-cuda-runtime==13.0.*' "
+                                 "'nvidia-cuda-crt==13.0.*' 'nvidia-cuda-cccl==13.0.*'") from e
+        root = list(nvidia.cu13.__path__)[0]
+        found = Cuda(os.path.join(root, "include"), os.path.join(root, "lib"))
+    for path in (os.path.join(found.include, "cuda_runtime.h"),
+                 os.path.join(found.lib, "libcudart_static.a")):
+        if not os.path.exists(path):
+            raise ToolchainError(f"CUDA is incomplete: {path} is missing")
+    return found
+
+
+def dsl_runtime_archive() -> str:
+    """The DSL's static launcher runtime (cudaLibrary load, launch), linked into the library."""
+    import nvidia_cutlass_dsl
+
+    root = list(nvidia_cutlass_dsl.__path__)[0]
+    return os.path.join(root, "cu13", "lib", "libcuda_dialect_runtime_static.a")
+
+
+def dsl_version() -> str:
+    from importlib.metadata import version
+
+    return version("nvidia-cutlass-dsl")
+
+
+def jax_ffi_include() -> str:
+    import jax.ffi
+
+    return jax.ffi.include_dir()
+
+
+def cxx() -> str:
+    compiler = os.environ.get("CXX", "g++")
+    if shutil.which(compiler) is None:
+        raise ToolchainError(f"no C++ compiler: {compiler} is not on PATH (set CXX)")
+    return compiler
+
+
+def run(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise ToolchainError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n"
+                             f"{proc.stdout}{proc.stderr}")
+
+
+def build_runtime_shim(out_dir: str) -> str:
+    """A shared copy of the DSL runtime archive, to LD_PRELOAD into compile workers.
+
+    export_to_c resolves the launcher's runtime symbols (_cudaLaunchKernelEx, ...) in-process
+    while it writes the object, and only the static archive defines them.
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    shim = os.path.join(out_dir, "libcuda_dialect_runtime.so")
+    run([cxx(), "-shared", "-o", shim, "-Wl,--whole-archive", dsl_runtime_archive(),
+         "-Wl,--no-whole-archive", f"-L{cuda().lib}", f"-Wl,-rpath,{cuda().lib}",
+         "-l:libcudart.so.13"])
+    return shim
+
+
+def compile_env(shim: str, dump_dir: str) -> dict[str, str]:
+    """Environment of a compile worker: LD_PRELOAD only takes effect at process start."""
+    env = dict(os.environ)
+    env["LD_PRELOAD"] = " ".join(p for p in (shim, env.get("LD_PRELOAD")) if p)
+    env["CUTE_DSL_DUMP_DIR"] = dump_dir  # --keep-cubin writes the cubins here
+    return env

@@ -1,0 +1,128 @@
+"""CPU tier: the AOT build's outputs (library, manifest, cubins) and its cache and failure modes.
+
+Needs the library built first (`pip install -e .` or `python -m fa4_jax.aot.build`); the
+incremental and failure checks never recompile a menu variant.
+"""
+import ctypes
+import json
+import os
+import shutil
+import subprocess
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from fa4_jax import ffi
+from fa4_jax.aot import build, compile as aot_compile, variants
+
+
+@pytest.fixture(scope="module")
+def library() -> Path:
+    if not build.LIBRARY.exists():
+        pytest.fail(f"{build.LIBRARY} is not built: run `python -m fa4_jax.aot.build`")
+    return build.LIBRARY
+
+
+def test_library_loads_and_exports_handlers(library):
+    lib = ctypes.CDLL(str(library))
+    assert lib.Fa4FwdInstantiate and lib.Fa4FwdExecute
+
+
+def test_library_needs_only_libc(library):
+    # The static CUDA runtime finds the driver at run time; nothing else may be a dependency.
+    needed = subprocess.run(["readelf", "-d", str(library)], capture_output=True, text=True,
+                            check=True).stdout
+    libs = {line.split("[")[1].rstrip("]") for line in needed.splitlines() if "(NEEDED)" in line}
+    assert libs <= {"libc.so.6", "libm.so.6", "libdl.so.2", "libpthread.so.0", "librt.so.1",
+                    "ld-linux-x86-64.so.2"}, libs
+
+
+def test_targets_register_for_cuda(library):
+    # register_ffi_target(platform="CUDA") works on a CPU-only jaxlib too; the target cannot run
+    # there, which the GPU tier covers.
+    compiled, reason = ffi._load()
+    assert reason is None
+    assert compiled == {v.name for v in variants.MENU}
+
+
+def test_manifest_is_the_menu(library):
+    manifest = json.loads((library.parent / "variants.json").read_text())
+    assert manifest == [v.to_json() for v in variants.MENU]
+
+
+def _cuobjdump() -> str:
+    candidates = [os.path.join(os.environ["CUDA_HOME"], "bin", "cuobjdump")] \
+        if os.environ.get("CUDA_HOME") else []
+    try:
+        import nvidia.cu13
+
+        candidates.append(os.path.join(list(nvidia.cu13.__path__)[0], "bin", "cuobjdump"))
+    except ImportError:
+        pass
+    candidates.append(shutil.which("cuobjdump") or "")
+    found = next((c for c in candidates if c and os.access(c, os.X_OK)), None)
+    if found is None:
+        pytest.fail("no cuobjdump: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm, "
+                    "or set CUDA_HOME")
+    return found
+
+
+@pytest.mark.parametrize("variant", [v for v in variants.MENU if v.arch == "sm_90a"],
+                         ids=lambda v: v.name)
+def test_sm90_cubin_holds_hgmma(library, variant):
+    # Expected to hold for the real Hopper kernel (WGMMA -> HGMMA in SASS); the naive stand-in
+    # kernel that preceded it had no tensor-core instructions and failed here by design.
+    cubins = build.cubins([variant])[variant.name]
+    assert cubins, f"no cached cubin for {variant.name} under {build.cache_dir()}"
+    cuobjdump = _cuobjdump()
+    # --dump-sass runs nvdisasm, which the wheels install beside cuobjdump.
+    env = dict(os.environ, PATH=os.pathsep.join([os.path.dirname(cuobjdump), os.environ["PATH"]]))
+    sass = ""
+    for cubin in cubins:
+        proc = subprocess.run([cuobjdump, "--dump-sass", str(cubin)], capture_output=True,
+                              text=True, env=env)
+        assert proc.returncode == 0, f"cuobjdump failed on {cubin}:\n{proc.stderr}"
+        sass += proc.stdout
+    assert "HGMMA" in sass, f"{variant.name}: no HGMMA in its SASS"
+
+
+def test_second_build_is_all_cached(library):
+    missing = [name for name, found in build.cubins().items() if not found]
+    assert not missing, f"not in the cache {build.cache_dir()} (built with another one?): {missing}"
+    lines = []
+    start = time.monotonic()
+    build.compile_variants(variants.MENU, jobs=2, log=lines.append)
+    assert time.monotonic() - start < 30
+    assert len(lines) == len(variants.MENU)
+    assert all(line.endswith(": cached") for line in lines), lines
+
+
+_BROKEN_KERNEL = """
+    import cutlass.cute as cute
+
+    class Broken:
+        def __init__(self, dtype, head_dim, head_dim_v, mask, has_softcap):
+            pass
+
+        @cute.jit
+        def __call__(self, mQ, mK, mV, mO, mLSE, softmax_scale, softcap, window_left,
+                     window_right, stream):
+            this_name_is_not_defined(mQ)
+"""
+
+
+def test_broken_variant_fails_loudly(tmp_path, monkeypatch, capsys):
+    (tmp_path / "broken_kernel.py").write_text(textwrap.dedent(_BROKEN_KERNEL))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p))
+    monkeypatch.setenv("FA4_JAX_CACHE_DIR", str(tmp_path / "cache"))
+    victim = variants.MENU[0]
+    monkeypatch.setattr(variants, "MENU", (victim,))
+    monkeypatch.setitem(aot_compile.KERNELS, "sm_90a", "broken_kernel:Broken")
+    assert build.main(["--jobs", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "BUILD FAILED" in err and f"variant {victim.name} FAILED" in err
+    assert "this_name_is_not_defined" in err  # the worker's own error reaches the user
+    assert not list((tmp_path / "cache" / "variants").iterdir())  # no half-written entry

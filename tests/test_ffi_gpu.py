@@ -1,0 +1,76 @@
+"""GPU tier: the fa4_fwd_v1 custom call end to end (library -> handler -> variant -> kernel)."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fa4_jax import ffi
+from fa4_jax.params import AttentionParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not ffi.is_available(), reason="needs the built library and an sm_90 GPU"),
+]
+
+
+def _naive(q, k, v, p: AttentionParams):
+    """fp32 attention with the mask semantics of AttentionParams (bottom-right aligned)."""
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    rep = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * p.softmax_scale
+    if p.softcap is not None:
+        s = p.softcap * jnp.tanh(s / p.softcap)
+    sq, sk = q.shape[1], k.shape[1]
+    i = jnp.arange(sq)[:, None] + (sk - sq)
+    j = jnp.arange(sk)[None, :]
+    visible = jnp.ones((sq, sk), bool)
+    if p.causal:
+        visible &= j <= i
+    if p.window_left is not None:
+        visible &= j >= i - p.window_left
+    if p.window_right is not None:
+        visible &= j <= i + p.window_right
+    s = jnp.where(visible, s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    w = jnp.where(visible, jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0)[..., None]), 0)
+    return jnp.einsum("bhqk,bkhd->bqhd", w, v), lse
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("mask", [{}, {"causal": True}, {"window_left": 5, "window_right": 0},
+                                  {"window_left": 7}, {"causal": True, "window_left": 3}])
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_forward_matches_naive(dtype, d, mask, softcap):
+    b, sq, sk, h, hk = 2, 77, 93, 4, 2
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (b, sq, h, d), dtype)
+    k = jax.random.normal(keys[1], (b, sk, hk, d), dtype)
+    v = jax.random.normal(keys[2], (b, sk, hk, d), dtype)
+    p = AttentionParams(softmax_scale=1 / math.sqrt(d), softcap=softcap, **mask)
+    assert ffi.unsupported_reason(q, k, v, p) is None
+    out, lse = jax.jit(lambda q, k, v: ffi.forward(q, k, v, p))(q, k, v)
+    ref_out, ref_lse = _naive(q, k, v, p)
+    assert out.shape == (b, sq, h, d) and out.dtype == dtype and lse.shape == (b, h, sq)
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref_out, atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(lse, ref_lse, atol=1e-3, rtol=1e-3)
+
+
+def test_missing_variant_is_named():
+    q = jnp.ones((1, 8, 2, 96), jnp.bfloat16)
+    reason = ffi.unsupported_reason(q, q, q, AttentionParams(softmax_scale=0.1))
+    assert reason is not None and "fwd_sm90a_bf16_d96_dv96" in reason
+
+
+def test_handler_rejects_bad_shapes():
+    q = jnp.ones((1, 8, 2, 64), jnp.bfloat16)
+    k = jnp.ones((1, 8, 3, 64), jnp.bfloat16)  # 2 heads of q do not group over 3 of k
+    call = jax.ffi.ffi_call(ffi.FWD_TARGET, (jax.ShapeDtypeStruct((1, 8, 2, 64), jnp.bfloat16),
+                                              jax.ShapeDtypeStruct((1, 2, 8), jnp.float32)))
+    with pytest.raises(Exception, match="multiple of heads"):
+        jax.block_until_ready(call(q, k, k, softmax_scale=np.float32(1), causal=False,
+                                   window_left=np.int32(-1), window_right=np.int32(-1),
+                                   softcap=np.float32(0)))
