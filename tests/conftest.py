@@ -6,8 +6,17 @@ FA4_JAX_TEST_SEED is set; a failing test's report shows the seed to replay it.
 import os
 import secrets
 
-import jax
-import pytest
+# Sharding and ring-attention tests run on 8 fake CPU devices. XLA reads the flag when jax
+# starts its CPU backend, which happens after pytest imports this file (no test module touches
+# a device at import time), so the whole suite runs in one process with 8 devices; tests
+# that do not shard simply run on the first.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    )
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 
 def pytest_configure(config):
