@@ -2,11 +2,15 @@
 
 Inside a `shard_map` body, each of the n devices on `mesh_axis` holds one block of the query
 rows and one block of the key/value rows. `ring_attention` passes the key/value blocks around
-the ring with `lax.ppermute` (n - 1 hops, each overlappable with one block's attention), runs
-the single-device attention on (local queries, visiting keys) and merges the partial results by
-their logsumexp. Gradients come from autodiff through the ring: `attention`'s custom VJP takes
-the cotangents of both its outputs (out and lse), and the transpose of each ppermute sends the
-key/value gradients back around the ring.
+the ring with `lax.ppermute`, runs the single-device attention op on (local queries, visiting
+keys) at each of the n hops, and merges the partial results by their logsumexp.
+
+The backward pass is the same ring run again (a custom VJP, not autodiff through the forward):
+each hop takes the visiting block's share of the gradient from the single-device backward op,
+given the merged out and lse (FlashAttention's backward contract), adds dq locally and adds dk,
+dv to float32 accumulators that travel with their key/value block and arrive home after the
+last hop. So the residuals are only the local (q, k, v, out, lse), whatever n, and dk, dv are
+summed in float32.
 
 Causal attention uses the zig-zag layout for load balance: the sequence is cut into 2n equal
 chunks and device i holds chunks i and 2n-1-i (one early, one late), so every device does the
@@ -16,6 +20,8 @@ axis gives each device its two chunks.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -23,7 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from fa4_jax.api import attention
+from fa4_jax import sharding
+from fa4_jax.api import attention_params
+from fa4_jax.params import AttentionParams
 
 
 def ring_attention(
@@ -54,13 +62,15 @@ def ring_attention(
         must have one even length. Without causal any layout works, and seqlen_q_local may
         differ from seqlen_k_local.
       softmax_scale, softcap, deterministic, implementation: as `fa4_jax.attention`, applied
-        at every hop. deterministic also holds for the ring: the merge order is fixed.
+        at every hop. deterministic also holds for the ring: hops and merges run in a fixed
+        order.
       window_size: must be (None, None); sliding windows are not supported over a ring.
       return_lse: also return the local rows' logsumexp over the whole sequence.
 
     Returns:
       out [batch, seqlen_q_local, heads_q, head_dim_v] in the input dtype, and with return_lse
       lse [batch, heads_q, seqlen_q_local] float32; rows in the same layout as the query.
+      Both are differentiable.
 
     Raises:
       NotImplementedError for a sliding window; ValueError for causal blocks of unequal or odd
@@ -71,110 +81,179 @@ def ring_attention(
             f"ring_attention does not support sliding windows (window_size={window_size}); "
             f"use causal=True or gather the sequence and call fa4_jax.attention"
         )
-    options = dict(
+    query, key, value = (jnp.asarray(x) for x in (query, key, value))
+    params = functools.partial(
+        attention_params,
+        query,
+        key,
+        value,
         softmax_scale=softmax_scale,
         softcap=softcap,
         deterministic=deterministic,
-        return_lse=True,
         implementation=implementation,
     )
-    ring_size = lax.axis_size(mesh_axis)
-    if causal:
-        out, lse = _causal_zigzag_ring(query, key, value, mesh_axis, ring_size, options)
-    else:
-        out, lse = _full_ring(query, key, value, mesh_axis, ring_size, options)
-    out = out.astype(query.dtype)
+    if causal and (key.shape[1] != query.shape[1] or query.shape[1] % 2):
+        raise ValueError(
+            f"causal ring_attention needs query and key blocks of one even length (two zig-zag "
+            f"chunks each), got seqlen_q_local={query.shape[1]}, seqlen_k_local={key.shape[1]}"
+        )
+    ring = _Ring(
+        mesh_axis=mesh_axis,
+        size=lax.axis_size(mesh_axis),
+        causal=bool(causal),
+        unmasked=params(causal=False),
+        first_hop=params(causal=bool(causal)),
+    )
+    out, lse = _ring_attention(query, key, value, ring)
     return (out, lse) if return_lse else out
 
 
-def _full_ring(query, key, value, mesh_axis, ring_size, options):
-    """Non-causal: every query block sees every key block."""
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+    """The static description of one ring: axis, size, mask, and the op options per hop."""
 
-    def attend(partial, key, value, hop):
-        del hop
-        return partial.merge(*attention(query, key, value, **options))
-
-    out, lse = attention(query, key, value, **options)
-    partial = _Partial(out.astype(jnp.float32), lse)
-    partial = _around_the_ring(mesh_axis, ring_size, key, value, partial, attend)
-    return partial.out, partial.lse
+    mesh_axis: str
+    size: int
+    causal: bool
+    unmasked: AttentionParams  # hops after the first: whole blocks, no mask
+    first_hop: AttentionParams  # the local blocks: causal when the ring is
 
 
-def _causal_zigzag_ring(query, key, value, mesh_axis, ring_size, options):
-    """Causal in the zig-zag layout: local rows are chunks (i, 2n-1-i) of 2n.
+class _Piece(NamedTuple):
+    """The local query rows and visiting key rows one hop attends (static slices)."""
 
-    With the key/value blocks of device j visiting device i:
-      j == i (hop 0): causal attention of the local block with itself (both chunk pairs are in
-        increasing order, so local causality is global causality);
-      j < i: both local query chunks see key chunk j whole and key chunk 2n-1-j not at all;
-      j > i: local query chunk i sees neither key chunk; chunk 2n-1-i sees both whole.
-    Each hop after the first is one half-size attention: the same work on every device.
+    rows: slice
+    keys: slice
+
+
+_WHOLE = _Piece(rows=slice(None), keys=slice(None))
+
+
+def _visit(ring, hop, state, key, value, step):
+    """state = step(state, key, value, piece, params) for the block visiting at `hop` >= 1.
+
+    Causal, zig-zag: local rows are chunks (i, 2n-1-i) of 2n, and the block from device j
+    holds key chunks (j, 2n-1-j). For j < i both local chunks see key chunk j whole and key
+    chunk 2n-1-j not at all; for j > i local chunk i sees neither and chunk 2n-1-i sees both
+    whole. Either way one half-size attention per hop, the same work on every device. (At
+    hop 0, j == i: causal attention of the local blocks, both in increasing order.)
     """
-    seqlen = query.shape[1]
-    if key.shape[1] != seqlen or seqlen % 2:
-        raise ValueError(
-            f"causal ring_attention needs query and key blocks of one even length (two zig-zag "
-            f"chunks each), got seqlen_q_local={seqlen}, seqlen_k_local={key.shape[1]}"
-        )
-    half = seqlen // 2
-    device = lax.axis_index(mesh_axis)
-
-    def key_block_is_earlier(early, late, key, value):
-        out, lse = attention(query, key[:, :half], value[:, :half], **options)
-        return (
-            early.merge(out[:, :half], lse[..., :half]),
-            late.merge(out[:, half:], lse[..., half:]),
-        )
-
-    def key_block_is_later(early, late, key, value):
-        return early, late.merge(*attention(query[:, half:], key, value, **options))
-
-    def attend(halves, key, value, hop):
-        source = (device - hop) % ring_size
-        return lax.cond(
-            source < device, key_block_is_earlier, key_block_is_later, *halves, key, value
-        )
-
-    out, lse = attention(query, key, value, causal=True, **options)
-    out = out.astype(jnp.float32)
-    halves = (
-        _Partial(out[:, :half], lse[..., :half]),
-        _Partial(out[:, half:], lse[..., half:]),
-    )
-    early, late = _around_the_ring(mesh_axis, ring_size, key, value, halves, attend)
-    return (
-        jnp.concatenate([early.out, late.out], axis=1),
-        jnp.concatenate([early.lse, late.lse], axis=-1),
+    if not ring.causal:
+        return step(state, key, value, _WHOLE, ring.unmasked)
+    half = key.shape[1] // 2
+    from_earlier = _Piece(rows=slice(None), keys=slice(0, half))
+    from_later = _Piece(rows=slice(half, None), keys=slice(None))
+    device = lax.axis_index(ring.mesh_axis)
+    source = (device - hop) % ring.size
+    return lax.cond(
+        source < device,
+        lambda *args: step(*args, from_earlier, ring.unmasked),
+        lambda *args: step(*args, from_later, ring.unmasked),
+        state,
+        key,
+        value,
     )
 
 
-def _around_the_ring(mesh_axis, ring_size, key, value, partials, attend):
-    """Hops 1 .. n-1: partials = attend(partials, key, value, hop) with the visiting blocks.
-
-    Hop 0 (the local blocks) is the caller's. Each loop step passes the visiting blocks on
-    while it attends to them (the two are independent, so the send can overlap the
-    attention); the last hop is peeled off the loop so that it sends nothing.
-    """
-    if ring_size == 1:
-        return partials
-
-    def one_hop(carry, hop):
-        partials, key, value = carry
-        next_key, next_value = _pass_to_next(mesh_axis, ring_size, key, value)
-        return (attend(partials, key, value, hop), next_key, next_value), None
-
-    key, value = _pass_to_next(mesh_axis, ring_size, key, value)
-    (partials, key, value), _ = lax.scan(
-        one_hop, (partials, key, value), jnp.arange(1, ring_size - 1)
-    )
-    return attend(partials, key, value, ring_size - 1)
-
-
-def _pass_to_next(mesh_axis, ring_size, *blocks):
-    """Each device sends its blocks to the next on the ring: after h hops, device i holds
+def _pass_to_next(ring, *blocks):
+    """Each device sends its blocks to the next on the ring: after h passes, device i holds
     device (i - h) mod n's blocks."""
-    ring = [(i, (i + 1) % ring_size) for i in range(ring_size)]
-    return lax.ppermute(blocks, mesh_axis, perm=ring)
+    ring_order = [(i, (i + 1) % ring.size) for i in range(ring.size)]
+    return lax.ppermute(blocks, ring.mesh_axis, perm=ring_order)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _ring_attention(query, key, value, ring):
+    return _ring_forward(query, key, value, ring)
+
+
+def _ring_forward(query, key, value, ring):
+    """(out, lse) of the local query rows over the whole ring's keys."""
+
+    def attend(partial, key, value, piece, params):
+        out, lse = sharding.attention_forward(
+            query[:, piece.rows], key[:, piece.keys], value[:, piece.keys], params
+        )
+        return partial.merge_rows(piece.rows, out, lse)
+
+    out, lse = sharding.attention_forward(query, key, value, ring.first_hop)
+    partial = _Partial(out.astype(jnp.float32), lse)
+    if ring.size > 1:
+        # Each loop step passes the visiting block on while it attends to it (independent,
+        # so the send can overlap the attention); the last hop is peeled off so that it sends
+        # nothing.
+        def one_hop(carry, hop):
+            partial, key, value = carry
+            next_key, next_value = _pass_to_next(ring, key, value)
+            return (_visit(ring, hop, partial, key, value, attend), next_key, next_value), None
+
+        key, value = _pass_to_next(ring, key, value)
+        (partial, key, value), _ = lax.scan(
+            one_hop, (partial, key, value), jnp.arange(1, ring.size - 1)
+        )
+        partial = _visit(ring, ring.size - 1, partial, key, value, attend)
+    return partial.out.astype(query.dtype), partial.lse
+
+
+def _ring_attention_fwd(query, key, value, ring):
+    out, lse = _ring_forward(query, key, value, ring)
+    return (out, lse), (query, key, value, out, lse)
+
+
+def _ring_attention_bwd(ring, residuals, cotangents):
+    """(dq, dk, dv): the forward's ring again, each hop adding its block's gradient share."""
+    query, key, value, out, lse = residuals
+    d_out, d_lse = cotangents
+
+    def add_share(grads, key, value, piece, params):
+        dq, dk, dv = grads
+        rows, keys = piece.rows, piece.keys
+        share = sharding.attention_backward(
+            query[:, rows], key[:, keys], value[:, keys], out[:, rows], lse[..., rows],
+            d_out[:, rows], d_lse[..., rows], params,
+        )
+        return (
+            _update_rows(dq, rows, dq[:, rows] + share[0].astype(jnp.float32), axis=1),
+            _update_rows(dk, keys, dk[:, keys] + share[1].astype(jnp.float32), axis=1),
+            _update_rows(dv, keys, dv[:, keys] + share[2].astype(jnp.float32), axis=1),
+        )
+
+    shares = sharding.attention_backward(
+        query, key, value, out, lse, d_out, d_lse, ring.first_hop
+    )
+    dq, dk, dv = (share.astype(jnp.float32) for share in shares)
+    if ring.size > 1:
+        # dk, dv travel with their key/value block; the block itself is sent ahead, while
+        # the hop computes, and its gradients follow once they include this hop's share.
+        def one_hop(carry, hop):
+            dq, key, value, dk, dv = carry
+            next_key, next_value = _pass_to_next(ring, key, value)
+            dq, dk, dv = _visit(ring, hop, (dq, dk, dv), key, value, add_share)
+            dk, dv = _pass_to_next(ring, dk, dv)
+            return (dq, next_key, next_value, dk, dv), None
+
+        key, value, dk, dv = _pass_to_next(ring, key, value, dk, dv)
+        (dq, key, value, dk, dv), _ = lax.scan(
+            one_hop, (dq, key, value, dk, dv), jnp.arange(1, ring.size - 1)
+        )
+        dq, dk, dv = _visit(ring, ring.size - 1, (dq, dk, dv), key, value, add_share)
+        dk, dv = _pass_to_next(ring, dk, dv)  # after n passes: home
+    return dq.astype(query.dtype), dk.astype(key.dtype), dv.astype(value.dtype)
+
+
+_ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
+
+
+def _update_rows(x, rows, new_rows, *, axis):
+    """x with the static slice `rows` of `axis` replaced by new_rows.
+
+    A dynamic_update_slice at a static offset, not `x.at[...].set` (a scatter, which XLA:CPU
+    fails to compile inside these shard_map bodies).
+    """
+    start = rows.start or 0
+    if start == 0 and new_rows.shape[axis] == x.shape[axis]:
+        return new_rows
+    return lax.dynamic_update_slice_in_dim(x, new_rows, start, axis)
 
 
 class _Partial(NamedTuple):
@@ -184,13 +263,20 @@ class _Partial(NamedTuple):
     out: jax.Array
     lse: jax.Array
 
+    def merge_rows(self, rows, out, lse):
+        """Merges the attention of `rows` (a static slice) over more keys into those rows."""
+        merged = _Partial(self.out[:, rows], self.lse[..., rows]).merge(out, lse)
+        return _Partial(
+            _update_rows(self.out, rows, merged.out, axis=1),
+            _update_rows(self.lse, rows, merged.lse, axis=2),
+        )
+
     def merge(self, out, lse):
         """Attention over the union of the two key sets (disjoint), by logsumexp weights.
 
-        out = Σ exp(lse_i - lse) out_i and lse = log Σ exp(lse_i); shifted by the larger lse
-        so no exp overflows. Safe for -inf lse on either side: a row that has seen no key at
-        all keeps out 0 and lse -inf, and the gradients stay finite (the double `where`
-        keeps log(0) and 0/0 out of the untaken branches).
+        out = Σ exp(lse_i - lse) out_i and lse = log Σ exp(lse_i), shifted by the larger lse
+        so no exp overflows; a row that has seen no key on either side keeps out 0 and
+        lse -inf (no 0/0, no log 0).
         """
         larger = jnp.maximum(self.lse, lse)
         shift = jnp.where(jnp.isfinite(larger), larger, 0.0)
