@@ -52,12 +52,32 @@ def attention_forward(q, k, v, params: AttentionParams):
     heads_kv, head_dim], v [batch, seqlen_k, heads_kv, head_dim_v] -> out [batch, seqlen_q,
     heads_q, head_dim_v], lse [batch, heads_q, seqlen_q] float32.
     """
+    _check_not_partially_manual()
     return _vmappable(_FORWARD, params)(q, k, v)
 
 
 def attention_backward(q, k, v, out, lse, d_out, d_lse, params: AttentionParams):
     """(dq, dk, dv) of attention, partitioned like the forward; shapes as `backends.backward`."""
+    _check_not_partially_manual()
     return _vmappable(_BACKWARD, params)(q, k, v, out, lse, d_out, d_lse)
+
+
+def _check_not_partially_manual():
+    """Rejects a shard_map body that leaves some mesh axes to the compiler.
+
+    There custom_partitioning would have to partition over the remaining axes, which JAX
+    does not support (it fails inside XLA's partitioner); the alternative, inlining the op,
+    would let XLA replicate the kernel's operands (an all-gather) without a word.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = set(mesh.manual_axes)
+    if manual and manual != set(mesh.axis_names):
+        automatic = tuple(axis for axis in mesh.axis_names if axis not in manual)
+        raise NotImplementedError(
+            f"fa4_jax attention inside a shard_map that leaves mesh axes {automatic} to the "
+            f"compiler is not supported; make every mesh axis manual (shard_map's default "
+            f"axis_names) and shard batch or heads over {automatic} through in_specs"
+        )
 
 
 # Each array's dimensions, by role: b batch, s query rows, t key rows, H query heads, h kv

@@ -141,3 +141,15 @@ def test_attention_inside_shard_map(next_key):
     step = jax.jit(_forward_and_vjp(attend_per_shard))
     assert collectives_in(step.lower(*inputs).compile().as_text()) == []
     _assert_trees_close(step(*inputs), jax.jit(_forward_and_vjp(_causal_attention))(*inputs))
+
+
+def test_shard_map_with_automatic_axes_left_is_rejected(next_key):
+    mesh = cpu_mesh((2, 4), ("data", "model"))
+    q, k, v, _, _ = _inputs(next_key)
+    spec = P(None, None, "model")
+    attend_per_shard = jax.shard_map(
+        lambda q, k, v: fa4_jax.attention(q, k, v),
+        mesh=mesh, in_specs=spec, out_specs=spec, axis_names={"model"},
+    )
+    with pytest.raises(NotImplementedError, match=re.escape("leaves mesh axes ('data',)")):
+        jax.jit(attend_per_shard).trace(q, k, v)
