@@ -21,7 +21,8 @@ ValueError at compile time).
 The forward and backward ops share one rule and one callback, and the same rules run whatever
 the backend, so the CPU tests exercise exactly the partitioning the GPU uses. On one device,
 and inside a `shard_map` body where every mesh axis is manual, the op is the plain
-single-device body. Under `jax.vmap`, mapped axes fold into the batch dimension.
+single-device body. Under `jax.vmap`, mapped axes become extra leading batch dimensions, which
+each device folds into one locally (so a sharded mapped axis or batch costs no gather).
 """
 from __future__ import annotations
 
@@ -82,6 +83,7 @@ def _check_not_partially_manual():
 
 # Each array's dimensions, by role: b batch, s query rows, t key rows, H query heads, h kv
 # heads, d head_dim of q/k, e head_dim of v. H is (h g) in the Shardy rule (see the docstring).
+# Under jax.vmap an array has several leading batch dimensions: roles b0, b1, ...
 _QUERY, _KEY, _VALUE, _OUT, _LSE = "bsHd", "bthd", "bthe", "bsHe", "bHs"
 _DIMENSION_NAMES = {
     "b": "batch", "s": "seq", "t": "seq", "H": "heads", "h": "heads", "d": "head_dim",
@@ -89,6 +91,11 @@ _DIMENSION_NAMES = {
 }
 # Dimensions a device needs whole (sequence parallelism is ring_attention's job).
 _REPLICATED_ROLES = "stde"
+
+
+def _roles(layout, batch_dims):
+    """The role of each dimension of an array of `layout` with `batch_dims` batch dims."""
+    return tuple(f"b{i}" for i in range(batch_dims)) + tuple(layout[1:])
 
 
 class _OpLayout:
@@ -99,12 +106,14 @@ class _OpLayout:
         self.operand_layouts = tuple(layout for _, layout in operands)
         self.result_layouts = tuple(layout for _, layout in results)
 
-    def sharding_rule(self, groups):
-        """The einsum-like Shardy rule and its keyword arguments, for `groups` q heads per kv head."""
+    def sharding_rule(self, groups, batch_dims):
+        """The einsum-like Shardy rule and its keyword arguments, for `groups` query heads
+        per kv head and `batch_dims` leading batch dimensions."""
         heads_q = "(h g)" if groups > 1 else "h"
 
         def spell(layout):
-            return " ".join(heads_q if role == "H" else role for role in layout)
+            roles = _roles(layout, batch_dims)
+            return " ".join(heads_q if role == "H" else role for role in roles)
 
         rule = (
             ", ".join(map(spell, self.operand_layouts))
@@ -135,24 +144,27 @@ _BACKWARD_LAYOUT = _OpLayout(
 
 def _sharding_rule(layout, params, mesh, operand_types, result_types):
     del params, mesh, result_types
-    heads_q, heads_kv = operand_types[0].shape[2], operand_types[1].shape[2]
-    return layout.sharding_rule(heads_q // heads_kv)
+    query_shape, key_shape = operand_types[0].shape, operand_types[1].shape
+    return layout.sharding_rule(
+        groups=query_shape[-2] // key_shape[-2], batch_dims=len(query_shape) - 3
+    )
 
 
 def _partition(layout, body, params, mesh, operand_shapes, result_shapes):
     """custom_partitioning's callback: the per-device body and the layouts it runs on."""
     del result_shapes
+    batch_dims = len(operand_shapes[0].shape) - 3
     operand_specs = [_spec_of(shape) for shape in operand_shapes]
-    batch_axes, head_axes = _batch_and_head_axes(
-        mesh, operand_specs[0], operand_specs[1], heads_kv=operand_shapes[1].shape[2]
+    axes = _axes_by_role(
+        mesh, operand_specs[0], operand_specs[1], batch_dims,
+        heads_kv=operand_shapes[1].shape[-2],
     )
 
-    def spec_for(role_layout):
-        axes = {"b": batch_axes, "H": head_axes, "h": head_axes}
-        return PartitionSpec(*(axes.get(role) or None for role in role_layout))
+    def spec_for(layout):
+        return PartitionSpec(*(axes.get(role) or None for role in _roles(layout, batch_dims)))
 
-    wanted = [spec_for(role_layout) for role_layout in layout.operand_layouts]
-    _warn_about_gathers(layout, operand_specs, wanted)
+    wanted = [spec_for(operand_layout) for operand_layout in layout.operand_layouts]
+    _warn_about_gathers(layout, batch_dims, operand_specs, wanted)
     operand_shardings = tuple(NamedSharding(mesh, spec) for spec in wanted)
     result_shardings = tuple(NamedSharding(mesh, spec_for(r)) for r in layout.result_layouts)
 
@@ -178,15 +190,20 @@ def _spec_of(shape):
                  for axes in spec)
 
 
-def _batch_and_head_axes(mesh, query_spec, key_spec, *, heads_kv):
-    """Mesh axes of the batch and head dimensions every operand will use.
+def _axes_by_role(mesh, query_spec, key_spec, batch_dims, *, heads_kv):
+    """Mesh axes of each batch dimension ("b0", ...) and of the heads ("H", "h").
 
     The query's choice wins (it is the largest operand); the key's fills a dimension the query
-    leaves unsharded. An axis used for batch is not reused for heads.
+    leaves unsharded. No mesh axis serves two dimensions.
     """
-    batch_axes = query_spec[0] or key_spec[0]
-    head_axes = query_spec[2] or key_spec[2]
-    head_axes = tuple(axis for axis in head_axes if axis not in batch_axes)
+    head_dim_index = batch_dims + 1  # [batch..., seq, heads, head_dim]
+    dimensions = [(f"b{i}", i) for i in range(batch_dims)] + [("H", head_dim_index)]
+    axes, used = {}, set()
+    for role, index in dimensions:
+        chosen = query_spec[index] or key_spec[index]
+        axes[role] = tuple(axis for axis in chosen if axis not in used)
+        used.update(axes[role])
+    axes["h"] = head_axes = axes["H"]
     ways = math.prod(mesh.shape[axis] for axis in head_axes)
     if heads_kv % ways:
         raise ValueError(
@@ -195,18 +212,20 @@ def _batch_and_head_axes(mesh, query_spec, key_spec, *, heads_kv):
             f"whole kv heads with their query heads. Shard heads over fewer devices, or repeat "
             f"the kv heads (jnp.repeat(key, r, axis=2), same for value) to a multiple of {ways}"
         )
-    return batch_axes, head_axes
+    return axes
 
 
-def _warn_about_gathers(layout, operand_specs, wanted_specs):
+def _warn_about_gathers(layout, batch_dims, operand_specs, wanted_specs):
     gathers = []
-    for name, role_layout, spec, wanted in zip(
+    for name, operand_layout, spec, wanted in zip(
         layout.operand_names, layout.operand_layouts, operand_specs, wanted_specs
     ):
-        for role, axes, kept in zip(role_layout, spec, wanted):
-            dropped = tuple(axis for axis in axes if axis not in (kept or ()))
+        roles = _roles(operand_layout, batch_dims)
+        for role, axes, kept in zip(roles, spec, wanted):
+            kept = (kept,) if isinstance(kept, str) else kept or ()
+            dropped = tuple(axis for axis in axes if axis not in kept)
             if dropped:
-                gathers.append(f"{name} {_DIMENSION_NAMES[role]} over {dropped}")
+                gathers.append(f"{name} {_DIMENSION_NAMES[role[0]]} over {dropped}")
     if gathers:
         warnings.warn(
             "fa4_jax attention keeps only batch and head shardings; these inputs are gathered "
@@ -226,17 +245,39 @@ def _custom_partitioned(body, layout):
     return op
 
 
-_FORWARD = _custom_partitioned(backends.forward, _FORWARD_LAYOUT)
-_BACKWARD = _custom_partitioned(backends.backward, _BACKWARD_LAYOUT)
+def _on_folded_batch(body, arrays, params):
+    """`body` (one batch dimension) on arrays with any number of leading batch dimensions.
+
+    They fold into one on each device (a local reshape), and unfold in the results; folding
+    before the partitioned op instead would merge a sharded dimension with an unsharded one,
+    which XLA can only do by gathering.
+    """
+    batch_shape = arrays[0].shape[: arrays[0].ndim - 3]
+    if len(batch_shape) == 1:
+        return tuple(body(*arrays, params))
+    results = body(*(x.reshape(-1, *x.shape[len(batch_shape):]) for x in arrays), params)
+    return tuple(r.reshape(*batch_shape, *r.shape[1:]) for r in results)
+
+
+def _forward_on_device(q, k, v, params):
+    return _on_folded_batch(backends.forward, (q, k, v), params)
+
+
+def _backward_on_device(q, k, v, out, lse, d_out, d_lse, params):
+    return _on_folded_batch(backends.backward, (q, k, v, out, lse, d_out, d_lse), params)
+
+
+_FORWARD = _custom_partitioned(_forward_on_device, _FORWARD_LAYOUT)
+_BACKWARD = _custom_partitioned(_backward_on_device, _BACKWARD_LAYOUT)
 
 
 @functools.cache
 def _vmappable(op, params):
-    """op(*arrays, params) as a function of the arrays whose `jax.vmap` folds into batch.
+    """op(*arrays, params) as a function of the arrays that `jax.vmap` can map.
 
     custom_partitioning has no batching rule of its own. Every operand and result of the
-    attention ops has batch as its leading dimension, so a mapped axis (moved to the front by
-    vmap) merges with it: [n, batch, ...] -> [n * batch, ...].
+    attention ops has batch dimensions first, so a mapped axis (moved to the front by vmap)
+    is one more of them; the partitioned op folds them on each device.
     """
 
     @jax.custom_batching.custom_vmap
@@ -244,13 +285,12 @@ def _vmappable(op, params):
         return tuple(op(*arrays, params))
 
     @call.def_vmap
-    def fold_mapped_axis_into_batch(axis_size, in_batched, *arrays):
+    def map_as_a_batch_dimension(axis_size, in_batched, *arrays):
         arrays = [
             x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
             for x, batched in zip(arrays, in_batched)
         ]
-        results = call(*(x.reshape(-1, *x.shape[2:]) for x in arrays))
-        results = tuple(r.reshape(axis_size, -1, *r.shape[1:]) for r in results)
+        results = call(*arrays)
         return results, (True,) * len(results)
 
     return call

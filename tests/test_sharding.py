@@ -153,3 +153,17 @@ def test_shard_map_with_automatic_axes_left_is_rejected(next_key):
     )
     with pytest.raises(NotImplementedError, match=re.escape("leaves mesh axes ('data',)")):
         jax.jit(attend_per_shard).trace(q, k, v)
+
+
+@pytest.mark.parametrize("spec", [P("data"), P(None, "data")], ids=["mapped_axis", "batch"])
+def test_vmap_of_sharded_attention_needs_no_gather(next_key, spec):
+    """A mapped axis is one more batch dimension of the partitioned op, sharded or not."""
+    mesh = cpu_mesh((2,), ("data",))
+    q, k, v, _, _ = _inputs(next_key)
+    q, k, v = (x.reshape(2, 4, *x.shape[1:]) for x in (q, k, v))  # [mapped, batch, ...]
+    sharding = NamedSharding(mesh, spec)
+    attend = jax.jit(jax.vmap(lambda q, k, v: fa4_jax.attention(q, k, v, causal=True)),
+                     in_shardings=(sharding,) * 3)
+    assert collectives_in(attend.lower(q, k, v).compile().as_text()) == []
+    expected = fa4_jax.attention(*(x.reshape(8, *x.shape[2:]) for x in (q, k, v)), causal=True)
+    np.testing.assert_allclose(attend(q, k, v), expected.reshape(q.shape), rtol=1e-5, atol=1e-5)
