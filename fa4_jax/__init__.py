@@ -1,10 +1,22 @@
 """fa4_jax: FlashAttention-4 kernels for JAX.
 
-Public surface: `attention` (the full-featured entry point) and `dot_product_attention`
-(a drop-in for `jax.nn.dot_product_attention`).
+Public surface: `attention` (the full-featured entry point), `dot_product_attention`
+(a drop-in for `jax.nn.dot_product_attention`), and for multi-device work `ring_attention`
+(context parallelism inside `shard_map`) with the zig-zag layout helpers, and
+`ReshardWarning` (an input sharding the op cannot keep). See docs/multi_gpu.md.
 """
 from fa4_jax.api import attention, dot_product_attention
+from fa4_jax.context_parallel import from_zigzag_layout, ring_attention, to_zigzag_layout
+from fa4_jax.sharding import ReshardWarning
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "dot_product_attention", "__version__"]
+__all__ = [
+    "attention",
+    "dot_product_attention",
+    "ring_attention",
+    "to_zigzag_layout",
+    "from_zigzag_layout",
+    "ReshardWarning",
+    "__version__",
+]

@@ -82,11 +82,43 @@ def attention(
       ((2, 1024, 8, 128), (2, 8, 1024))
     """
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
+    _check_bool("return_lse", return_lse)
+    params = attention_params(
+        query,
+        key,
+        value,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        window_size=window_size,
+        softcap=softcap,
+        deterministic=deterministic,
+        implementation=implementation,
+    )
+    out, lse = attention_op(query, key, value, params)
+    return (out, lse) if return_lse else out
+
+
+def attention_params(
+    query,
+    key,
+    value,
+    *,
+    causal=False,
+    softmax_scale=None,
+    window_size=(None, None),
+    softcap=None,
+    deterministic=False,
+    implementation=None,
+):
+    """The validated, canonical `AttentionParams` of `attention(query, key, value, ...)`.
+
+    Same arguments (query, key, value as arrays) and the same errors as `attention`; for
+    entry points that run the attention ops themselves (`ring_attention`).
+    """
     _check_arrays(query, key, value)
     window_left, window_right = _check_window(window_size)
     _check_bool("causal", causal)
     _check_bool("deterministic", deterministic)
-    _check_bool("return_lse", return_lse)
     if causal and window_right is not None and window_right > 0:
         raise ValueError(
             f"window_size right must be None or 0 when causal=True (causal means a right window "
@@ -107,9 +139,7 @@ def attention(
         deterministic=bool(deterministic),
         implementation=_choose_implementation(query.dtype, implementation),
     )
-    params = _resolve_backend(query, key, value, params, implementation)
-    out, lse = attention_op(query, key, value, params)
-    return (out, lse) if return_lse else out
+    return _resolve_backend(query, key, value, params, implementation)
 
 
 def dot_product_attention(

@@ -164,11 +164,17 @@ def _attend_query_tile(
     q_chunk = q_tile.shape[-2]
     kv_chunk = k_tiles.shape[-2]
     q_index = q_start + jnp.arange(q_chunk)
-    stats_shape = q_tile.shape[:-1]
+    # Zeros built from q, k and v (not jnp.zeros) so that inside a shard_map body the scan
+    # carries vary over the same mesh axes as the values the scan writes into them.
+    zero_stats = (
+        jnp.zeros_like(q_tile[..., 0], jnp.float32)
+        + jnp.zeros_like(k_tiles[0, :, :, None, :1, 0], jnp.float32)
+        + jnp.zeros_like(v_tiles[0, :, :, None, :1, 0], jnp.float32)
+    )
     carry = (
-        jnp.full(stats_shape, -jnp.inf, jnp.float32),  # running max
-        jnp.zeros(stats_shape, jnp.float32),  # running sum of exp
-        jnp.zeros(stats_shape + (v_tiles.shape[-1],), jnp.float32),  # unnormalised out
+        zero_stats - jnp.inf,  # running max
+        zero_stats,  # running sum of exp
+        zero_stats[..., None] + jnp.zeros_like(v_tiles[0, :, :, None, :1], jnp.float32),  # out
     )
 
     def one_key_tile(carry, k_start_and_tiles):

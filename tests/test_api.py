@@ -147,7 +147,15 @@ def test_default_backend_falls_back_to_reference_and_logs_why(next_key, caplog):
 
 
 def test_public_surface():
-    assert set(fa4_jax.__all__) == {"attention", "dot_product_attention", "__version__"}
+    assert set(fa4_jax.__all__) == {
+        "attention",
+        "dot_product_attention",
+        "ring_attention",
+        "to_zigzag_layout",
+        "from_zigzag_layout",
+        "ReshardWarning",
+        "__version__",
+    }
     assert isinstance(fa4_jax.__version__, str)
 
 

@@ -1,0 +1,70 @@
+"""The single-device attention forward and backward, dispatched on `params.implementation`.
+
+These are the per-shard bodies: `sharding.py` runs them on each device's block of the inputs,
+so what runs here never sees a collective. The backward pass has not got its kernels yet: for
+every backend it recomputes attention through the pure-JAX reference in float32 and takes its
+VJP (`jax.vjp` of `reference.attention_reference`), honouring the kernels' contract (see
+`backward`). Gradients are therefore correct but run at reference speed and memory;
+`params.deterministic` holds trivially (the reference has no atomics).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from fa4_jax import ffi
+from fa4_jax.params import AttentionParams
+from fa4_jax.reference import attention_reference
+
+
+def forward(q, k, v, params: AttentionParams):
+    """(out, lse) of one device's inputs; shapes as `vjp.attention_op`."""
+    if params.implementation == "cute":
+        return ffi.forward(q, k, v, params)
+    return _reference_fp32(q, k, v, params)
+
+
+def backward(q, k, v, out, lse, d_out, d_lse, params: AttentionParams):
+    """(dq, dk, dv) of one device's inputs, each in its input's dtype.
+
+    FlashAttention's backward contract: `out` and `lse` are the softmax statistics the
+    gradient is taken at, trusted rather than recomputed. They are this op's own outputs, or
+    (ring attention) those of a longer key sequence of which k, v are one block; then the
+    result is this block's share of the gradient, as the kernels compute it from
+    P = exp(scores - lse) and D = rowsum(d_out * out).
+
+    Args:
+      q, k, v: the forward's inputs, shapes as `vjp.attention_op`.
+      out: [batch, seqlen_q, heads_q, head_dim_v]; lse: [batch, heads_q, seqlen_q] float32.
+      d_out: the cotangent of out, like out; d_lse: the cotangent of lse, like lse.
+    """
+    # Stand-in for the fa4_bwd kernels: the VJP of the fp32 reference on this block, whose own
+    # (block_out, block_lse) enter the given statistics as out = Σ_blocks w · block_out,
+    # lse = log Σ_blocks exp(block_lse), with w = exp(block_lse - lse). The chain rule maps
+    # the cotangents onto the block: w · d_out, and w · (d_lse + <d_out, block_out - out>).
+    # For the op's own statistics w = 1 and the inner product is 0.
+    (block_out, block_lse), reference_vjp = jax.vjp(
+        lambda q, k, v: _reference_fp32(q, k, v, params), q, k, v
+    )
+    weight = jnp.where(block_lse == -jnp.inf, 0.0, jnp.exp(block_lse - lse))
+    weight_by_row = jnp.swapaxes(weight, 1, 2)[..., None]  # out's layout
+    d_out_f32 = d_out.astype(jnp.float32)
+    own_share = jnp.sum(d_out_f32 * (block_out.astype(jnp.float32) - out), axis=-1)
+    d_block_out = (weight_by_row * d_out_f32).astype(d_out.dtype)
+    d_block_lse = weight * (d_lse + jnp.swapaxes(own_share, 1, 2))
+    dq, dk, dv = reference_vjp((d_block_out, d_block_lse))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def _reference_fp32(q, k, v, params):
+    return attention_reference(
+        q,
+        k,
+        v,
+        softmax_scale=params.softmax_scale,
+        causal=params.causal,
+        window_left=params.window_left,
+        window_right=params.window_right,
+        softcap=params.softcap,
+        compute_dtype=jnp.float32,
+    )
