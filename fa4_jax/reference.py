@@ -1,0 +1,205 @@
+"""Pure-JAX attention: the backend for platforms without kernels, and the test oracle.
+
+It computes exactly what the kernels compute (same masks, softcap, GQA mapping, lse) with a
+chunked online softmax, so memory stays linear in the sequence length: the forward never holds
+more than one [q_chunk, kv_chunk] score tile per (batch, head), and the backward (plain reverse
+mode through `lax.scan`, with `jax.checkpoint` so the scan saves only its carries) never holds
+more than one query chunk's running statistics per key chunk.
+
+This module imports nothing from the package.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+DEFAULT_CHUNK_SIZE = 512
+
+
+def attention_reference(
+    query,
+    key,
+    value,
+    *,
+    softmax_scale=None,
+    causal=False,
+    window_left=None,
+    window_right=None,
+    softcap=None,
+    compute_dtype=jnp.float32,
+    chunk_size=DEFAULT_CHUNK_SIZE,
+):
+    """Attention with the package's mask semantics, as `(out, lse)`.
+
+    Args:
+      query: [batch, seqlen_q, heads_q, head_dim].
+      key: [batch, seqlen_k, heads_kv, head_dim]; heads_q must be a multiple of heads_kv
+        (query head i reads kv head i // (heads_q // heads_kv)).
+      value: [batch, seqlen_k, heads_kv, head_dim_v]; head_dim_v may differ from head_dim.
+      softmax_scale: multiplies q·k; None means 1 / sqrt(head_dim).
+      causal, window_left, window_right: the masks of `fa4_jax.params.AttentionParams`,
+        bottom-right aligned (offset = seqlen_k - seqlen_q).
+      softcap: if not None, scores become softcap * tanh(scores / softcap) after the scale.
+      compute_dtype: dtype of the matmul inputs and outputs, the scale/softcap arithmetic and
+        the probabilities fed to the second matmul. float32 gives the oracle `ref`; the input
+        dtype gives FlashAttention's `ref_lowp`. The running max, row sum and output
+        accumulator are float32 either way (as in the kernels), so `ref_lowp`'s error
+        measures rounding, not an accumulation drift that would depend on the chunk size.
+      chunk_size: query and key rows per tile (clipped to the sequence lengths); it needs
+        not divide them.
+
+    Returns:
+      out: [batch, seqlen_q, heads_q, head_dim_v], query's dtype.
+      lse: [batch, heads_q, seqlen_q] float32, natural-log logsumexp of the (scaled, capped)
+        visible scores. A row with no visible key has out 0, lse -inf and zero gradient.
+    """
+    batch, seqlen_q, heads_q, head_dim = query.shape
+    _, seqlen_k, heads_kv, _ = key.shape
+    head_dim_v = value.shape[-1]
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    q_chunk = max(1, min(chunk_size, seqlen_q))
+    kv_chunk = max(1, min(chunk_size, seqlen_k))
+    mask = _MaskSpec(seqlen_q, seqlen_k, causal, window_left, window_right)
+
+    q_tiles = _tile_queries(query.astype(compute_dtype), q_chunk, heads_kv)
+    k_tiles = _tile_keys(key.astype(compute_dtype), kv_chunk)
+    v_tiles = _tile_keys(value.astype(compute_dtype), kv_chunk)
+
+    one_query_tile = functools.partial(
+        _attend_query_tile,
+        k_tiles=k_tiles,
+        v_tiles=v_tiles,
+        mask=mask,
+        softmax_scale=softmax_scale,
+        softcap=softcap,
+        compute_dtype=compute_dtype,
+    )
+    # Checkpointed so the outer scan saves only its query tile; the backward re-runs one
+    # query tile's forward at a time.
+    out_tiles, lse_tiles = lax.map(
+        jax.checkpoint(one_query_tile),
+        (jnp.arange(q_tiles.shape[0]) * q_chunk, q_tiles),
+    )
+    # out_tiles: [nq, batch, heads_kv, groups, q_chunk, head_dim_v]; lse_tiles without head_dim_v.
+    out = jnp.transpose(out_tiles, (1, 0, 4, 2, 3, 5))
+    out = out.reshape(batch, -1, heads_q, head_dim_v)[:, :seqlen_q]
+    lse = jnp.transpose(lse_tiles, (1, 2, 3, 0, 4))
+    lse = lse.reshape(batch, heads_q, -1)[:, :, :seqlen_q]
+    return out.astype(query.dtype), lse
+
+
+class _MaskSpec:
+    """Static mask description; `visible` evaluates it on one tile of indices."""
+
+    def __init__(self, seqlen_q, seqlen_k, causal, window_left, window_right):
+        self.seqlen_k = seqlen_k
+        self.offset = seqlen_k - seqlen_q
+        self.causal = causal
+        self.window_left = window_left
+        self.window_right = window_right
+
+    def visible(self, q_index, k_index):
+        """Bool [q_chunk, kv_chunk]: which (row, key) pairs take part in the softmax."""
+        q_index = q_index[:, None]
+        k_index = k_index[None, :]
+        diagonal = q_index + self.offset
+        # Keys past seqlen_k are tile padding.
+        visible = k_index < self.seqlen_k
+        if self.causal:
+            visible &= k_index <= diagonal
+        if self.window_left is not None:
+            visible &= k_index >= diagonal - self.window_left
+        if self.window_right is not None:
+            visible &= k_index <= diagonal + self.window_right
+        return visible
+
+
+def _pad_rows(x, chunk):
+    """Pads axis 1 of [batch, seq, ...] up to a multiple of chunk."""
+    pad = -x.shape[1] % chunk
+    widths = [(0, 0)] * x.ndim
+    widths[1] = (0, pad)
+    return jnp.pad(x, widths)
+
+
+def _tile_queries(query, chunk, heads_kv):
+    """[batch, seq, heads_q, d] -> [n_tiles, batch, heads_kv, groups, chunk, d]."""
+    query = _pad_rows(query, chunk)
+    batch, seq, heads_q, head_dim = query.shape
+    query = query.reshape(batch, seq // chunk, chunk, heads_kv, heads_q // heads_kv, head_dim)
+    return jnp.transpose(query, (1, 0, 3, 4, 2, 5))
+
+
+def _tile_keys(x, chunk):
+    """[batch, seq, heads_kv, d] -> [n_tiles, batch, heads_kv, chunk, d]."""
+    x = _pad_rows(x, chunk)
+    batch, seq, heads_kv, head_dim = x.shape
+    x = x.reshape(batch, seq // chunk, chunk, heads_kv, head_dim)
+    return jnp.transpose(x, (1, 0, 3, 2, 4))
+
+
+def _matmul(spec, a, b, compute_dtype):
+    # HIGHEST: the fp32 oracle must not silently drop to TF32/bf16 passes on GPU/TPU.
+    return jnp.einsum(
+        spec, a, b, precision=lax.Precision.HIGHEST, preferred_element_type=compute_dtype
+    )
+
+
+def _attend_query_tile(
+    q_start_and_tile, *, k_tiles, v_tiles, mask, softmax_scale, softcap, compute_dtype
+):
+    """Online softmax of one query tile over all key tiles.
+
+    q_tile: [batch, heads_kv, groups, q_chunk, d]. Returns out [..., q_chunk, head_dim_v]
+    (float32) and lse [..., q_chunk] (float32).
+    """
+    q_start, q_tile = q_start_and_tile
+    q_chunk = q_tile.shape[-2]
+    kv_chunk = k_tiles.shape[-2]
+    q_index = q_start + jnp.arange(q_chunk)
+    stats_shape = q_tile.shape[:-1]
+    carry = (
+        jnp.full(stats_shape, -jnp.inf, jnp.float32),  # running max
+        jnp.zeros(stats_shape, jnp.float32),  # running sum of exp
+        jnp.zeros(stats_shape + (v_tiles.shape[-1],), jnp.float32),  # unnormalised out
+    )
+
+    def one_key_tile(carry, k_start_and_tiles):
+        running_max, running_sum, acc = carry
+        k_start, k_tile, v_tile = k_start_and_tiles
+        scores = _matmul("bhgqd,bhkd->bhgqk", q_tile, k_tile, compute_dtype)
+        scores = scores * jnp.asarray(softmax_scale, compute_dtype)
+        if softcap is not None:
+            cap = jnp.asarray(softcap, compute_dtype)
+            scores = cap * jnp.tanh(scores / cap)
+        visible = mask.visible(q_index, k_start + jnp.arange(kv_chunk))
+        scores = jnp.where(visible, scores.astype(jnp.float32), -jnp.inf)
+
+        # The result does not depend on the max (it cancels), so no gradient flows through it.
+        new_max = lax.stop_gradient(jnp.maximum(running_max, scores.max(axis=-1)))
+        # A row with nothing visible yet has max -inf; subtracting 0 instead keeps exp(-inf)=0
+        # rather than exp(nan).
+        safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
+        probs = jnp.exp(scores - safe_max[..., None])
+        rescale = jnp.exp(running_max - safe_max)
+        running_sum = running_sum * rescale + probs.sum(axis=-1)
+        tile_out = _matmul("bhgqk,bhkd->bhgqd", probs.astype(compute_dtype), v_tile, compute_dtype)
+        acc = acc * rescale[..., None] + tile_out.astype(jnp.float32)
+        return (new_max, running_sum, acc), None
+
+    k_starts = jnp.arange(k_tiles.shape[0]) * kv_chunk
+    # Checkpointed so the scan saves only its carries, never a score tile per step.
+    (running_max, running_sum, acc), _ = lax.scan(
+        jax.checkpoint(one_key_tile), carry, (k_starts, k_tiles, v_tiles)
+    )
+    empty = running_sum == 0.0
+    # Double where: the untaken branch must be finite too, or its gradient is nan.
+    safe_sum = jnp.where(empty, 1.0, running_sum)
+    out = jnp.where(empty[..., None], 0.0, acc / safe_sum[..., None])
+    lse = jnp.where(empty, -jnp.inf, running_max + jnp.log(safe_sum))
+    return out, lse
