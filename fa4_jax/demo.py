@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import logging
 import sys
 import time
 from typing import Callable
@@ -27,7 +29,7 @@ from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
-from fa4_jax import ffi
+from fa4_jax import attention
 from fa4_jax.demo_corpus import CharTokenizer, generate_corpus
 from fa4_jax.flax import make_attention_fn
 
@@ -50,8 +52,8 @@ class DemoConfig:
 CONFIGS = {
     "tiny": DemoConfig(d_model=64, num_layers=2, num_heads=4, seq_len=64, batch=8, steps=10,
                        learning_rate=3e-3, dtype="float32", corpus_chars=100_000),
-    "small": DemoConfig(d_model=128, num_layers=4, num_heads=4, seq_len=128, batch=16, steps=300,
-                        learning_rate=3e-3, dtype="float32", corpus_chars=400_000),
+    "small": DemoConfig(d_model=128, num_layers=2, num_heads=4, seq_len=128, batch=8, steps=200,
+                        learning_rate=2e-3, dtype="float32", corpus_chars=400_000),
     "gpu": DemoConfig(d_model=1024, num_layers=8, num_heads=16, seq_len=2048, batch=16,
                       steps=300, learning_rate=1e-3, dtype="bfloat16", corpus_chars=4_000_000),
 }
@@ -131,6 +133,15 @@ class BatchSampler:
         starts = rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch)
         windows = np.stack([self.tokens[s:s + self.seq_len + 1] for s in starts])
         return jax.device_put(windows, self.sharding)
+
+
+def make_sampler(config: DemoConfig, mesh: Mesh) -> tuple[BatchSampler, int]:
+    """The corpus as a batch sampler sharded over the mesh, and its vocabulary size."""
+    corpus = generate_corpus(config.corpus_chars, seed=SEED)
+    tokenizer = CharTokenizer(corpus)
+    sampler = BatchSampler(tokenizer.encode(corpus), config.seq_len, config.batch,
+                           NamedSharding(mesh, PartitionSpec("data")))
+    return sampler, tokenizer.vocab_size
 
 
 def make_train_step(model: Decoder, optimizer, mesh: Mesh):
@@ -236,30 +247,51 @@ def resolve_config(args) -> DemoConfig:
     return config
 
 
-def describe_fa4_backend() -> str:
-    if jax.default_backend() == "gpu" and ffi.is_available():
-        return "fa4_jax kernels"
-    return f"fa4_jax pure-JAX reference (no fa4_jax kernels on {jax.default_backend()})"
+class _MessageRecorder(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def fa4_backend_choice(config: DemoConfig) -> str:
+    """What fa4_jax.attention picks for the model's attention call, as fa4_jax logs it.
+
+    Asked of fa4_jax itself (it logs its choice while tracing) rather than guessed from the
+    platform, so the demo reports the reference fallback even on a GPU without built kernels.
+    """
+    head_dim = config.d_model // config.num_heads
+    qkv = jax.ShapeDtypeStruct((config.batch, config.seq_len, config.num_heads, head_dim),
+                               jnp.dtype(config.dtype))
+    logger, recorder = logging.getLogger("fa4_jax"), _MessageRecorder()
+    previous_level = logger.level
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(recorder)
+    try:
+        jax.eval_shape(functools.partial(attention, causal=True), qkv, qkv, qkv)
+    finally:
+        logger.removeHandler(recorder)
+        logger.setLevel(previous_level)
+    return "; ".join(dict.fromkeys(recorder.messages)) or "not reported by fa4_jax"
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     config = resolve_config(args)
-    corpus = generate_corpus(config.corpus_chars, seed=SEED)
-    tokenizer = CharTokenizer(corpus)
     mesh = Mesh(np.array(jax.devices()), ("data",))
-    sampler = BatchSampler(tokenizer.encode(corpus), config.seq_len, config.batch,
-                           NamedSharding(mesh, PartitionSpec("data")))
+    sampler, vocab_size = make_sampler(config, mesh)
     baseline_impl = "cudnn" if jax.default_backend() == "gpu" and config.dtype != "float32" else "xla"
 
     print(f"config {args.config}: {config}")
     print(f"{jax.device_count()} x {jax.devices()[0].device_kind}, data parallel; "
-          f"corpus {len(corpus):,} chars, vocab {tokenizer.vocab_size}")
-    print(f"attention under test: {describe_fa4_backend()}; "
+          f"corpus {config.corpus_chars:,} chars, vocab {vocab_size}")
+    print(f"attention under test: {fa4_backend_choice(config)}; "
           f"baseline: jax.nn.dot_product_attention(implementation={baseline_impl!r})")
 
-    fa4_model = Decoder(tokenizer.vocab_size, config, make_attention_fn(causal=True))
-    baseline_model = Decoder(tokenizer.vocab_size, config, make_baseline_attention_fn(baseline_impl))
+    fa4_model = Decoder(vocab_size, config, make_attention_fn(causal=True))
+    baseline_model = Decoder(vocab_size, config, make_baseline_attention_fn(baseline_impl))
     fa4_losses, fa4_tps = train("fa4_jax", fa4_model, config, sampler, mesh)
     base_losses, base_tps = train(f"jax.nn ({baseline_impl})", baseline_model, config, sampler, mesh)
 
