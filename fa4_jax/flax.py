@@ -23,8 +23,9 @@ honour - attention bias, dropout while training, sowing the attention weights, q
 overrides - naming the argument, so nothing is silently computed differently from Flax.
 
 The adapters themselves import nothing from Flax: they are plain JAX functions with Flax's
-`dot_product_attention` calling convention (Linen filters keyword arguments by this function's
-signature; NNX passes `module=` and `is_causal=` always).
+`dot_product_attention` calling convention. Linen passes only the keywords this function's
+signature names; NNX passes its keywords unfiltered (`module=`, and `is_causal=` in recent
+versions), so the signature covers the union of both.
 """
 from __future__ import annotations
 
