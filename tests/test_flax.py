@@ -1,6 +1,7 @@
 """fa4_jax.flax: Flax's attention modules give the same outputs and gradients with fa4_jax.
 
-Each test draws fresh random inputs and parameters (the seed is in the failure message) and
+Each test draws fresh random inputs and parameters from conftest's `seed` fixture (replay a
+failure with FA4_JAX_TEST_SEED; the seed is also in the assertion message) and
 compares the module driven by fa4_jax's attention_fn against the same module, with the same
 parameters, driven by Flax's own dot_product_attention.
 """
@@ -19,10 +20,6 @@ NUM_HEADS = 4
 FEATURES = 64  # head_dim 16
 # Both sides compute in fp32 on CPU and differ only in summation order.
 FP32_TOL = dict(rtol=2e-5, atol=2e-5)
-
-
-def fresh_seed() -> int:
-    return int(np.random.default_rng().integers(2**31))
 
 
 def random_inputs(seed, shape):
@@ -61,8 +58,7 @@ def linen_outputs_and_grads(module, params, x, mask, cotangent):
     [(False, (2,)), (True, (2,)), (True, (2, 3))],
     ids=["full", "causal", "causal_extra_batch_dims"],
 )
-def test_linen_matches_flax_attention(causal, batch_dims):
-    seed = fresh_seed()
+def test_linen_matches_flax_attention(causal, batch_dims, seed):
     x = random_inputs(seed, batch_dims + (24, FEATURES))
     cotangent = random_inputs(seed + 1, x.shape)
     flax_module = nn.MultiHeadDotProductAttention(num_heads=NUM_HEADS)
@@ -76,9 +72,8 @@ def test_linen_matches_flax_attention(causal, batch_dims):
     assert_trees_close(actual, expected, seed, **FP32_TOL)
 
 
-def test_linen_causal_differs_from_full():
+def test_linen_causal_differs_from_full(seed):
     # Guards the comparison above: a causal module must not agree with a full one.
-    seed = fresh_seed()
     x = random_inputs(seed, (2, 16, FEATURES))
     full = nn.MultiHeadDotProductAttention(num_heads=NUM_HEADS, attention_fn=attention_fn)
     causal = nn.MultiHeadDotProductAttention(
@@ -88,8 +83,7 @@ def test_linen_causal_differs_from_full():
     assert difference.max() > 1e-3, f"seed {seed}"
 
 
-def test_linen_dropout_rate_with_deterministic_true_runs_without_dropout():
-    seed = fresh_seed()
+def test_linen_dropout_rate_with_deterministic_true_runs_without_dropout(seed):
     x = random_inputs(seed, (2, 16, FEATURES))
     flax_module = nn.MultiHeadDotProductAttention(num_heads=NUM_HEADS, dropout_rate=0.1,
                                                   deterministic=True)
@@ -124,8 +118,7 @@ def nnx_outputs_and_grads(module, x, cotangent, **call_kwargs):
 @pytest.mark.parametrize(
     "causal, batch_dims", [(False, (2,)), (True, (2, 3))], ids=["full", "causal_extra_batch_dims"]
 )
-def test_nnx_matches_flax_attention(causal, batch_dims):
-    seed = fresh_seed()
+def test_nnx_matches_flax_attention(causal, batch_dims, seed):
     x = random_inputs(seed, batch_dims + (24, FEATURES))
     cotangent = random_inputs(seed + 1, x.shape)
     flax_module = nnx_attention(seed + 2)
@@ -139,8 +132,7 @@ def test_nnx_matches_flax_attention(causal, batch_dims):
 
 @pytest.mark.skipif("is_causal" not in inspect.signature(nnx.MultiHeadAttention.__call__).parameters,
                     reason="this flax's nnx.MultiHeadAttention has no is_causal")
-def test_nnx_is_causal_call_argument():
-    seed = fresh_seed()
+def test_nnx_is_causal_call_argument(seed):
     x = random_inputs(seed, (2, 24, FEATURES))
     cotangent = random_inputs(seed + 1, x.shape)
     expected = nnx_outputs_and_grads(nnx_attention(seed + 2), x, cotangent, is_causal=True)
@@ -171,32 +163,32 @@ def small_qkv(seed, q_len=8, kv_len=8, batch_dims=(2,)):
     ],
     ids=lambda v: v if isinstance(v, str) else "",
 )
-def test_unsupported_arguments_raise_naming_them(kwargs, named):
+def test_unsupported_arguments_raise_naming_them(kwargs, named, seed):
     with pytest.raises(NotImplementedError, match=named):
-        attention_fn(*small_qkv(fresh_seed()), **kwargs)
+        attention_fn(*small_qkv(seed), **kwargs)
 
 
-def test_is_causal_with_unequal_lengths_raises():
+def test_is_causal_with_unequal_lengths_raises(seed):
     with pytest.raises(NotImplementedError, match="is_causal"):
-        attention_fn(*small_qkv(fresh_seed(), q_len=8, kv_len=16), is_causal=True)
+        attention_fn(*small_qkv(seed, q_len=8, kv_len=16), is_causal=True)
 
 
-def test_mismatched_batch_dims_raise_value_error():
-    q, _, _ = small_qkv(fresh_seed(), batch_dims=(2, 3))
-    _, k, v = small_qkv(fresh_seed(), batch_dims=(6,))
+def test_mismatched_batch_dims_raise_value_error(seed):
+    q, _, _ = small_qkv(seed, batch_dims=(2, 3))
+    _, k, v = small_qkv(seed, batch_dims=(6,))
     with pytest.raises(ValueError, match="leading batch dims"):
         attention_fn(q, k, v)
 
 
-def test_linen_causal_mask_array_points_to_make_attention_fn():
-    x = random_inputs(fresh_seed(), (2, 16, FEATURES))
+def test_linen_causal_mask_array_points_to_make_attention_fn(seed):
+    x = random_inputs(seed, (2, 16, FEATURES))
     module = nn.MultiHeadDotProductAttention(num_heads=NUM_HEADS, attention_fn=attention_fn)
     with pytest.raises(NotImplementedError, match=r"make_attention_fn\(causal=True\)"):
         module.init(jax.random.key(0), x, mask=nn.make_causal_mask(jnp.ones(x.shape[:-1])))
 
 
-def test_linen_dropout_while_training_raises():
-    x = random_inputs(fresh_seed(), (2, 16, FEATURES))
+def test_linen_dropout_while_training_raises(seed):
+    x = random_inputs(seed, (2, 16, FEATURES))
     module = nn.MultiHeadDotProductAttention(num_heads=NUM_HEADS, dropout_rate=0.1,
                                              attention_fn=attention_fn)
     with pytest.raises(NotImplementedError, match="dropout_rate"):
@@ -204,15 +196,15 @@ def test_linen_dropout_while_training_raises():
                     deterministic=False)
 
 
-def test_linen_sow_weights_raises():
-    x = random_inputs(fresh_seed(), (2, 16, FEATURES))
+def test_linen_sow_weights_raises(seed):
+    x = random_inputs(seed, (2, 16, FEATURES))
     module = nn.MultiHeadDotProductAttention(num_heads=NUM_HEADS, attention_fn=attention_fn)
     with pytest.raises(NotImplementedError, match="sow_weights"):
         module.init(jax.random.key(0), x, sow_weights=True)
 
 
-def test_nnx_decode_raises_on_its_cache_mask():
-    x = random_inputs(fresh_seed(), (2, 1, FEATURES))
+def test_nnx_decode_raises_on_its_cache_mask(seed):
+    x = random_inputs(seed, (2, 1, FEATURES))
     module = nnx_attention(0, attention_fn)
     module.init_cache((2, 16, FEATURES))
     with pytest.raises(NotImplementedError, match="decode"):
@@ -249,11 +241,10 @@ def train_linen_attention_model(attention, dtype, steps, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
-def test_gpu_linen_training_on_kernels_matches_flax():
+def test_gpu_linen_training_on_kernels_matches_flax(seed):
     # FlashAttention's numerics rule applied to a training run: the bf16 kernel run may deviate
     # from the fp32 Flax run by at most twice what bf16 Flax attention itself deviates.
-    seed, steps = fresh_seed(), 5
+    steps = 5
     kernels = make_attention_fn(implementation="cute")
     reference = train_linen_attention_model(nn.dot_product_attention, jnp.float32, steps, seed)
     flax_bf16 = train_linen_attention_model(nn.dot_product_attention, jnp.bfloat16, steps, seed)
