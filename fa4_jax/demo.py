@@ -58,15 +58,22 @@ CONFIGS = {
                       steps=300, learning_rate=1e-3, dtype="bfloat16", corpus_chars=4_000_000),
 }
 
-# Largest tolerated relative difference |loss_fa4 - loss_ref| / loss_ref at any step.
-# fp32: the two attentions differ only in summation order, ~1e-6 relative per call; training
-# amplifies that (Adam rescales tiny gradient differences), but a few hundred steps stay below
-# ~1e-4, so 2e-3 leaves >10x headroom. bf16: inputs are rounded to 8 mantissa bits (2^-8 ~ 4e-3
-# relative), and the two implementations round probabilities and accumulate differently, so
-# per-step losses differ by up to ~1e-2 and the trajectories drift further; 5e-2 allows that.
-# Either bound is far below what a real bug causes: a leaky (non-causal) or wrongly scaled
-# attention moves the loss by tens of percent within a few steps.
-LOSS_RTOL = {"float32": 2e-3, "bfloat16": 5e-2}
+# How the two loss curves must agree (relative differences |loss_fa4 - loss_ref| / loss_ref).
+# Two correct attentions differ only in rounding, but training amplifies that chaotically: in
+# fp32 the curves of this demo agree to ~1e-7 for the first ~100 steps, then a 4-layer model
+# drifted by up to 3% at single steps (one run passing a learning transition a few steps
+# earlier) while the final losses agreed within 0.2%. So the check is two-part:
+# - the first EARLY_STEPS steps, still tightly coupled, per step: fp32 1e-4 (>100x the measured
+#   2e-7); bf16 2e-2 (bf16 keeps 8 mantissa bits, 2^-8 ~ 4e-3 relative per rounding, and the
+#   implementations round probabilities and accumulate differently; measured 6e-4 on CPU);
+# - the whole curve after a SMOOTHING_STEPS moving average: 3e-2 fp32 (measured 1.1%), 5e-2
+#   bf16, which catches divergence, instability and NaN later in training.
+# A real bug is far outside both: attention that sees the future, a wrong scale or a broken
+# gradient moves the loss by tens of percent within a few steps.
+EARLY_STEPS = 50
+SMOOTHING_STEPS = 10
+EARLY_RTOL = {"float32": 1e-4, "bfloat16": 2e-2}
+SMOOTHED_RTOL = {"float32": 3e-2, "bfloat16": 5e-2}
 
 
 class DecoderBlock(nn.Module):
@@ -196,11 +203,30 @@ def train(name: str, model: Decoder, config: DemoConfig, sampler: BatchSampler, 
     return np.array(losses), tokens_per_s
 
 
-def compare_curves(losses: np.ndarray, reference_losses: np.ndarray, rtol: float):
-    """Returns (agree, max relative difference over steps); NaN anywhere never agrees."""
-    relative = np.abs(losses - reference_losses) / np.abs(reference_losses)
-    max_relative = float(np.max(relative))
-    return bool(np.isfinite(max_relative) and max_relative <= rtol), max_relative
+@dataclasses.dataclass(frozen=True)
+class CurveComparison:
+    early_max: float  # max per-step relative difference over the first EARLY_STEPS steps
+    smoothed_max: float  # max relative difference of the SMOOTHING_STEPS moving averages
+    agree: bool
+
+
+def compare_curves(losses: np.ndarray, reference_losses: np.ndarray, dtype: str) -> CurveComparison:
+    """Applies the two-part agreement rule above; NaN anywhere never agrees."""
+    early = _relative_difference(losses[:EARLY_STEPS], reference_losses[:EARLY_STEPS])
+    smoothed = _relative_difference(_moving_average(losses), _moving_average(reference_losses))
+    early_max, smoothed_max = float(np.max(early)), float(np.max(smoothed))
+    agree = (np.isfinite(early_max) and np.isfinite(smoothed_max)
+             and early_max <= EARLY_RTOL[dtype] and smoothed_max <= SMOOTHED_RTOL[dtype])
+    return CurveComparison(early_max, smoothed_max, bool(agree))
+
+
+def _relative_difference(values, reference):
+    return np.abs(values - reference) / np.abs(reference)
+
+
+def _moving_average(values):
+    window = min(SMOOTHING_STEPS, len(values))
+    return np.convolve(values, np.ones(window) / window, mode="valid")
 
 
 def plot_curves(path: str, curves: dict[str, np.ndarray], title: str):
@@ -295,8 +321,7 @@ def main(argv=None) -> int:
     fa4_losses, fa4_tps = train("fa4_jax", fa4_model, config, sampler, mesh)
     base_losses, base_tps = train(f"jax.nn ({baseline_impl})", baseline_model, config, sampler, mesh)
 
-    rtol = LOSS_RTOL[config.dtype]
-    agree, max_relative = compare_curves(fa4_losses, base_losses, rtol)
+    comparison = compare_curves(fa4_losses, base_losses, config.dtype)
     plot_curves(args.out, {f"fa4_jax ({fa4_tps:,.0f} tok/s)": fa4_losses,
                            f"jax.nn {baseline_impl} ({base_tps:,.0f} tok/s)": base_losses},
                 title=f"{args.config}: {config.num_layers}x{config.d_model}, seq {config.seq_len}, "
@@ -304,10 +329,14 @@ def main(argv=None) -> int:
 
     print(f"fa4_jax : final loss {fa4_losses[-1]:.4f}, {fa4_tps:,.0f} tokens/s")
     print(f"baseline: final loss {base_losses[-1]:.4f}, {base_tps:,.0f} tokens/s")
-    print(f"max relative loss difference over {config.steps} steps: {max_relative:.2e} "
-          f"(tolerance {rtol:.0e} for {config.dtype}) -> {'AGREE' if agree else 'DISAGREE'}")
+    early_steps = min(EARLY_STEPS, config.steps)
+    print(f"loss agreement ({config.dtype}): steps 1-{early_steps} max relative difference "
+          f"{comparison.early_max:.1e} (tolerance {EARLY_RTOL[config.dtype]:.0e}); "
+          f"{SMOOTHING_STEPS}-step moving average over all steps {comparison.smoothed_max:.1e} "
+          f"(tolerance {SMOOTHED_RTOL[config.dtype]:.0e}) -> "
+          f"{'AGREE' if comparison.agree else 'DISAGREE'}")
     print(f"loss curves written to {args.out}")
-    return 0 if agree else 1
+    return 0 if comparison.agree else 1
 
 
 if __name__ == "__main__":

@@ -21,17 +21,29 @@ def test_demo_tiny_run_agrees_and_writes_plot(tmp_path, capsys):
     assert plot.stat().st_size > 0
 
 
-def test_compare_curves_flags_a_deviation_and_nan(seed):
+def test_compare_curves_rule(seed):
     rng = np.random.default_rng(seed)
-    reference = rng.uniform(1.0, 4.0, size=50)
-    rtol = demo.LOSS_RTOL["float32"]
-    assert demo.compare_curves(reference.copy(), reference, rtol)[0]
-    shifted = reference.copy()
-    shifted[rng.integers(50)] *= 1 + 2 * rtol
-    assert not demo.compare_curves(shifted, reference, rtol)[0]
+    reference = rng.uniform(1.0, 4.0, size=200)
+    early_rtol, smoothed_rtol = demo.EARLY_RTOL["float32"], demo.SMOOTHED_RTOL["float32"]
+
+    def agree(losses):
+        return demo.compare_curves(losses, reference, "float32").agree
+
+    assert agree(reference.copy())
+    early_error = reference.copy()
+    early_error[rng.integers(demo.EARLY_STEPS)] *= 1 + 2 * early_rtol
+    assert not agree(early_error)
+    # Late single-step drift of the size chaotic amplification produces is tolerated...
+    late_spike = reference.copy()
+    late_spike[demo.EARLY_STEPS + rng.integers(100)] *= 1 + smoothed_rtol
+    assert agree(late_spike)
+    # ...a sustained late offset is not.
+    late_offset = reference.copy()
+    late_offset[-2 * demo.SMOOTHING_STEPS:] *= 1 + 2 * smoothed_rtol
+    assert not agree(late_offset)
     poisoned = reference.copy()
     poisoned[-1] = np.nan
-    assert not demo.compare_curves(poisoned, reference, rtol)[0]
+    assert not agree(poisoned)
 
 
 def test_non_causal_attention_is_caught_by_the_loss_comparison():
@@ -43,5 +55,4 @@ def test_non_causal_attention_is_caught_by_the_loss_comparison():
     causal = demo.Decoder(vocab_size, config, demo.make_baseline_attention_fn("xla"))
     leaky_losses, _ = demo.train("leaky", leaky, config, sampler, mesh)
     causal_losses, _ = demo.train("causal", causal, config, sampler, mesh)
-    agree, _ = demo.compare_curves(leaky_losses, causal_losses, demo.LOSS_RTOL[config.dtype])
-    assert not agree
+    assert not demo.compare_curves(leaky_losses, causal_losses, config.dtype).agree
