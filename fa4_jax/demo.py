@@ -196,10 +196,12 @@ def train(name: str, model: Decoder, config: DemoConfig, sampler: BatchSampler, 
             timed_from = time.perf_counter()
             continue
         elapsed = time.perf_counter() - timed_from
-        progress.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{step * tokens_per_step / elapsed:,.0f}")
+        progress.set_postfix(loss=f"{losses[-1]:.4f}",
+                             tok_s=f"{step * tokens_per_step / elapsed:,.0f}")
     progress.close()
     steps_timed = config.steps - 1
-    tokens_per_s = steps_timed * tokens_per_step / (time.perf_counter() - timed_from) if steps_timed else float("nan")
+    elapsed = time.perf_counter() - timed_from
+    tokens_per_s = steps_timed * tokens_per_step / elapsed if steps_timed else float("nan")
     return np.array(losses), tokens_per_s
 
 
@@ -250,7 +252,8 @@ def plot_curves(path: str, curves: dict[str, np.ndarray], title: str):
 
 def parse_args(argv):
     on_gpu = jax.default_backend() == "gpu"
-    parser = argparse.ArgumentParser(prog="python -m fa4_jax.demo", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fa4_jax.demo",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--config", choices=sorted(CONFIGS), default="gpu" if on_gpu else "small",
                         help="model size and dtype (default: gpu on a GPU, else small)")
     parser.add_argument("--steps", type=int, help="training steps (default: the config's)")
@@ -308,7 +311,9 @@ def main(argv=None) -> int:
     config = resolve_config(args)
     mesh = Mesh(np.array(jax.devices()), ("data",))
     sampler, vocab_size = make_sampler(config, mesh)
-    baseline_impl = "cudnn" if jax.default_backend() == "gpu" and config.dtype != "float32" else "xla"
+    # cuDNN's attention takes only half precision; XLA's is the baseline everywhere else.
+    on_gpu = jax.default_backend() == "gpu"
+    baseline_impl = "cudnn" if on_gpu and config.dtype != "float32" else "xla"
 
     print(f"config {args.config}: {config}")
     print(f"{jax.device_count()} x {jax.devices()[0].device_kind}, data parallel; "
@@ -319,7 +324,8 @@ def main(argv=None) -> int:
     fa4_model = Decoder(vocab_size, config, make_attention_fn(causal=True))
     baseline_model = Decoder(vocab_size, config, make_baseline_attention_fn(baseline_impl))
     fa4_losses, fa4_tps = train("fa4_jax", fa4_model, config, sampler, mesh)
-    base_losses, base_tps = train(f"jax.nn ({baseline_impl})", baseline_model, config, sampler, mesh)
+    base_losses, base_tps = train(f"jax.nn ({baseline_impl})", baseline_model, config, sampler,
+                                  mesh)
 
     comparison = compare_curves(fa4_losses, base_losses, config.dtype)
     plot_curves(args.out, {f"fa4_jax ({fa4_tps:,.0f} tok/s)": fa4_losses,

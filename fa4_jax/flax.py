@@ -8,11 +8,11 @@ One callable serves both Flax APIs:
 
     causal_attention = make_attention_fn(causal=True)
     layer = nn.MultiHeadDotProductAttention(num_heads=8, attention_fn=causal_attention)
-    y = layer.apply(params, x)                  # mask=None: causality comes from the factory
+    y = layer.apply(params, x)  # mask=None: causality comes from the factory
 
     layer = nnx.MultiHeadAttention(num_heads=8, in_features=512, decode=False,
                                    attention_fn=causal_attention, rngs=nnx.Rngs(0))
-    y = layer(x)                                # or attention_fn=attention_fn, layer(x, is_causal=True)
+    y = layer(x)  # or: attention_fn=attention_fn and layer(x, is_causal=True)
 
 Why a factory instead of masks: Flax describes masking with a dense boolean array
 `[batch..., heads, q_len, kv_len]`. Under `jit` that array is a tracer, so its intent (causal?
