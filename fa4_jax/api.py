@@ -161,6 +161,8 @@ def dot_product_attention(
             f"implementation={implementation!r} is a backend of jax.nn.dot_product_attention, "
             f"not of fa4_jax; use None, 'cute' or 'reference', or call jax's function"
         )
+    if scale is not None:
+        scale = _static_positive("scale", scale)
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
     unbatched = query.ndim == 3
     if unbatched:

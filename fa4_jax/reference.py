@@ -62,6 +62,8 @@ def attention_reference(
     head_dim_v = value.shape[-1]
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size}")
     q_chunk = max(1, min(chunk_size, seqlen_q))
     kv_chunk = max(1, min(chunk_size, seqlen_k))
     mask = _MaskSpec(seqlen_q, seqlen_k, causal, window_left, window_right)

@@ -210,6 +210,12 @@ def test_dot_product_attention_untranslatable_mask(next_key):
         fa4_jax.dot_product_attention(q, k, v, is_causal=True)
 
 
+def test_dot_product_attention_scale_error_names_scale(next_key):
+    q, k, v = _qkv(next_key)
+    with pytest.raises(ValueError, match="^scale must be"):
+        fa4_jax.dot_product_attention(q, k, v, scale=-1.0)
+
+
 @pytest.mark.parametrize("implementation", ["xla", "cudnn"])
 def test_dot_product_attention_jax_backends_point_to_jax(next_key, implementation):
     q, k, v = _qkv(next_key)
