@@ -86,9 +86,10 @@ def make_attention_fn(
         Honoured: query/key/value, `dtype` (inputs are cast to it; default: their common
         dtype), `dropout_rate` with `deterministic=True` (no dropout is applied), NNX's
         `is_causal` (self-attention lengths only, where Flax's top-left causal mask and
-        FlashAttention's bottom-right one agree). `precision`, `force_fp32_for_softmax`,
-        `broadcast_dropout` and `dropout_rng` need nothing: the softmax statistics are always
-        fp32 and there is no dropout. Everything else raises NotImplementedError.
+        FlashAttention's bottom-right one agree). Accepted and not forwarded: `precision`
+        (fa4_jax fixes its own: fp32 accumulation and softmax statistics), and
+        `force_fp32_for_softmax`, `broadcast_dropout`, `dropout_rng` (the softmax is always fp32
+        and there is no dropout). Everything else raises NotImplementedError.
         """
         _reject_unsupported(
             bias=bias,
