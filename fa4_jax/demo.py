@@ -171,10 +171,19 @@ def make_train_step(model: Decoder, optimizer, mesh: Mesh):
                    out_shardings=replicated, donate_argnums=(0, 1))
 
 
+def warmup_steps(total_steps: int) -> int:
+    """10% of training, at least 10 steps and at most half of it.
+
+    Adam's first updates are about learning_rate per weight whatever the gradient; a 3-step
+    warmup made the 8x1024 model's loss jump from 3.9 to 8.3 in a probe, 30 steps did not.
+    """
+    return max(1, min(max(10, total_steps // 10), total_steps // 2))
+
+
 def make_optimizer(config: DemoConfig):
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=config.learning_rate,
-        warmup_steps=max(1, config.steps // 10), decay_steps=config.steps)
+        warmup_steps=warmup_steps(config.steps), decay_steps=config.steps)
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
 
 
