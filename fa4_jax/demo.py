@@ -330,7 +330,8 @@ def main(argv=None) -> int:
     print(f"config {args.config}: {config}")
     print(f"{jax.device_count()} x {jax.devices()[0].device_kind}, data parallel; "
           f"corpus {config.corpus_chars:,} chars, vocab {vocab_size}")
-    print(f"attention under test: {fa4_backend_choice(config)}; "
+    print(f"attention under test: fa4_jax on {jax.default_backend()} "
+          f"[{fa4_backend_choice(config)}]; "
           f"baseline: jax.nn.dot_product_attention(implementation={baseline_impl!r})")
 
     fa4_model = Decoder(vocab_size, config, make_attention_fn(causal=True))
