@@ -107,7 +107,8 @@ def test_vmap_over_an_extra_axis(next_key):
     stacked = [jnp.stack([x, 2 * x]) for x in (q, k, v)]
     attend = lambda q, k, v: fa4_jax.attention(q, k, v, causal=True)
     batched = jax.jit(jax.vmap(attend))(*stacked)
-    np.testing.assert_allclose(batched[1], attend(2 * q, 2 * k, 2 * v), atol=1e-6)
+    # jit+vmap and eager reorder fp32 sums: agreement to rounding, not bits.
+    np.testing.assert_allclose(batched[1], attend(2 * q, 2 * k, 2 * v), atol=1e-5, rtol=1e-5)
 
 
 def test_deterministic_grads_are_bitwise_repeatable(next_key):
