@@ -10,8 +10,13 @@ from cutlass import Float32, Int32
 class AttentionMask:
     """Applies the sequence-tail, causal and sliding-window rules of block_info.py to one tile.
 
-    `coords` is the identity tensor of the tile partitioned like the scores and viewed as
-    (rows, cols), so each register knows its (row, col) inside the tile.
+    Register (r, c) of a thread sits at (thread_row, thread_col) + coords0[r, c] inside the tile,
+    where `coords0` is thread 0's partition of the tile's identity tensor (compile-time constants)
+    and the thread offsets are two runtime integers. Comparing a constant column against a
+    per-row limit keeps the mask at one compare per element and no per-element registers;
+    per-thread coordinates would be loop-invariant values the compiler hoists into ~64 live
+    registers, which on the causal path pushed the MMA warps past 240 registers and made ptxas
+    serialize every WGMMA (C7512).
     """
 
     tile_m: int
@@ -23,7 +28,9 @@ class AttentionMask:
     def apply(
         self,
         scores: cute.Tensor,
-        coords: cute.Tensor,
+        coords0: cute.Tensor,
+        thread_row: Int32,
+        thread_col: Int32,
         m_block: Int32,
         n_block: Int32,
         seqlen_q: Int32,
@@ -31,11 +38,11 @@ class AttentionMask:
         window_left: Int32,
         window_right: Int32,
     ):
-        col_base = n_block * self.tile_n
         offset = seqlen_k - seqlen_q
         for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
-            row = m_block * self.tile_m + coords[r, 0][0]
-            # Visible columns of this row, as [col_lo, col_hi) relative to the tile.
+            row = m_block * self.tile_m + thread_row + coords0[r, 0][0]
+            # Visible columns of this row as [col_lo, col_hi), relative to the thread's first column.
+            col_base = n_block * self.tile_n + thread_col
             col_hi = seqlen_k - col_base
             col_lo = Int32(0)
             if cutlass.const_expr(self.causal):
@@ -44,7 +51,7 @@ class AttentionMask:
                 col_hi = cutlass.min(col_hi, row + offset + window_right + 1 - col_base)
                 col_lo = row + offset - window_left - col_base
             for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-                col = coords[r, c][1]
+                col = coords0[r, c][1]
                 if col >= col_hi:
                     scores[r, c] = -Float32.inf
                 if cutlass.const_expr(self.local):

@@ -7,7 +7,11 @@ One CTA computes one (tile_m query rows, head, batch) tile of O and LSE. Warp-ro
   rest of the group idles at a low register budget.
 - warp groups 1..2 (`mma_warp_groups`): each owns 64 of the tile's rows. S = Q·Kᵀ by WGMMA from
   shared memory, mask and online softmax in registers, then O += P·V with P fed straight from
-  registers as the WGMMA A operand, so S and P never touch shared memory.
+  registers as the WGMMA A operand, so S and P never touch shared memory. Within a warp group
+  the GEMMs of block j (S_j = Q·K_jᵀ and O += P_{j-1}·V_{j-1}) are issued together and the
+  softmax of S_j runs while O's GEMM is still in flight (intra-warp-group overlap); between the
+  two warp groups, named barriers order GEMM issue so one group's softmax overlaps the other's
+  GEMMs (ping-pong).
 - epilogue (the MMA warp groups): O / ℓ to shared memory (reusing Q's buffer), one TMA store;
   LSE written per row by the lane that holds the row's first columns.
 
@@ -15,6 +19,7 @@ Key blocks are visited from the highest to the lowest so the first block carries
 tail and the causal diagonal; the tail mask, the causal/window masks and the unmasked middle run
 in separate loops (block_info.py) so the common case does no per-element mask work.
 """
+import dataclasses
 import functools
 import math
 
@@ -30,17 +35,32 @@ from cutlass.tensor_utils import LayoutEnum
 from fa4_jax.kernels.common.block_info import BlockInfo
 from fa4_jax.kernels.common.layouts import acc_as_operand_a, acc_rows_cols
 from fa4_jax.kernels.common.mask import AttentionMask
-from fa4_jax.kernels.common.softmax import OnlineSoftmax, scale_rows
+from fa4_jax.kernels.common.softmax import OnlineSoftmax, SoftmaxConfig, scale_rows
 
-# Tile configuration per head dim: (tile_m, tile_n, kv_stages). 128 query rows = two MMA warp
-# groups of 64. Shared memory bounds tile_n and the ring depth: Q (tile_m·d) plus
-# kv_stages·tile_n·(d + dv), 2 bytes each, under the 227 KB an sm_90 CTA may use.
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """One head dim's static kernel shape and FA4 settings."""
+
+    tile_m: int
+    tile_n: int
+    kv_stages: int
+    pingpong: bool
+    softmax: SoftmaxConfig
+
+
+# 128 query rows = two MMA warp groups of 64. Shared memory bounds tile_n and the ring depth:
+# Q (tile_m·d) plus kv_stages·tile_n·(d + dv), 2 bytes each, under the 227 KB an sm_90 CTA may
+# use. v1 measured these tiles at 0.83-0.97 of the best peer (docs/perf-log.md). Ping-pong is off
+# at d256, whose 128-register O accumulator leaves no room for S and P of two blocks at once
+# (FlashAttention-3's choice too, not yet measured here); the exp2 share goes to the FMA pipes
+# where MUFU is the tighter unit (d64: as many exponentials per block as d128 with half the
+# GEMM work).
 TILE_CONFIGS = {
-    64: (128, 128, 3),   # 16 KB Q + 3 x 32 KB K/V
-    96: (128, 128, 2),   # 24 KB Q + 2 x 48 KB K/V
-    128: (128, 128, 2),  # 32 KB Q + 2 x 64 KB K/V
-    192: (128, 96, 2),   # 48 KB Q + 2 x 60 KB K/V (dv = 128)
-    256: (128, 64, 2),   # 64 KB Q + 2 x 64 KB K/V
+    64: TileConfig(128, 128, 3, True, SoftmaxConfig(rescale_threshold=8.0, exp2_poly_share=0.0)),
+    96: TileConfig(128, 128, 2, True, SoftmaxConfig(rescale_threshold=8.0)),
+    128: TileConfig(128, 128, 2, True, SoftmaxConfig(rescale_threshold=8.0)),
+    192: TileConfig(128, 96, 2, True, SoftmaxConfig(rescale_threshold=8.0)),
+    256: TileConfig(128, 64, 2, False, SoftmaxConfig(rescale_threshold=8.0)),
 }
 
 LOG2_E = math.log2(math.e)
@@ -61,6 +81,26 @@ def _transpose(tensor: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(tensor.iterator, cute.select(tensor.layout, mode=[1, 0, *range(2, rank)]))
 
 
+@dataclasses.dataclass(frozen=True)
+class _BlockOperands:
+    """What every key block of one MMA warp group touches: MMAs, fragments, softmax state, rings."""
+
+    tiled_mma_qk: cute.TiledMma
+    tiled_mma_pv: cute.TiledMma
+    tSrQ: cute.Tensor
+    tSrK: cute.Tensor
+    tOrVt: cute.Tensor
+    acc_s: cute.Tensor
+    p: cute.Tensor
+    acc_o: cute.Tensor
+    acc_o_rc: cute.Tensor
+    softmax: OnlineSoftmax
+    row_scale: cute.Tensor
+    pipeline_k: pipeline.PipelineTmaAsync
+    pipeline_v: pipeline.PipelineTmaAsync
+    score_prescale: Float32
+
+
 def _permute(tensor: cute.Tensor, order) -> cute.Tensor:
     return cute.make_tensor(tensor.iterator, cute.select(tensor.layout, mode=list(order)))
 
@@ -72,8 +112,10 @@ class FlashAttentionForwardSm90:
     # setmaxnreg budgets: the producer needs few registers; the MMA groups hold S, P and O.
     producer_registers = 24
     mma_registers = 240
-    # Named barrier 0 is __syncthreads; 1 syncs the MMA warp groups around the epilogue.
+    # Named barrier 0 is __syncthreads; 1 syncs the MMA warp groups around the epilogue; 2 and 3
+    # are the ping-pong turns of MMA warp groups 1 and 2.
     epilogue_barrier_id = 1
+    pingpong_barrier_ids = (2, 3)
 
     def __init__(self, dtype, head_dim: int, head_dim_v: int, mask: str, has_softcap: bool):
         if mask not in ("none", "causal", "local"):
@@ -86,7 +128,8 @@ class FlashAttentionForwardSm90:
         self.causal = mask == "causal"
         self.local = mask == "local"
         self.has_softcap = has_softcap
-        self.tile_m, self.tile_n, self.kv_stages = TILE_CONFIGS[head_dim]
+        self.config = TILE_CONFIGS[head_dim]
+        self.tile_m, self.tile_n, self.kv_stages = self.config.tile_m, self.config.tile_n, self.config.kv_stages
         self.num_mma_threads = len(self.mma_warp_groups) * self.threads_per_warp_group
         self.num_threads = self.num_mma_threads + self.threads_per_warp_group
 
@@ -305,28 +348,35 @@ class FlashAttentionForwardSm90:
         acc_o = thr_mma_pv.make_fragment_C(thr_mma_pv.partition_shape_C((self.tile_m, self.head_dim_v)))
         acc_o.fill(0.0)
         acc_o_rc = acc_rows_cols(acc_o)
-        score_coords = acc_rows_cols(thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+        score_identity = cute.make_identity_tensor((self.tile_m, self.tile_n))
+        score_coords0 = acc_rows_cols(tiled_mma_qk.get_slice(0).partition_C(score_identity))
+        thread_origin = acc_rows_cols(thr_mma_qk.partition_C(score_identity))[0, 0]
 
-        softmax = OnlineSoftmax.create(scale_log2, cute.size(acc_o_rc, mode=[0]))
+        softmax = OnlineSoftmax.create(self.config.softmax, scale_log2, cute.size(acc_o_rc, mode=[0]))
         row_scale = cute.make_rmem_tensor_like(softmax.row_max, Float32)
         mask = AttentionMask(self.tile_m, self.tile_n, self.causal, self.local)
         apply_mask = functools.partial(
-            mask.apply, coords=score_coords, m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+            mask.apply, coords0=score_coords0, thread_row=thread_origin[0], thread_col=thread_origin[1],
+            m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
             window_left=window_left, window_right=window_right,
+        )
+        acc_s = thr_mma_qk.make_fragment_C(thr_mma_qk.partition_shape_C((self.tile_m, self.tile_n)))
+        p = cute.make_rmem_tensor_like(acc_s, self.dtype)
+        blocks = _BlockOperands(
+            tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_s, p, acc_o, acc_o_rc,
+            softmax, row_scale, pipeline_k, pipeline_v, score_prescale,
         )
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipeline_q.consumer_wait(q_state)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
-        step = functools.partial(
-            self.mma_one_block, tiled_mma_qk, tiled_mma_pv, thr_mma_qk, tSrQ, tSrK, tOrVt, acc_o,
-            acc_o_rc, softmax, row_scale, pipeline_k, pipeline_v, score_prescale,
-        )
+        self.pingpong_init(warp_group)
+        step = functools.partial(self.mma_overlapped_block, blocks, warp_group)
         masked = functools.partial(step, apply_mask=apply_mask)
 
         if n_block_max > n_block_min:
             # The highest block holds the sequence tail (and the diagonal): always masked.
-            kv_state = masked(kv_state, n_block_max - 1)
+            self.mma_first_block(blocks, kv_state, n_block_max - 1, apply_mask)
             n_block = n_block_max - 2
             if cutlass.const_expr(block_info.has_right_bound):
                 n_masked_from = block_info.n_block_min_right_masked(
@@ -345,6 +395,7 @@ class FlashAttentionForwardSm90:
                 for _ in cutlass.range(n_block + 1 - n_block_min, unroll=1):
                     kv_state = masked(kv_state, n_block)
                     n_block -= 1
+            self.mma_last_pv(blocks, kv_state)
 
         lse = cute.make_rmem_tensor_like(softmax.row_max, Float32)
         softmax.finalize(row_scale, lse)
@@ -353,36 +404,92 @@ class FlashAttentionForwardSm90:
                       m_block, head, batch, seqlen_q)
 
     @cute.jit
-    def mma_one_block(
-        self, tiled_mma_qk, tiled_mma_pv, thr_mma_qk, tSrQ, tSrK, tOrVt, acc_o, acc_o_rc,
-        softmax, row_scale, pipeline_k, pipeline_v, score_prescale, kv_state, n_block, apply_mask=None,
-    ):
-        """One key block: S = Q·Kᵀ, softcap/mask, online softmax, O = O·scale + P·V. Returns the next ring state."""
-        acc_s = thr_mma_qk.make_fragment_C(thr_mma_qk.partition_shape_C((self.tile_m, self.tile_n)))
-        pipeline_k.consumer_wait(kv_state)
-        self.gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, kv_state.index], zero_init=True)
-        pipeline_k.consumer_release(kv_state)
+    def mma_first_block(self, blocks, kv_state, n_block, apply_mask):
+        """S for the first (highest) block and its softmax; its P·V joins the next block's GEMMs."""
+        blocks.pipeline_k.consumer_wait(kv_state)
+        self.gemm(blocks.tiled_mma_qk, blocks.acc_s, blocks.tSrQ, blocks.tSrK[None, None, None, kv_state.index],
+                  zero_init=True, wait_group=0)
+        blocks.pipeline_k.consumer_release(kv_state)
+        self.softmax_block(blocks, n_block, apply_mask)
 
-        scores = acc_rows_cols(acc_s)
-        if cutlass.const_expr(self.has_softcap):
-            for i in cutlass.range_constexpr(cute.size(acc_s)):
-                acc_s[i] = cute.math.tanh(acc_s[i] * score_prescale, fastmath=True)
-        if cutlass.const_expr(apply_mask is not None):
-            apply_mask(scores, n_block=n_block)
-        softmax.step(scores, row_scale)
-        scale_rows(acc_o_rc, row_scale)
+    @cute.jit
+    def mma_overlapped_block(self, blocks, warp_group, kv_state, n_block, apply_mask=None):
+        """S_j = Q·K_jᵀ issued with O += P_{j-1}·V_{j-1}; softmax of S_j overlaps the P·V GEMM.
 
-        p = cute.make_rmem_tensor_like(acc_s, self.dtype)
-        p.store(acc_s.load().to(self.dtype))
-        pipeline_v.consumer_wait(kv_state)
-        self.gemm(tiled_mma_pv, acc_o, acc_as_operand_a(p), tOrVt[None, None, None, kv_state.index], zero_init=False)
-        pipeline_v.consumer_release(kv_state)
+        kv_state is block j-1's ring slot on entry; returns block j's.
+        """
+        v_state = kv_state.clone()
         kv_state.advance()
+        blocks.pipeline_k.consumer_wait(kv_state)
+        blocks.pipeline_v.consumer_wait(v_state)
+        self.pingpong_wait(warp_group)
+        self.gemm(blocks.tiled_mma_qk, blocks.acc_s, blocks.tSrQ, blocks.tSrK[None, None, None, kv_state.index],
+                  zero_init=True, wait_group=-1)
+        self.gemm(blocks.tiled_mma_pv, blocks.acc_o, acc_as_operand_a(blocks.p),
+                  blocks.tOrVt[None, None, None, v_state.index], zero_init=False, wait_group=-1)
+        self.pingpong_yield(warp_group)
+        warpgroup.wait_group(1)
+        blocks.pipeline_k.consumer_release(kv_state)
+        moved = self.softmax_block(blocks, n_block, apply_mask, convert_p=False)
+        # P_{j-1} (registers read by the in-flight WGMMA) and O may be touched only after it retires.
+        warpgroup.wait_group(0)
+        blocks.pipeline_v.consumer_release(v_state)
+        if cute.arch.vote_any_sync(moved):
+            scale_rows(blocks.acc_o_rc, blocks.row_scale)
+        blocks.p.store(blocks.acc_s.load().to(self.dtype))
         return kv_state
 
     @cute.jit
-    def gemm(self, tiled_mma, acc, frag_a, frag_b, zero_init: cutlass.Constexpr[bool]):
-        """acc (+)= A·B over the k blocks, issued as one WGMMA batch and waited on."""
+    def mma_last_pv(self, blocks, kv_state):
+        blocks.pipeline_v.consumer_wait(kv_state)
+        self.gemm(blocks.tiled_mma_pv, blocks.acc_o, acc_as_operand_a(blocks.p),
+                  blocks.tOrVt[None, None, None, kv_state.index], zero_init=False, wait_group=0)
+        blocks.pipeline_v.consumer_release(kv_state)
+
+    @cute.jit
+    def softmax_block(self, blocks, n_block, apply_mask, convert_p: cutlass.Constexpr[bool] = True):
+        """Softcap and mask S in place, then the online-softmax step; P = S in the input dtype."""
+        if cutlass.const_expr(self.has_softcap):
+            for i in cutlass.range_constexpr(cute.size(blocks.acc_s)):
+                blocks.acc_s[i] = cute.math.tanh(blocks.acc_s[i] * blocks.score_prescale, fastmath=True)
+        scores = acc_rows_cols(blocks.acc_s)
+        if cutlass.const_expr(apply_mask is not None):
+            apply_mask(scores, n_block=n_block)
+        moved = blocks.softmax.step(scores, blocks.row_scale)
+        if cutlass.const_expr(convert_p):
+            blocks.p.store(blocks.acc_s.load().to(self.dtype))
+        return moved
+
+    @cute.jit
+    def pingpong_init(self, warp_group):
+        """The second MMA warp group hands the first its initial turn."""
+        if cutlass.const_expr(self.config.pingpong):
+            if warp_group == 1:
+                cute.arch.barrier_arrive(
+                    barrier_id=self.pingpong_barrier_ids[0], number_of_threads=self.num_mma_threads
+                )
+
+    @cute.jit
+    def pingpong_wait(self, warp_group):
+        """Wait for this warp group's turn to issue GEMMs."""
+        if cutlass.const_expr(self.config.pingpong):
+            cute.arch.barrier(
+                barrier_id=self.pingpong_barrier_ids[0] + warp_group, number_of_threads=self.num_mma_threads
+            )
+
+    @cute.jit
+    def pingpong_yield(self, warp_group):
+        """Give the other warp group its turn once this one's GEMMs are issued."""
+        if cutlass.const_expr(self.config.pingpong):
+            cute.arch.barrier_arrive(
+                barrier_id=self.pingpong_barrier_ids[0] + 1 - warp_group, number_of_threads=self.num_mma_threads
+            )
+
+    @cute.jit
+    def gemm(self, tiled_mma, acc, frag_a, frag_b, zero_init: cutlass.Constexpr[bool],
+             wait_group: cutlass.Constexpr[int]):
+        """acc (+)= A·B over the k blocks as one WGMMA batch; then wait until at most `wait_group`
+        batches are in flight (-1: don't wait)."""
         warpgroup.fence()
         # A fresh atom per GEMM: its ACCUMULATE field is mutated across the k loop.
         atom = cute.make_mma_atom(tiled_mma.op)
@@ -391,7 +498,8 @@ class FlashAttentionForwardSm90:
             cute.gemm(atom, acc, frag_a[None, None, k], frag_b[None, None, k], acc)
             atom.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
-        warpgroup.wait_group(0)
+        if cutlass.const_expr(wait_group >= 0):
+            warpgroup.wait_group(wait_group)
 
     @cute.jit
     def epilogue(self, tiled_mma_pv, thr_mma_pv, tidx, acc_o, lse, sO, tma_atom_o, mO, mLSE,
