@@ -50,16 +50,15 @@ class TileConfig:
 
 # 128 query rows = two MMA warp groups of 64. Shared memory bounds tile_n and the ring depth:
 # Q (tile_m·d) plus kv_stages·tile_n·(d + dv), 2 bytes each, under the 227 KB an sm_90 CTA may
-# use. v1 measured these tiles at 0.83-0.97 of the best peer (docs/perf-log.md). Ping-pong is off
-# at d256, whose 128-register O accumulator leaves no room for S and P of two blocks at once
-# (FlashAttention-3's choice too, not yet measured here); the exp2 share goes to the FMA pipes
-# where MUFU is the tighter unit (d64: as many exponentials per block as d128 with half the
-# GEMM work).
+# use. Measured on the H200 (docs/perf-log.md, forward v2): these tiles reach 0.86-0.95 (d64),
+# 0.95-1.06 (d128) and 1.09-1.15 (d256) of the best peer at s >= 4k. Ping-pong is off at d256,
+# whose 128-register O accumulator leaves no room for S and P of two blocks at once
+# (FlashAttention-3's choice too, not yet ablated here). The exp2 polynomial share is 0
+# everywhere: at d64 a 25% share cost 12-16% (353 vs 399 TF/s at s4k), the FMA pipe being the
+# busier unit on Hopper; rescale threshold 8 is FA4's value, not yet ablated here.
 TILE_CONFIGS = {
     64: TileConfig(128, 128, 3, True, SoftmaxConfig(rescale_threshold=8.0, exp2_poly_share=0.0)),
-    96: TileConfig(128, 128, 2, True, SoftmaxConfig(rescale_threshold=8.0)),
     128: TileConfig(128, 128, 2, True, SoftmaxConfig(rescale_threshold=8.0)),
-    192: TileConfig(128, 96, 2, True, SoftmaxConfig(rescale_threshold=8.0)),
     256: TileConfig(128, 64, 2, False, SoftmaxConfig(rescale_threshold=8.0)),
 }
 
