@@ -8,8 +8,10 @@ prints both throughputs, writes a PNG of both curves, and exits non-zero when th
 
 Without a GPU it runs a small fp32 configuration on fa4_jax's pure-JAX reference (a minute or two
 on two CPU cores). On a GPU it runs a larger bf16 configuration on the fa4_jax kernels. All
-visible devices are used, data parallel over the batch (a 1-D `Mesh`, batch sharded with
-`NamedSharding`, parameters replicated).
+visible devices are used through a (data, heads) `Mesh`: the batch is sharded over "data", and
+attention's q/k/v/out over "data" and "heads" when there are an even number of devices and heads
+(`make_mesh`), so each device runs the attention of its own heads with no collective inside
+attention (fa4_jax's partitioning rules); parameters are replicated.
 """
 from __future__ import annotations
 
@@ -119,6 +121,29 @@ class Decoder(nn.Module):
         # Small head init keeps the first logits near uniform, so early steps stay stable.
         head = nn.Dense(self.vocab_size, dtype=dtype, kernel_init=nn.initializers.normal(0.02))
         return head(x).astype(jnp.float32)
+
+
+def make_mesh(num_heads: int) -> Mesh:
+    """All devices as a (data, heads) mesh: 2-way head parallel when devices and heads are even.
+
+    Head parallelism here shards only attention (the dense layers stay data parallel and run
+    replicated over "heads"), so two ways is enough to exercise it without doubling much work.
+    """
+    devices = np.array(jax.devices())
+    head_ways = 2 if devices.size % 2 == 0 and num_heads % 2 == 0 else 1
+    return Mesh(devices.reshape(devices.size // head_ways, head_ways), ("data", "heads"))
+
+
+def head_parallel(attention_fn: Callable, mesh: Mesh) -> Callable:
+    """attention_fn with q, k, v and its output sharded [data, -, heads, -] on `mesh`."""
+    by_heads = NamedSharding(mesh, PartitionSpec("data", None, "heads", None))
+
+    @functools.wraps(attention_fn)  # linen passes the keywords the wrapped signature names
+    def sharded_attention_fn(query, key, value, **kwargs):
+        query, key, value = (jax.lax.with_sharding_constraint(x, by_heads) for x in (query, key, value))
+        return jax.lax.with_sharding_constraint(attention_fn(query, key, value, **kwargs), by_heads)
+
+    return sharded_attention_fn
 
 
 def make_baseline_attention_fn(implementation: str) -> Callable:
@@ -271,7 +296,7 @@ def parse_args(argv):
     parser.add_argument("--steps", type=int, help="training steps (default: the config's)")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the config's)")
     parser.add_argument("--batch", type=int,
-                        help="global batch, a multiple of the device count (default: the config's)")
+                        help="global batch, a multiple of the mesh's data axis (default: the config's)")
     parser.add_argument("--out", default="fa4_jax_demo_loss.png", help="loss-curve PNG path")
     return parser.parse_args(argv)
 
@@ -282,9 +307,10 @@ def resolve_config(args) -> DemoConfig:
                                  **{k: v for k, v in overrides.items() if v is not None})
     if config.steps < 1 or config.seq_len < 1 or config.batch < 1:
         raise SystemExit("--steps, --seq-len and --batch must be positive")
-    if config.batch % jax.device_count():
-        raise SystemExit(f"--batch {config.batch} must be a multiple of the "
-                         f"{jax.device_count()} devices (data parallel over the batch)")
+    data_ways = make_mesh(config.num_heads).shape["data"]
+    if config.batch % data_ways:
+        raise SystemExit(f"--batch {config.batch} must be a multiple of the mesh's data axis "
+                         f"({data_ways}; data parallel over the batch)")
     return config
 
 
@@ -321,21 +347,23 @@ def fa4_backend_choice(config: DemoConfig) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     config = resolve_config(args)
-    mesh = Mesh(np.array(jax.devices()), ("data",))
+    mesh = make_mesh(config.num_heads)
     sampler, vocab_size = make_sampler(config, mesh)
     # cuDNN's attention takes only half precision; XLA's is the baseline everywhere else.
     on_gpu = jax.default_backend() == "gpu"
     baseline_impl = "cudnn" if on_gpu and config.dtype != "float32" else "xla"
 
     print(f"config {args.config}: {config}")
-    print(f"{jax.device_count()} x {jax.devices()[0].device_kind}, data parallel; "
+    print(f"{jax.device_count()} x {jax.devices()[0].device_kind}, mesh "
+          f"{dict(mesh.shape)} (data parallel, attention head parallel); "
           f"corpus {config.corpus_chars:,} chars, vocab {vocab_size}")
     print(f"attention under test: fa4_jax on {jax.default_backend()} "
           f"[{fa4_backend_choice(config)}]; "
           f"baseline: jax.nn.dot_product_attention(implementation={baseline_impl!r})")
 
-    fa4_model = Decoder(vocab_size, config, make_attention_fn(causal=True))
-    baseline_model = Decoder(vocab_size, config, make_baseline_attention_fn(baseline_impl))
+    fa4_model = Decoder(vocab_size, config, head_parallel(make_attention_fn(causal=True), mesh))
+    baseline_model = Decoder(vocab_size, config,
+                             head_parallel(make_baseline_attention_fn(baseline_impl), mesh))
     fa4_losses, fa4_tps = train("fa4_jax", fa4_model, config, sampler, mesh)
     base_losses, base_tps = train(f"jax.nn ({baseline_impl})", baseline_model, config, sampler,
                                   mesh)

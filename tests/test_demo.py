@@ -2,9 +2,11 @@
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+import fa4_jax
 from fa4_jax import demo
 from fa4_jax.flax import make_attention_fn
 
@@ -56,3 +58,17 @@ def test_non_causal_attention_is_caught_by_the_loss_comparison():
     leaky_losses, _ = demo.train("leaky", leaky, config, sampler, mesh)
     causal_losses, _ = demo.train("causal", causal, config, sampler, mesh)
     assert not demo.compare_curves(leaky_losses, causal_losses, config.dtype).agree
+
+
+def test_head_parallel_attention_is_local_per_head_shard(next_key):
+    """The demo's (data, heads) mesh: attention equals unsharded, output stays head-sharded, and
+    the compiled step gathers nothing (each device attends with its own heads)."""
+    mesh = demo.make_mesh(num_heads=4)
+    assert dict(mesh.shape) == {"data": jax.device_count() // 2, "heads": 2}
+    q, k, v = (jax.random.normal(next_key(), (8, 32, 4, 16), jnp.float32) for _ in range(3))
+    sharded = jax.jit(demo.head_parallel(make_attention_fn(causal=True), mesh))
+    out = sharded(q, k, v)
+    assert out.sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec("data", None, "heads")), out.ndim)
+    np.testing.assert_allclose(out, fa4_jax.attention(q, k, v, causal=True), atol=1e-5, rtol=1e-5)
+    compiled = sharded.lower(q, k, v).compile().as_text()
+    assert "all-gather" not in compiled and "all-to-all" not in compiled
