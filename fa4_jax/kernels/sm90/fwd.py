@@ -74,12 +74,6 @@ def _smem_layout(dtype, rows: int, cols: int, stages: int | None = None):
     return cute.tile_to_shape(atom, shape, order=tuple(range(len(shape))))
 
 
-def _transpose(tensor: cute.Tensor) -> cute.Tensor:
-    """Swap the first two modes (a view: V as (dv, tile_n) for the P·V B operand)."""
-    rank = cute.rank(tensor.layout)
-    return cute.make_tensor(tensor.iterator, cute.select(tensor.layout, mode=[1, 0, *range(2, rank)]))
-
-
 @dataclasses.dataclass(frozen=True)
 class _BlockOperands:
     """What every key block of one MMA warp group touches: MMAs, fragments, softmax state, rings."""
@@ -343,7 +337,8 @@ class FlashAttentionForwardSm90:
 
         tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
         tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
-        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(_transpose(sV)))
+        # V viewed as (dv, tile_n): the P·V B operand, MN-major over the same swizzled tiles.
+        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(_permute(sV, (1, 0, 2))))
         acc_o = thr_mma_pv.make_fragment_C(thr_mma_pv.partition_shape_C((self.tile_m, self.head_dim_v)))
         acc_o.fill(0.0)
         acc_o_rc = acc_rows_cols(acc_o)
