@@ -11,49 +11,94 @@ import importlib
 import json
 import sys
 
-# Which kernel class implements an arch. sm_100a is plumbed through but has no kernel yet.
-KERNELS = {"sm_90a": "fa4_jax.kernels.sm90.fwd:FlashAttentionForwardSm90"}
+# Which kernel class implements a (kind, arch). sm_100a is plumbed through but has no kernel yet.
+KERNELS = {
+    ("fwd", "sm_90a"): "fa4_jax.kernels.sm90.fwd:FlashAttentionForwardSm90",
+    ("bwd", "sm_90a"): "fa4_jax.kernels.sm90.bwd:FlashAttentionBackwardSm90",
+}
 
 # Base pointers of XLA buffers are at least 16-byte aligned; TMA needs exactly that.
 _ALIGN = 16
 
+# The backward's fp32 workspaces cover the query rows rounded up to this, so every query tile of
+# up to 128 rows reads and writes them without bounds checks; the FFI handler mirrors it.
+BWD_SEQ_PAD = 128
+# The deterministic backward keeps one counter per this many (padded) query rows: the smallest
+# query tile a backward kernel may use.
+BWD_SEMAPHORE_ROWS = 64
 
-# The kernel's tensor arguments: name, dtype ("io" = the variant's dtype) and row-major dims.
-# Lower-case dims are dynamic (runtime values from the buffers' shapes); "d"/"dv" are the
-# variant's static head dims. ffi codegen reads this too, to fill the exported structs.
-TENSORS = (
-    ("mQ", "io", ("b", "sq", "h", "d")),
-    ("mK", "io", ("b", "sk", "hk", "d")),
-    ("mV", "io", ("b", "sk", "hk", "dv")),
-    ("mO", "io", ("b", "sq", "h", "dv")),
-    ("mLSE", "f32", ("b", "h", "sq")),
-)
+# Each kind's tensor arguments, in call order: name, dtype ("io" = the variant's dtype) and
+# row-major dims. Lower-case dims are dynamic (runtime values the handler derives from the
+# buffers' shapes); "d"/"dv" are the variant's static head dims. ffi codegen reads this too, to
+# fill the exported structs.
+#   sq_pad   = seqlen_q rounded up to BWD_SEQ_PAD
+#   m_blocks = sq_pad / BWD_SEMAPHORE_ROWS
+# Backward workspaces (results of the FFI call, so XLA owns them; the handler zeroes dq_accum and
+# semaphore before the launch; the kernels own the other two): mdQaccum accumulates dS·K in fp32
+# (dQ = softmax_scale · dQaccum, written to mdQ by the last pass), mdPsum holds
+# D = rowsum(dO ∘ O) - dLSE, mLSElog2 holds lse · log2(e), and mSemaphore orders the dQ
+# accumulation in deterministic mode.
+TENSORS = {
+    "fwd": (
+        ("mQ", "io", ("b", "sq", "h", "d")),
+        ("mK", "io", ("b", "sk", "hk", "d")),
+        ("mV", "io", ("b", "sk", "hk", "dv")),
+        ("mO", "io", ("b", "sq", "h", "dv")),
+        ("mLSE", "f32", ("b", "h", "sq")),
+    ),
+    "bwd": (
+        ("mQ", "io", ("b", "sq", "h", "d")),
+        ("mK", "io", ("b", "sk", "hk", "d")),
+        ("mV", "io", ("b", "sk", "hk", "dv")),
+        ("mO", "io", ("b", "sq", "h", "dv")),
+        ("mdO", "io", ("b", "sq", "h", "dv")),
+        ("mLSE", "f32", ("b", "h", "sq")),
+        ("mdLSE", "f32", ("b", "h", "sq")),
+        ("mdQ", "io", ("b", "sq", "h", "d")),
+        ("mdK", "io", ("b", "sk", "hk", "d")),
+        ("mdV", "io", ("b", "sk", "hk", "dv")),
+        ("mdQaccum", "f32", ("b", "h", "sq_pad", "d")),
+        ("mdPsum", "f32", ("b", "h", "sq_pad")),
+        ("mLSElog2", "f32", ("b", "h", "sq_pad")),
+        ("mSemaphore", "i32", ("b", "h", "m_blocks")),
+    ),
+}
+DYNAMIC_DIMS = ("b", "sq", "sk", "h", "hk", "sq_pad", "m_blocks")
 STATIC_DIMS = ("d", "dv")
+
+# Each kind's scalar arguments after the tensors (then the CUDA stream): name and dtype.
+# deterministic is 0 or 1: 1 fixes the order of every floating-point reduction across CTAs.
+SCALARS = {
+    "fwd": (("softmax_scale", "f32"), ("softcap", "f32"), ("window_left", "i32"),
+            ("window_right", "i32")),
+    "bwd": (("softmax_scale", "f32"), ("softcap", "f32"), ("window_left", "i32"),
+            ("window_right", "i32"), ("deterministic", "i32")),
+}
 
 
 def fake_args(variant):
-    """Fake (q, k, v, out, lse, softmax_scale, softcap, window_left, window_right, stream).
+    """Fake tensors of TENSORS[variant.kind], then SCALARS[variant.kind], then a stream.
 
-    Row-major compact tensors as JAX lays them out. b, sq, sk, h, hk are dynamic, one sym_int
-    each, shared between tensors where they are equal; d and dv are static, so every stride of
-    q/k/v/o but the last is a known multiple of d (>= 8 elements = 16 bytes), as TMA requires.
+    Row-major compact tensors as JAX lays them out. Dynamic dims are one sym_int each, shared
+    between tensors; d and dv are static, so every stride of q/k/v/o but the last is a known
+    multiple of d (>= 8 elements = 16 bytes), as TMA requires.
     """
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
-    dims = {s: cute.sym_int(symbol=s) for s in ("b", "sq", "sk", "h", "hk")}
+    dims = {s: cute.sym_int(symbol=s) for s in DYNAMIC_DIMS}
     dims.update(d=variant.head_dim, dv=variant.head_dim_v)
-    dtypes = {"io": _dsl_dtype(variant.dtype), "f32": cutlass.Float32}
+    dtypes = {"io": _dsl_dtype(variant.dtype), "f32": cutlass.Float32, "i32": cutlass.Int32}
 
     def row_major(dtype, names):
         order = tuple(reversed(range(len(names))))  # last mode fastest
         return make_fake_compact_tensor(dtypes[dtype], tuple(dims[n] for n in names),
                                         stride_order=order, assumed_align=_ALIGN)
 
-    tensors = tuple(row_major(dtype, names) for _, dtype, names in TENSORS)
-    return (*tensors, cutlass.Float32(1.0), cutlass.Float32(0.0), cutlass.Int32(0),
-            cutlass.Int32(0), make_fake_stream())
+    tensors = tuple(row_major(dtype, names) for _, dtype, names in TENSORS[variant.kind])
+    scalars = tuple(dtypes[dtype](0) for _, dtype in SCALARS[variant.kind])
+    return (*tensors, *scalars, make_fake_stream())
 
 
 def _dsl_dtype(dtype: str):
@@ -69,7 +114,7 @@ def compile_variant(variant, kernel: str, out_dir: str) -> None:
     module, cls = kernel.split(":")
     kernel_cls = getattr(importlib.import_module(module), cls)
     kernel_obj = kernel_cls(_dsl_dtype(variant.dtype), variant.head_dim, variant.head_dim_v,
-                            variant.mask, variant.softcap)
+                            variant.mask, variant.softcap, **variant.tuning_kwargs)
     # --keep-cubin writes into CUTE_DSL_DUMP_DIR, read when the DSL is imported: the caller sets it.
     compiled = cute.compile(kernel_obj, *fake_args(variant),
                             options=f"--gpu-arch {variant.arch} --keep-cubin")

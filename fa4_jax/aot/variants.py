@@ -1,4 +1,4 @@
-"""The menu of ahead-of-time compiled forward variants, and the rule that picks one for a call.
+"""The menu of ahead-of-time compiled variants, and the rule that picks one for a call.
 
 The selection rule is mirrored in ffi/fa4_fwd.cc (`SelectMask`); change both together.
 """
@@ -12,6 +12,11 @@ ARCHES = ("sm_90a", "sm_100a")
 DTYPES = ("bf16", "fp16")
 HEAD_DIMS = ((64, 64), (128, 128), (256, 256))
 MASKS = ("none", "causal", "local")
+KINDS = ("fwd", "bwd")
+# Named overrides of a kernel's tuned settings, passed to its constructor as keyword arguments.
+# "default" is what users get; the others exist for the ablations in docs/perf-log.md and are
+# reachable only through the benchmark (`ffi.forward(..., tuning=NAME)`).
+TUNINGS: dict[str, dict] = {"default": {}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,9 +27,12 @@ class Variant:
     head_dim_v: int
     mask: str
     softcap: bool
+    kind: str = "fwd"
+    tuning: str = "default"
 
     def __post_init__(self):
-        if self.arch not in ARCHES or self.dtype not in DTYPES or self.mask not in MASKS:
+        if (self.arch not in ARCHES or self.dtype not in DTYPES or self.mask not in MASKS
+                or self.kind not in KINDS or self.tuning not in TUNINGS):
             raise ValueError(f"not a valid variant: {self!r}")
 
     @property
@@ -33,7 +41,13 @@ class Variant:
         arch = self.arch.replace("_", "")
         mask = "" if self.mask == "none" else f"_{self.mask}"
         softcap = "_softcap" if self.softcap else ""
-        return f"fwd_{arch}_{self.dtype}_d{self.head_dim}_dv{self.head_dim_v}{mask}{softcap}"
+        tuning = "" if self.tuning == "default" else f"_t{self.tuning}"
+        return (f"{self.kind}_{arch}_{self.dtype}_d{self.head_dim}_dv{self.head_dim_v}"
+                f"{mask}{softcap}{tuning}")
+
+    @property
+    def tuning_kwargs(self) -> dict:
+        return dict(TUNINGS[self.tuning])
 
     def to_json(self) -> dict:
         return {"name": self.name, **dataclasses.asdict(self)}
