@@ -2,6 +2,9 @@
 
 Peers: fa4_jax (implementation="cute"), jax.nn.dot_product_attention with implementation="cudnn"
 and "xla", and the Pallas Mosaic GPU kernel (jax.experimental.pallas.ops.gpu.attention_mgpu, fp16).
+fa4_jax's own rows: "fa4_jax_det" (deterministic=True; forward+backward only) and, with
+--fa4-tunings A,B, "fa4_jax:A" ... (the forward kernel under a named tuning of
+fa4_jax.aot.variants.TUNINGS, for ablations). Only the JAX peers count as "best peer".
 Grid (ANCHORS.md): batch·seqlen = 16384 tokens, heads = 2048 / head_dim, head dims 64/128/256,
 seqlen 1024/4096/16384, causal and not, forward and forward+backward.
 
@@ -125,17 +128,49 @@ class Candidate:
 # Peers. Each takes (case, settings) and returns candidates; the fastest one is reported.
 
 
-def fa4_jax_candidates(case: Case, settings: Settings) -> list[Candidate]:
+def _fa4_jax():
     try:
-        attention = importlib.import_module("fa4_jax").attention
+        return importlib.import_module("fa4_jax")
     except Exception as error:  # the package is being written; peers still run without it
         raise Skip(f"fa4_jax not importable: {type(error).__name__}: {error}") from None
+
+
+def fa4_jax_candidates(case: Case, settings: Settings, deterministic: bool = False
+                       ) -> list[Candidate]:
+    attention = _fa4_jax().attention
     implementation = settings.fa4_implementation
 
     def attend(q, k, v):
-        return attention(q, k, v, causal=case.causal, implementation=implementation)
+        return attention(q, k, v, causal=case.causal, deterministic=deterministic,
+                         implementation=implementation)
 
-    return [Candidate({"implementation": implementation}, attend, DTYPES[settings.dtype])]
+    config = {"implementation": implementation, "deterministic": deterministic}
+    return [Candidate(config, attend, DTYPES[settings.dtype])]
+
+
+def fa4_jax_deterministic_candidates(case: Case, settings: Settings) -> list[Candidate]:
+    if case.mode == "fwd":
+        raise Skip("deterministic mode changes the backward only")
+    return fa4_jax_candidates(case, settings, deterministic=True)
+
+
+def fa4_jax_tuning_candidates(tuning: str):
+    """The forward kernel under a named tuning (an ablation row), called through ffi.forward."""
+    def candidates(case: Case, settings: Settings) -> list[Candidate]:
+        _fa4_jax()
+        from fa4_jax import ffi
+        from fa4_jax.api import attention_params
+
+        if case.mode != "fwd":
+            raise Skip("tunings are forward ablations")
+
+        def attend(q, k, v):
+            params = attention_params(q, k, v, causal=case.causal, implementation="cute")
+            return ffi.forward(q, k, v, params, tuning=tuning)[0]
+
+        return [Candidate({"tuning": tuning}, attend, DTYPES[settings.dtype])]
+
+    return candidates
 
 
 def dot_product_attention_candidates(implementation: str):
@@ -192,11 +227,16 @@ def mgpu_candidates(case: Case, settings: Settings) -> list[Candidate]:
 
 PEERS = {
     "fa4_jax": fa4_jax_candidates,
+    "fa4_jax_det": fa4_jax_deterministic_candidates,
     "cudnn": dot_product_attention_candidates("cudnn"),
     "xla": dot_product_attention_candidates("xla"),
     "mgpu": mgpu_candidates,
 }
-PEER_LABELS = {"cudnn": "JAX cuDNN", "xla": "JAX XLA", "mgpu": "Pallas MGPU (fp16)"}
+PEER_LABELS = {"cudnn": "JAX cuDNN", "xla": "JAX XLA", "mgpu": "Pallas MGPU (fp16)",
+               "fa4_jax_det": "fa4_jax (cute, deterministic)"}
+# The peers fa4_jax is measured against ("best peer"): what a JAX user has today.
+JAX_PEERS = ("cudnn", "xla", "mgpu")
+TUNING_PREFIX = "fa4_jax:"
 # The ANCHORS.md column measured with the same peer: a drift check of the machine and the timer.
 ANCHOR_COLUMN = {"cudnn": "jax_cudnn", "xla": "jax_xla", "mgpu": "pallas_mgpu"}
 
@@ -208,7 +248,15 @@ ANCHOR_COLUMN = {"cudnn": "jax_cudnn", "xla": "jax_xla", "mgpu": "pallas_mgpu"}
 def peer_label(peer: str, settings: Settings) -> str:
     if peer == "fa4_jax":
         return f"fa4_jax ({settings.fa4_implementation})"
+    if peer.startswith(TUNING_PREFIX):
+        return f"fa4_jax (tuning {peer[len(TUNING_PREFIX):]})"
     return PEER_LABELS[peer]
+
+
+def peer_candidates(peer: str) -> Callable:
+    if peer.startswith(TUNING_PREFIX):
+        return fa4_jax_tuning_candidates(peer[len(TUNING_PREFIX):])
+    return PEERS[peer]
 
 
 def make_step(attend: Callable, mode: str) -> Callable:
@@ -334,7 +382,7 @@ def measure(case: Case, peer: str, input_sets_of: Callable, settings: Settings,
         return record(case, peer, "skipped",
                       note=f"predicted {predicted:.3g} s per call > --max-call-s")
     try:
-        candidates = PEERS[peer](case, settings)
+        candidates = peer_candidates(peer)(case, settings)
         candidate, timing, tried = measure_candidates(case, candidates, input_sets_of, settings)
     except OutOfTime:
         raise
@@ -412,7 +460,7 @@ def row_comparison(by_key: dict, row: tuple, peers: list[str], settings: Setting
     of those and of ANCHORS.md's figures for peers outside JAX (FA4 upstream, torch)."""
     tflops = {p: by_key[(*row, p)]["tflops"] for p in peers
               if (*row, p) in by_key and by_key[(*row, p)]["status"] == "ok"}
-    best_here = max((v for p, v in tflops.items() if p != "fa4_jax"), default=None)
+    best_here = max((v for p, v in tflops.items() if p in JAX_PEERS), default=None)
     outside = anchors.best_non_jax_anchor(*row) if settings.matches_anchors else None
     bar = max((v for v in (best_here, outside) if v is not None), default=None)
     fa4 = tflops.get("fa4_jax")
@@ -559,7 +607,9 @@ def parse_args(argv):
     p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     p.add_argument("--modes", type=name_list(MODES), default=MODES, help="fwd,fwd_bwd")
     p.add_argument("--peers", type=name_list(PEERS), default=tuple(PEERS),
-                   help="fa4_jax,cudnn,xla,mgpu")
+                   help="fa4_jax,fa4_jax_det,cudnn,xla,mgpu")
+    p.add_argument("--fa4-tunings", type=lambda text: tuple(text.split(",")), default=(),
+                   help="forward ablation rows: names from fa4_jax.aot.variants.TUNINGS")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
     p.add_argument("--tokens", type=int, help="batch·seqlen (16384)")
     p.add_argument("--hidden", type=int, help="heads·head_dim (2048)")
@@ -603,7 +653,7 @@ def main(argv=None) -> int:
         max_xla_seqlen=args.max_xla_seqlen, fa4_implementation=args.fa4_implementation)
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     cases = cases_in_priority_order(settings, args.modes, args.head_dims, args.seqlens, causals)
-    peers = list(args.peers)
+    peers = list(args.peers) + [TUNING_PREFIX + name for name in args.fa4_tunings]
     os.makedirs(args.out, exist_ok=True)
     json_path = os.path.join(args.out, "results.json")
     meta = dict(

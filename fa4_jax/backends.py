@@ -1,11 +1,11 @@
 """The single-device attention forward and backward, dispatched on `params.implementation`.
 
 These are the per-shard bodies: `sharding.py` runs them on each device's block of the inputs,
-so what runs here never sees a collective. The backward pass has not got its kernels yet: for
-every backend it recomputes attention through the pure-JAX reference in float32 and takes its
-VJP (`jax.vjp` of `reference.attention_reference`), honouring the kernels' contract (see
-`backward`). Gradients are therefore correct but run at reference speed and memory;
-`params.deterministic` holds trivially (the reference has no atomics).
+so what runs here never sees a collective. With implementation "cute" both passes run the
+compiled kernels (`ffi.forward`, `ffi.backward`); the reference backward recomputes attention
+through the pure-JAX reference in float32 and takes its VJP, honouring the same contract (see
+`backward`). `params.deterministic` reaches the backward kernel as a static attribute; the
+reference is deterministic anyway (no atomics).
 """
 from __future__ import annotations
 
@@ -38,7 +38,13 @@ def backward(q, k, v, out, lse, d_out, d_lse, params: AttentionParams):
       out: [batch, seqlen_q, heads_q, head_dim_v]; lse: [batch, heads_q, seqlen_q] float32.
       d_out: the cotangent of out, like out; d_lse: the cotangent of lse, like lse.
     """
-    # Stand-in for the fa4_bwd kernels: the VJP of the fp32 reference on this block, whose own
+    if params.implementation == "cute" and ffi.unsupported_reason(q, k, v, params, "bwd") is None:
+        return ffi.backward(q, k, v, out, lse, d_out, d_lse, params)
+    return _reference_backward(q, k, v, out, lse, d_out, d_lse, params)
+
+
+def _reference_backward(q, k, v, out, lse, d_out, d_lse, params):
+    # The VJP of the fp32 reference on this block, whose own
     # (block_out, block_lse) enter the given statistics as out = Σ_blocks w · block_out,
     # lse = log Σ_blocks exp(block_lse), with w = exp(block_lse - lse). The chain rule maps
     # the cotangents onto the block: w · d_out, and w · (d_lse + <d_out, block_out - out>).

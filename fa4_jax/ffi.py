@@ -4,9 +4,12 @@ Contract used by `vjp.py` and `api.py`:
 
 - `is_available() -> bool`: the library is built, loads, and its targets are registered for CUDA,
   and the default device is a CUDA device of a compiled arch. Never raises.
-- `unsupported_reason(q, k, v, params) -> str | None`: None when a compiled variant serves this
-  call on the current default device, else a sentence saying why not (names the missing variant).
+- `unsupported_reason(q, k, v, params, kind="fwd") -> str | None`: None when a compiled variant
+  of `kind` ("fwd" or "bwd") serves this call on the current default device, else a sentence
+  saying why not (names the missing variant).
 - `forward(q, k, v, params) -> (out, lse)`: the `fa4_fwd_v1` custom call.
+- `backward(q, k, v, out, lse, d_out, d_lse, params) -> (dq, dk, dv)`: the `fa4_bwd_v1` custom
+  call; its fp32 workspaces are extra results XLA allocates and this function drops.
 
 The library is fa4_jax/_lib/libfa4_jax.so (FA4_JAX_LIBRARY overrides), built by
 `python -m fa4_jax.aot.build`; fa4_jax/_lib/variants.json lists the variants compiled into it.
@@ -21,6 +24,7 @@ import os
 import numpy as np
 
 FWD_TARGET = "fa4_fwd_v1"
+BWD_TARGET = "fa4_bwd_v1"
 _LIB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lib")
 # Compute capability -> the arch the variants are compiled for.
 _ARCH_OF_CC = {"9.0": "sm_90a", "10.0": "sm_100a"}
@@ -44,11 +48,14 @@ def _load() -> tuple[frozenset[str], str | None]:
             compiled = frozenset(v["name"] for v in json.load(f))
         import jax.ffi
 
-        jax.ffi.register_ffi_target(
-            FWD_TARGET,
-            {"instantiate": jax.ffi.pycapsule(lib.Fa4FwdInstantiate),
-             "execute": jax.ffi.pycapsule(lib.Fa4FwdExecute)},
-            platform="CUDA")
+        for target, instantiate, execute in (
+                (FWD_TARGET, lib.Fa4FwdInstantiate, lib.Fa4FwdExecute),
+                (BWD_TARGET, lib.Fa4BwdInstantiate, lib.Fa4BwdExecute)):
+            jax.ffi.register_ffi_target(
+                target,
+                {"instantiate": jax.ffi.pycapsule(instantiate),
+                 "execute": jax.ffi.pycapsule(execute)},
+                platform="CUDA")
     except Exception as e:  # noqa: BLE001 - any failure means "not available", with the reason
         return frozenset(), f"the fa4_jax kernel library at {path} does not load: {e}"
     return compiled, None
@@ -83,14 +90,15 @@ def is_available() -> bool:
         return False
 
 
-def _variant(q, k, v, params, arch: str):
+def _variant(q, k, v, params, arch: str, kind: str, tuning: str = "default"):
     from fa4_jax.aot.variants import select
 
     return select(_DTYPE_NAMES[str(q.dtype)], q.shape[-1], v.shape[-1], params.causal,
-                  params.window_left, params.window_right, params.softcap is not None, arch=arch)
+                  params.window_left, params.window_right, params.softcap is not None, arch=arch,
+                  kind=kind, tuning=tuning)
 
 
-def unsupported_reason(q, k, v, params) -> str | None:
+def unsupported_reason(q, k, v, params, kind: str = "fwd", tuning: str = "default") -> str | None:
     compiled, reason = _load()
     if reason is not None:
         return reason
@@ -103,7 +111,7 @@ def unsupported_reason(q, k, v, params) -> str | None:
         return f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})"
     if k.shape[-1] != q.shape[-1]:
         return f"head dims of q ({q.shape[-1]}) and k ({k.shape[-1]}) differ"
-    variant = _variant(q, k, v, params, arch)
+    variant = _variant(q, k, v, params, arch, kind, tuning)
     if variant.name not in compiled:
         return (f"variant {variant.name} (head dim {variant.head_dim}, head dim of v "
                 f"{variant.head_dim_v}) is not compiled into {library_path()}")
@@ -114,21 +122,66 @@ def _window(w: int | None) -> np.int32:
     return np.int32(-1 if w is None else w)
 
 
-def forward(q, k, v, params):
-    """(out [b, sq, h, dv] in q's dtype, lse [b, h, sq] float32) from the compiled kernel."""
+def _static_attrs(params, tuning: str) -> dict:
+    return dict(softmax_scale=np.float32(params.softmax_scale),
+                causal=bool(params.causal),
+                window_left=_window(params.window_left),
+                window_right=_window(params.window_right),
+                softcap=np.float32(params.softcap or 0.0),
+                tuning=tuning)
+
+
+def _require(q, k, v, params, kind: str, tuning: str) -> None:
+    reason = unsupported_reason(q, k, v, params, kind, tuning)
+    if reason is not None:
+        raise RuntimeError(f"fa4_jax {kind} kernel unavailable: {reason}")
+
+
+def forward(q, k, v, params, tuning: str = "default"):
+    """(out [b, sq, h, dv] in q's dtype, lse [b, h, sq] float32) from the compiled kernel.
+
+    `tuning` names a kernel setting from `fa4_jax.aot.variants.TUNINGS` ("default" is what
+    `fa4_jax.attention` runs; the others exist for the benchmark's ablations).
+    """
     import jax
 
-    reason = unsupported_reason(q, k, v, params)
-    if reason is not None:
-        raise RuntimeError(f"fa4_jax kernel unavailable: {reason}")
+    _require(q, k, v, params, "fwd", tuning)
     b, sq, h, _ = q.shape
     dv = v.shape[-1]
     call = jax.ffi.ffi_call(
         FWD_TARGET,
         (jax.ShapeDtypeStruct((b, sq, h, dv), q.dtype), jax.ShapeDtypeStruct((b, h, sq), np.float32)))
-    return call(q, k, v,
-                softmax_scale=np.float32(params.softmax_scale),
-                causal=bool(params.causal),
-                window_left=_window(params.window_left),
-                window_right=_window(params.window_right),
-                softcap=np.float32(params.softcap or 0.0))
+    return call(q, k, v, **_static_attrs(params, tuning))
+
+
+def backward(q, k, v, out, lse, d_out, d_lse, params, tuning: str = "default"):
+    """(dq, dk, dv), each in its input's shape and dtype, from the compiled backward kernels.
+
+    out and lse are the statistics the gradient is taken at (see `backends.backward`); d_lse is
+    the cotangent of lse (zeros when only out is differentiated). `params.deterministic` selects
+    the fixed-order dQ accumulation. The fp32 workspaces (dQ accumulator [b, h, sq_pad, d],
+    D and lse·log2(e) [b, h, sq_pad], semaphores [b, h, sq_pad / 64]) are results of the call,
+    so XLA owns and reuses their memory.
+    """
+    import jax
+
+    from fa4_jax.aot.compile import BWD_SEMAPHORE_ROWS, BWD_SEQ_PAD
+
+    _require(q, k, v, params, "bwd", tuning)
+    b, sq, h, d = q.shape
+    sq_pad = -(-sq // BWD_SEQ_PAD) * BWD_SEQ_PAD
+    f32 = np.float32
+    results = (
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct(k.shape, k.dtype),
+        jax.ShapeDtypeStruct(v.shape, v.dtype),
+        jax.ShapeDtypeStruct((b, h, sq_pad, d), f32),
+        jax.ShapeDtypeStruct((b, h, sq_pad), f32),
+        jax.ShapeDtypeStruct((b, h, sq_pad), f32),
+        jax.ShapeDtypeStruct((b, h, sq_pad // BWD_SEMAPHORE_ROWS), np.int32),
+    )
+    call = jax.ffi.ffi_call(BWD_TARGET, results)
+    dq, dk, dv, *_workspaces = call(
+        q, k, v, out.astype(q.dtype), d_out.astype(q.dtype), lse.astype(f32), d_lse.astype(f32),
+        deterministic=bool(params.deterministic), **_static_attrs(params, tuning))
+    return dq, dk, dv

@@ -1,37 +1,58 @@
-// The uniform interface to the compiled forward variants. The table itself is generated from the
-// variant menu (fa4_jax/aot/codegen.py -> build/aot/dispatch.cc).
+// The uniform interface to the compiled variants. The table itself is generated from the variant
+// menu (fa4_jax/aot/codegen.py -> build/aot/dispatch.cc).
 #pragma once
 
 #include <cstdint>
 
 #include <cuda_runtime.h>
 
+enum class Fa4Kind { kFwd, kBwd };
 enum class Fa4Dtype { kBF16, kF16 };
 
-// One launch: device pointers, the dynamic dims, and the kernel's runtime scalars.
-struct Fa4FwdArgs {
-  void* q;
-  void* k;
-  void* v;
-  void* out;
-  void* lse;
-  int32_t b, seqlen_q, seqlen_k, heads, heads_k;
-  float softmax_scale, softcap;
-  int32_t window_left, window_right;
+// One launch of either kind: device pointers, the dynamic dims and the kernel's runtime scalars.
+// A kind reads the fields of its tensors in fa4_jax/aot/compile.py (TENSORS, SCALARS); the rest
+// stay unset.
+struct Fa4Args {
+  // forward and backward inputs; the forward writes out and lse
+  void* q = nullptr;
+  void* k = nullptr;
+  void* v = nullptr;
+  void* out = nullptr;
+  void* lse = nullptr;
+  // backward only
+  void* d_out = nullptr;
+  void* d_lse = nullptr;
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+  void* dq_accum = nullptr;
+  void* dpsum = nullptr;
+  void* lse_log2 = nullptr;
+  void* semaphore = nullptr;
+  int32_t b = 0, seqlen_q = 0, seqlen_k = 0, heads = 0, heads_k = 0;
+  int32_t seqlen_q_pad = 0, semaphore_blocks = 0;  // backward workspaces, see compile.py
+  float softmax_scale = 1.0f, softcap = 0.0f;
+  int32_t window_left = 0, window_right = 0;
+  int32_t deterministic = 0;
 };
 
-struct Fa4FwdVariant {
+struct Fa4Variant {
   const char* name;  // = fa4_jax.aot.variants.Variant.name
+  Fa4Kind kind;
   const char* arch;  // "sm_90a", "sm_100a"
   Fa4Dtype dtype;
   int head_dim, head_dim_v;
   const char* mask;  // "none", "causal", "local"
   bool softcap;
+  const char* tuning;  // "default", or an ablation's name (variants.TUNINGS)
   // Loads the module onto every visible device, once per process; later calls return the result.
   cudaError_t (*load)();
   // The exported launcher's return code (0 = launched).
-  int32_t (*launch)(const Fa4FwdArgs& args, cudaStream_t stream);
+  int32_t (*launch)(const Fa4Args& args, cudaStream_t stream);
 };
 
-extern const Fa4FwdVariant kFa4FwdVariants[];
-extern const int kFa4FwdVariantCount;
+extern const Fa4Variant kFa4Variants[];
+extern const int kFa4VariantCount;
+// Backward workspace geometry (fa4_jax/aot/compile.py BWD_SEQ_PAD, BWD_SEMAPHORE_ROWS).
+extern const int kFa4BwdSeqPad;
+extern const int kFa4BwdSemaphoreRows;

@@ -28,6 +28,7 @@ def library() -> Path:
 def test_library_loads_and_exports_handlers(library):
     lib = ctypes.CDLL(str(library))
     assert lib.Fa4FwdInstantiate and lib.Fa4FwdExecute
+    assert lib.Fa4BwdInstantiate and lib.Fa4BwdExecute
 
 
 def test_library_needs_only_libc(library):
@@ -103,7 +104,7 @@ _BROKEN_KERNEL = """
     import cutlass.cute as cute
 
     class Broken:
-        def __init__(self, dtype, head_dim, head_dim_v, mask, has_softcap):
+        def __init__(self, dtype, head_dim, head_dim_v, mask, has_softcap, **tuning):
             pass
 
         @cute.jit
@@ -120,7 +121,7 @@ def test_broken_variant_fails_loudly(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FA4_JAX_CACHE_DIR", str(tmp_path / "cache"))
     victim = variants.MENU[0]
     monkeypatch.setattr(variants, "MENU", (victim,))
-    monkeypatch.setitem(aot_compile.KERNELS, "sm_90a", "broken_kernel:Broken")
+    monkeypatch.setitem(aot_compile.KERNELS, ("fwd", "sm_90a"), "broken_kernel:Broken")
     assert build.main(["--jobs", "1"]) == 1
     err = capsys.readouterr().err
     assert "BUILD FAILED" in err and f"variant {victim.name} FAILED" in err

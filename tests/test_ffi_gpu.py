@@ -60,9 +60,12 @@ def test_forward_matches_naive(dtype, d, mask, softcap):
 
 
 def test_missing_variant_is_named():
-    q = jnp.ones((1, 8, 2, 96), jnp.bfloat16)
-    reason = ffi.unsupported_reason(q, q, q, AttentionParams(softmax_scale=0.1))
-    assert reason is not None and "fwd_sm90a_bf16_d96_dv96" in reason
+    q = jnp.ones((1, 8, 2, 80), jnp.bfloat16)
+    params = AttentionParams(softmax_scale=0.1)
+    reason = ffi.unsupported_reason(q, q, q, params)
+    assert reason is not None and "fwd_sm90a_bf16_d80_dv80" in reason
+    reason = ffi.unsupported_reason(q, q, q, params, "bwd")
+    assert reason is not None and "bwd_sm90a_bf16_d80_dv80" in reason
 
 
 def test_handler_rejects_bad_shapes():
@@ -71,6 +74,24 @@ def test_handler_rejects_bad_shapes():
     call = jax.ffi.ffi_call(ffi.FWD_TARGET, (jax.ShapeDtypeStruct((1, 8, 2, 64), jnp.bfloat16),
                                               jax.ShapeDtypeStruct((1, 2, 8), jnp.float32)))
     with pytest.raises(Exception, match="multiple of heads"):
-        jax.block_until_ready(call(q, k, k, softmax_scale=np.float32(1), causal=False,
-                                   window_left=np.int32(-1), window_right=np.int32(-1),
-                                   softcap=np.float32(0)))
+        jax.block_until_ready(call(q, k, k, **_ATTRS))
+
+
+_ATTRS = dict(softmax_scale=np.float32(1), causal=False, window_left=np.int32(-1),
+              window_right=np.int32(-1), softcap=np.float32(0), tuning="default")
+
+
+def test_backward_handler_rejects_a_wrong_workspace():
+    b, s, h, d = 1, 100, 2, 64
+    q = jnp.ones((b, s, h, d), jnp.bfloat16)
+    stats = jnp.zeros((b, h, s), jnp.float32)
+    sq_pad = 128
+    results = [jax.ShapeDtypeStruct(q.shape, q.dtype)] * 3 + [
+        jax.ShapeDtypeStruct((b, h, sq_pad, d), jnp.float32),
+        jax.ShapeDtypeStruct((b, h, s), jnp.float32),  # dpsum must be padded to sq_pad
+        jax.ShapeDtypeStruct((b, h, sq_pad), jnp.float32),
+        jax.ShapeDtypeStruct((b, h, sq_pad // 64), jnp.int32),
+    ]
+    call = jax.ffi.ffi_call(ffi.BWD_TARGET, results)
+    with pytest.raises(Exception, match=r"dpsum has shape \[1, 2, 100\], expected \[1, 2, 128\]"):
+        jax.block_until_ready(call(q, q, q, q, q, stats, stats, deterministic=False, **_ATTRS))

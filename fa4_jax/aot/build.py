@@ -1,7 +1,8 @@
 """Incremental AOT build: `python -m fa4_jax.aot.build [--jobs N] [--arch ARCH ...]`.
 
 1. Compile each variant of the menu in a worker process (cute.compile + export_to_c), unless the
-   cache already holds it: entries are keyed by a hash of the kernel and AOT sources, the DSL
+   cache already holds it: entries are keyed by a hash of the kernel module and the fa4_jax
+   modules it imports, the menu and compile sources, the DSL
    version, the kernel class and the variant, and live outside the tree (FA4_JAX_CACHE_DIR,
    default ~/.cache/fa4_jax) so clean clones and venvs reuse them.
 2. Generate the C++ dispatch table from the compiled variants, compile ffi/*.cc with it, and link
@@ -11,8 +12,10 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import concurrent.futures
 import dataclasses
+import functools
 import glob
 import hashlib
 import json
@@ -30,8 +33,8 @@ PACKAGE = Path(__file__).resolve().parents[1]
 ROOT = PACKAGE.parent
 LIB_DIR = PACKAGE / "_lib"
 LIBRARY = LIB_DIR / "libfa4_jax.so"
-# Hashed into every variant's key: a change here recompiles every variant.
-_HASHED_SOURCES = (PACKAGE / "kernels", PACKAGE / "aot")
+# Hashed into every variant's key besides its kernel module's own sources (see _kernel_sources).
+_ALWAYS_HASHED = (PACKAGE / "aot" / "compile.py", PACKAGE / "aot" / "variants.py")
 
 
 class BuildError(RuntimeError):
@@ -42,17 +45,38 @@ def cache_dir() -> Path:
     return Path(os.environ.get("FA4_JAX_CACHE_DIR") or Path.home() / ".cache" / "fa4_jax")
 
 
-def _sources_digest() -> str:
+def _kernel_sources(kernel: str) -> list[Path]:
+    """The kernel's module and every fa4_jax module it imports, transitively.
+
+    So an edit to the backward kernel recompiles the backward variants only, and an edit to a
+    shared piece (kernels/common/) recompiles every kernel that uses it.
+    """
+    todo, seen = [kernel.split(":")[0]], set()
+    while todo:
+        module = todo.pop()
+        path = ROOT / (module.replace(".", "/") + ".py")
+        if module in seen or not path.is_file():
+            continue
+        seen.add(module)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                todo += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                todo += [a.name for a in node.names]
+    return sorted(ROOT / (m.replace(".", "/") + ".py") for m in seen)
+
+
+@functools.cache
+def _sources_digest(kernel: str) -> str:
     h = hashlib.sha256(toolchain.dsl_version().encode())
-    for root in _HASHED_SOURCES:
-        for path in sorted(root.rglob("*.py")):
-            h.update(str(path.relative_to(PACKAGE)).encode())
-            h.update(path.read_bytes())
+    for path in sorted({*_ALWAYS_HASHED, *_kernel_sources(kernel)}):
+        h.update(str(path.relative_to(PACKAGE)).encode())
+        h.update(path.read_bytes())
     return h.hexdigest()
 
 
-def variant_key(variant: menu.Variant, kernel: str, sources_digest: str) -> str:
-    payload = json.dumps([sources_digest, kernel, variant.to_json()], sort_keys=True)
+def variant_key(variant: menu.Variant, kernel: str) -> str:
+    payload = json.dumps([_sources_digest(kernel), kernel, variant.to_json()], sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:20]
 
 
@@ -88,12 +112,11 @@ def compile_variants(variants, jobs: int, kernels: dict[str, str] | None = None,
                      cache: Path | None = None, log=print) -> dict[str, Path]:
     """Compiles what the cache lacks, in `jobs` worker processes. Returns name -> entry dir."""
     kernels = kernels or aot_compile.KERNELS
-    digest = _sources_digest()
     todo, entries = [], {}
     for v in variants:
-        if v.arch not in kernels:
-            raise BuildError(f"variant {v.name}: no kernel for {v.arch} yet")
-        entries[v.name] = entry_dir(v, variant_key(v, kernels[v.arch], digest), cache)
+        if (v.kind, v.arch) not in kernels:
+            raise BuildError(f"variant {v.name}: no {v.kind} kernel for {v.arch} yet")
+        entries[v.name] = entry_dir(v, variant_key(v, kernels[v.kind, v.arch]), cache)
         if not entries[v.name].is_dir():
             todo.append(v)
     width = len(str(len(variants)))
@@ -106,7 +129,7 @@ def compile_variants(variants, jobs: int, kernels: dict[str, str] | None = None,
         return entries
     shim = toolchain.build_runtime_shim(str(ROOT / "build" / "aot"))
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = {pool.submit(_compile_one, v, kernels[v.arch], entries[v.name], shim): v
+        futures = {pool.submit(_compile_one, v, kernels[v.kind, v.arch], entries[v.name], shim): v
                    for v in todo}
         try:
             for fut in concurrent.futures.as_completed(futures):
@@ -182,11 +205,11 @@ def build(jobs: int | None = None, arches: list[str] | None = None, log=print) -
 
 def cubins(variants=menu.MENU) -> dict[str, list[Path]]:
     """The cached cubins of the menu's compiled variants (for disassembly checks)."""
-    digest = _sources_digest()
     out = {}
     for v in variants:
-        if v.arch in aot_compile.KERNELS:
-            entry = entry_dir(v, variant_key(v, aot_compile.KERNELS[v.arch], digest))
+        kernel = aot_compile.KERNELS.get((v.kind, v.arch))
+        if kernel is not None:
+            entry = entry_dir(v, variant_key(v, kernel))
             out[v.name] = sorted(Path(p) for p in glob.glob(str(entry / "*.cubin")))
     return out
 

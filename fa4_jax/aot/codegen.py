@@ -2,17 +2,25 @@
 
 Each exported header declares variant-specific argument structs and a launcher; the generated code
 wraps every launcher with the uniform signature of ffi/dispatch.h, filling the structs from
-`compile.TENSORS` (the same description the fake arguments came from).
+`compile.TENSORS` and `compile.SCALARS` of the variant's kind (the same description its fake
+arguments came from).
 """
 from __future__ import annotations
 
 import re
 
-from fa4_jax.aot.compile import STATIC_DIMS, TENSORS
+from fa4_jax.aot.compile import (BWD_SEMAPHORE_ROWS, BWD_SEQ_PAD, DYNAMIC_DIMS, SCALARS,
+                                 STATIC_DIMS, TENSORS)
 
-_ARGS_FIELD = {"b": "b", "sq": "seqlen_q", "sk": "seqlen_k", "h": "heads", "hk": "heads_k"}
-_PTR_FIELD = {"mQ": "q", "mK": "k", "mV": "v", "mO": "out", "mLSE": "lse"}
+# Fa4Args fields of the dynamic dims and of the tensors (ffi/dispatch.h).
+_ARGS_FIELD = {"b": "b", "sq": "seqlen_q", "sk": "seqlen_k", "h": "heads", "hk": "heads_k",
+               "sq_pad": "seqlen_q_pad", "m_blocks": "semaphore_blocks"}
+_PTR_FIELD = {"mQ": "q", "mK": "k", "mV": "v", "mO": "out", "mLSE": "lse", "mdO": "d_out",
+              "mdLSE": "d_lse", "mdQ": "dq", "mdK": "dk", "mdV": "dv", "mdQaccum": "dq_accum",
+              "mdPsum": "dpsum", "mLSElog2": "lse_log2", "mSemaphore": "semaphore"}
+_KIND = {"fwd": "Fa4Kind::kFwd", "bwd": "Fa4Kind::kBwd"}
 _DTYPE = {"bf16": "Fa4Dtype::kBF16", "fp16": "Fa4Dtype::kF16"}
+assert set(_ARGS_FIELD) == set(DYNAMIC_DIMS)
 
 
 def _dim(name: str, variant) -> str:
@@ -41,7 +49,7 @@ def _tensor_init(variant, param: str, dims: tuple[str, ...]) -> str:
 
 def _check_header(variant, header_text: str) -> None:
     """Fail the build, not the GPU run, if the exported structs differ from what we fill in."""
-    for param, _, dims in TENSORS:
+    for param, _, dims in TENSORS[variant.kind]:
         m = re.search(r"typedef struct \{\s*void \*data;\s*int32_t dynamic_shapes\[(\d+)\];"
                       r"\s*(?:int64_t dynamic_strides\[(\d+)\];)?\s*\}\s*"
                       + re.escape(f"{variant.name}_Tensor_{param}_t;"), header_text)
@@ -55,10 +63,12 @@ def _check_header(variant, header_text: str) -> None:
 
 def _variant_code(variant) -> str:
     n = variant.name
+    tensors = TENSORS[variant.kind]
     structs = "\n".join(
         f"  {n}_Tensor_{param}_t {param}{_tensor_init(variant, param, dims)};"
-        for param, _, dims in TENSORS)
-    params = ", ".join(f"&{param}" for param, _, _ in TENSORS)
+        for param, _, dims in tensors)
+    args = ", ".join([f"&{param}" for param, _, _ in tensors]
+                     + [f"a.{name}" for name, _ in SCALARS[variant.kind]])
     return f"""
 // ---- {n}
 static {n}_Kernel_Module_t g_{n};
@@ -70,17 +80,17 @@ static cudaError_t load_{n}() {{
   }}();
   return err;
 }}
-static int32_t launch_{n}(const Fa4FwdArgs& a, cudaStream_t stream) {{
+static int32_t launch_{n}(const Fa4Args& a, cudaStream_t stream) {{
 {structs}
-  return cute_dsl_{n}_wrapper(&g_{n}, {params}, a.softmax_scale, a.softcap, a.window_left,
-                             a.window_right, stream);
+  return cute_dsl_{n}_wrapper(&g_{n}, {args}, stream);
 }}
 """
 
 
 def _table_entry(v) -> str:
-    return (f'  {{"{v.name}", "{v.arch}", {_DTYPE[v.dtype]}, {v.head_dim}, {v.head_dim_v}, '
-            f'"{v.mask}", {str(v.softcap).lower()}, load_{v.name}, launch_{v.name}}},')
+    return (f'  {{"{v.name}", {_KIND[v.kind]}, "{v.arch}", {_DTYPE[v.dtype]}, {v.head_dim}, '
+            f'{v.head_dim_v}, "{v.mask}", {str(v.softcap).lower()}, "{v.tuning}", load_{v.name}, '
+            f'launch_{v.name}}},')
 
 
 def dispatch_source(variants, headers: dict[str, str]) -> str:
@@ -106,8 +116,10 @@ static thread_local cudaError_t g_load_error = cudaSuccess;
 
 {includes}
 {bodies}
-const Fa4FwdVariant kFa4FwdVariants[] = {{
+const int kFa4BwdSeqPad = {BWD_SEQ_PAD};
+const int kFa4BwdSemaphoreRows = {BWD_SEMAPHORE_ROWS};
+const Fa4Variant kFa4Variants[] = {{
 {table}
 }};
-const int kFa4FwdVariantCount = {len(variants)};
+const int kFa4VariantCount = {len(variants)};
 """

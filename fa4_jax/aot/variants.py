@@ -1,6 +1,8 @@
 """The menu of ahead-of-time compiled variants, and the rule that picks one for a call.
 
-The selection rule is mirrored in ffi/fa4_fwd.cc (`SelectMask`); change both together.
+Every forward variant has a backward twin with the same key (kind "bwd"), so a call the forward
+kernel serves is differentiated by kernels too. The selection rule is mirrored in
+ffi/common.cc (`SelectMask`); change both together.
 """
 from __future__ import annotations
 
@@ -54,8 +56,9 @@ class Variant:
 
 
 MENU: tuple[Variant, ...] = tuple(
-    Variant("sm_90a", dtype, d, dv, mask, softcap)
-    for dtype, (d, dv), mask, softcap in itertools.product(DTYPES, HEAD_DIMS, MASKS, (False, True))
+    Variant("sm_90a", dtype, d, dv, mask, softcap, kind)
+    for kind, dtype, (d, dv), mask, softcap in itertools.product(
+        KINDS, DTYPES, HEAD_DIMS, MASKS, (False, True))
 )
 
 
@@ -67,7 +70,8 @@ def mask_kind(causal: bool, window_left: int | None, window_right: int | None) -
 
 
 def select(dtype: str, head_dim: int, head_dim_v: int, causal: bool, window_left: int | None,
-           window_right: int | None, softcap: bool, arch: str = "sm_90a") -> Variant:
+           window_right: int | None, softcap: bool, arch: str = "sm_90a", kind: str = "fwd",
+           tuning: str = "default") -> Variant:
     """The variant that serves a call; it may be absent from MENU (callers check membership)."""
     return Variant(arch, dtype, head_dim, head_dim_v, mask_kind(causal, window_left, window_right),
-                   bool(softcap))
+                   bool(softcap), kind, tuning)

@@ -9,6 +9,7 @@ import fa4_jax
 from fa4_jax import ffi
 
 FORWARD_TARGET = "fa4_fwd_v1"
+BACKWARD_TARGET = "fa4_bwd_v1"
 
 
 def _require_kernels(q):
@@ -44,3 +45,15 @@ def test_batch_sharded_op_runs_the_custom_call_per_device_without_collectives():
     compiled = _batch_sharded_attention(devices).lower(q, q, q).compile().as_text()
     assert FORWARD_TARGET in compiled
     assert "all-gather" not in compiled and "all-to-all" not in compiled
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_gradient_lowers_to_the_backward_custom_call_with_its_mode(deterministic):
+    q = jnp.zeros((2, 256, 4, 128), jnp.bfloat16)
+    _require_kernels(q)
+    loss = lambda q: fa4_jax.attention(q, q, q, causal=True, deterministic=deterministic,
+                                       implementation="cute").astype(jnp.float32).sum()
+    text = jax.jit(jax.grad(loss)).lower(q).as_text()
+    assert FORWARD_TARGET in text and BACKWARD_TARGET in text
+    assert f"deterministic = {str(deterministic).lower()}" in text

@@ -1,0 +1,200 @@
+#include "common.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+namespace fa4 {
+
+ffi::Error Errors::Invalid(const std::string& msg) const {
+  return ffi::Error::InvalidArgument(std::string(target_) + ": " + msg);
+}
+
+ffi::Error Errors::Internal(const std::string& msg) const {
+  return ffi::Error::Internal(std::string(target_) + ": " + msg);
+}
+
+ffi::Error Errors::Cuda(cudaError_t e) const { return Internal(cudaGetErrorString(e)); }
+
+// Helpers return ffi::Error and write results through pointers: ErrorOr's converting
+// constructors differ between jaxlib versions, and we build against the oldest we support.
+
+ffi::Error CheckAttrs(const Errors& err, const Attrs& a) {
+  if (a.window_left < -1 || a.window_right < -1)
+    return err.Invalid("window_left/window_right must be >= 0, or -1 for unbounded");
+  if (!(a.softcap >= 0.0f)) return err.Invalid("softcap must be >= 0 (0 = none)");
+  return ffi::Error::Success();
+}
+
+const char* SelectMask(const Attrs& a) {
+  if (a.window_left >= 0 || a.window_right >= 0) return "local";
+  return a.causal ? "causal" : "none";
+}
+
+namespace {
+
+// "sm_90a" for an H100/H200: the arch the variants were compiled for.
+ffi::Error DeviceArch(const Errors& err, int ordinal, std::string* arch) {
+  int major = 0, minor = 0;
+  cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, ordinal);
+  if (e == cudaSuccess)
+    e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, ordinal);
+  if (e != cudaSuccess) return err.Cuda(e);
+  *arch = "sm_" + std::to_string(major) + std::to_string(minor) + (major >= 9 ? "a" : "");
+  return ffi::Error::Success();
+}
+
+// The arch shared by every visible device, or "" when they differ. The instantiate stage has no
+// device (XLA runs it when it builds the thunk), and Module_Load loads onto every visible device.
+ffi::Error VisibleArch(const Errors& err, std::string* common) {
+  int count = 0;
+  cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess) return err.Cuda(e);
+  common->clear();
+  for (int i = 0; i < count; ++i) {
+    std::string arch;
+    if (ffi::Error failed = DeviceArch(err, i, &arch); failed.failure()) return failed;
+    if (i > 0 && arch != *common) {
+      common->clear();
+      break;
+    }
+    *common = arch;
+  }
+  return ffi::Error::Success();
+}
+
+// Mirrors variants.Variant.name, to name a variant missing from the menu.
+std::string VariantName(Fa4Kind kind, const std::string& arch, Fa4Dtype dtype, int64_t d,
+                        int64_t dv, const std::string& mask, bool softcap,
+                        std::string_view tuning) {
+  std::string a = arch;
+  a.erase(std::remove(a.begin(), a.end(), '_'), a.end());
+  return std::string(kind == Fa4Kind::kFwd ? "fwd_" : "bwd_") + a +
+         (dtype == Fa4Dtype::kBF16 ? "_bf16" : "_fp16") + "_d" + std::to_string(d) + "_dv" +
+         std::to_string(dv) + (mask == "none" ? "" : "_" + mask) + (softcap ? "_softcap" : "") +
+         (tuning == "default" ? "" : "_t" + std::string(tuning));
+}
+
+bool Matches(const Fa4Variant& v, Fa4Kind kind, const std::string& arch, const char* mask,
+             bool softcap, std::string_view tuning) {
+  return v.kind == kind && arch == v.arch && std::strcmp(mask, v.mask) == 0 &&
+         softcap == v.softcap && tuning == v.tuning;
+}
+
+ffi::Error Load(const Errors& err, const Fa4Variant& v) {
+  cudaError_t e = v.load();
+  if (e != cudaSuccess)
+    return err.Internal(std::string("loading ") + v.name + " failed: " + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+ffi::Error LoadCandidates(const Errors& err, Fa4Kind kind, const Attrs& a) {
+  if (ffi::Error failed = CheckAttrs(err, a); failed.failure()) return failed;
+  std::string arch;
+  if (ffi::Error failed = VisibleArch(err, &arch); failed.failure()) return failed;
+  if (arch.empty()) return ffi::Error::Success();
+  const char* mask = SelectMask(a);
+  for (int i = 0; i < kFa4VariantCount; ++i) {
+    const Fa4Variant& v = kFa4Variants[i];
+    if (Matches(v, kind, arch, mask, a.softcap > 0.0f, a.tuning))
+      if (ffi::Error failed = Load(err, v); failed.failure()) return failed;
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error FindLoaded(const Errors& err, Fa4Kind kind, int32_t device, Fa4Dtype dtype, int64_t d,
+                      int64_t dv, const Attrs& a, const Fa4Variant** variant) {
+  std::string arch;
+  if (ffi::Error failed = DeviceArch(err, device, &arch); failed.failure()) return failed;
+  const char* mask = SelectMask(a);
+  const bool softcap = a.softcap > 0.0f;
+  *variant = nullptr;
+  for (int i = 0; i < kFa4VariantCount; ++i) {
+    const Fa4Variant& v = kFa4Variants[i];
+    if (Matches(v, kind, arch, mask, softcap, a.tuning) && v.dtype == dtype && v.head_dim == d &&
+        v.head_dim_v == dv)
+      *variant = &v;
+  }
+  if (*variant == nullptr)
+    return err.Invalid("no compiled variant " +
+                       VariantName(kind, arch, dtype, d, dv, mask, softcap, a.tuning) +
+                       " (see fa4_jax/_lib/variants.json for the menu)");
+  // A no-op after instantiate loaded it (always, unless the visible devices mix archs).
+  return Load(err, **variant);
+}
+
+ffi::Error IoDtype(const Errors& err, ffi::DataType t, Fa4Dtype* dtype) {
+  switch (t) {
+    case ffi::DataType::BF16: *dtype = Fa4Dtype::kBF16; return ffi::Error::Success();
+    case ffi::DataType::F16: *dtype = Fa4Dtype::kF16; return ffi::Error::Success();
+    default: return err.Invalid("q must be bfloat16 or float16");
+  }
+}
+
+std::string Shape(ffi::Span<const int64_t> dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+ffi::Error ExpectShape(const Errors& err, const char* what, ffi::Span<const int64_t> got,
+                       std::initializer_list<int64_t> want) {
+  if (got.size() == want.size() && std::equal(want.begin(), want.end(), got.begin()))
+    return ffi::Error::Success();
+  std::string w = "[";
+  for (int64_t x : want) w += (w.size() > 1 ? ", " : "") + std::to_string(x);
+  return err.Invalid(std::string(what) + " has shape " + Shape(got) + ", expected " + w + "]");
+}
+
+ffi::Error CheckQkv(const Errors& err, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                    Fa4Dtype* dtype, Fa4Args* args) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4)
+    return err.Invalid("q, k, v must have rank 4 [batch, seq, heads, head_dim]; got " +
+                       Shape(qd) + ", " + Shape(kd) + ", " + Shape(vd));
+  if (ffi::Error failed = IoDtype(err, q.element_type(), dtype); failed.failure()) return failed;
+  if (k.element_type() != q.element_type() || v.element_type() != q.element_type())
+    return err.Invalid("q, k and v must have the same dtype");
+  const int64_t b = qd[0], sq = qd[1], h = qd[2], d = qd[3], sk = kd[1], hk = kd[2], dv = vd[3];
+  if (ffi::Error e = ExpectShape(err, "k", kd, {b, sk, hk, d}); e.failure()) return e;
+  if (ffi::Error e = ExpectShape(err, "v", vd, {b, sk, hk, dv}); e.failure()) return e;
+  if (hk == 0 || h % hk != 0)
+    return err.Invalid("heads of q (" + std::to_string(h) +
+                       ") must be a multiple of heads of k/v (" + std::to_string(hk) + ")");
+  // Backward workspaces pad seqlen_q by up to kFa4BwdSeqPad rows; keep that in range too.
+  constexpr int64_t kMax = std::numeric_limits<int32_t>::max() - 1024;
+  if (b > kMax || sq > kMax || sk > kMax || h > kMax)
+    return err.Invalid("batch, sequence lengths and heads must fit in int32");
+  args->q = q.untyped_data();
+  args->k = k.untyped_data();
+  args->v = v.untyped_data();
+  args->b = static_cast<int32_t>(b);
+  args->seqlen_q = static_cast<int32_t>(sq);
+  args->seqlen_k = static_cast<int32_t>(sk);
+  args->heads = static_cast<int32_t>(h);
+  args->heads_k = static_cast<int32_t>(hk);
+  return ffi::Error::Success();
+}
+
+void KernelWindow(const Attrs& a, Fa4Args* args) {
+  args->window_left = args->window_right = 0;
+  if (std::strcmp(SelectMask(a), "local") != 0) return;
+  const int32_t unbounded = std::max(args->seqlen_q, args->seqlen_k);
+  args->window_left = a.window_left < 0 ? unbounded : std::min(a.window_left, unbounded);
+  args->window_right =
+      a.causal ? 0 : (a.window_right < 0 ? unbounded : std::min(a.window_right, unbounded));
+}
+
+ffi::Error Launch(const Errors& err, const Fa4Variant& variant, const Fa4Args& args,
+                  cudaStream_t stream) {
+  int32_t ret = variant.launch(args, stream);
+  if (ret != 0)
+    return err.Internal(std::string(variant.name) + " launcher returned " + std::to_string(ret));
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess)
+    return err.Internal(std::string(variant.name) + ": " + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
+}  // namespace fa4

@@ -1,0 +1,71 @@
+// What the forward and backward FFI handlers share: attribute checks, the variant selection rule,
+// module loading, device arch, shape checks and the launch.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <string_view>
+
+#include <cuda_runtime.h>
+
+#include "dispatch.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace fa4 {
+
+namespace ffi = xla::ffi;
+
+// The static attributes both custom calls take (window bounds: -1 = unbounded; softcap 0 = none).
+struct Attrs {
+  float softmax_scale;
+  bool causal;
+  int32_t window_left, window_right;
+  float softcap;
+  std::string_view tuning;  // "default" for users; ablation names come from the benchmark
+};
+
+// Errors name the custom call target they come from.
+class Errors {
+ public:
+  explicit Errors(const char* target) : target_(target) {}
+  ffi::Error Invalid(const std::string& msg) const;
+  ffi::Error Internal(const std::string& msg) const;
+  ffi::Error Cuda(cudaError_t e) const;
+
+ private:
+  const char* target_;
+};
+
+ffi::Error CheckAttrs(const Errors& err, const Attrs& a);
+
+// Mirrors variants.mask_kind: a window bound on either side makes the call "local".
+const char* SelectMask(const Attrs& a);
+
+// Loads every variant of `kind` this call site can select (its dtype and head dims are not known
+// at instantiate time). Does nothing when the visible devices mix archs; execute loads then.
+ffi::Error LoadCandidates(const Errors& err, Fa4Kind kind, const Attrs& a);
+
+// The variant serving a call on `device`, loaded; an error naming the missing variant otherwise.
+ffi::Error FindLoaded(const Errors& err, Fa4Kind kind, int32_t device, Fa4Dtype dtype, int64_t d,
+                      int64_t dv, const Attrs& a, const Fa4Variant** variant);
+
+ffi::Error IoDtype(const Errors& err, ffi::DataType t, Fa4Dtype* dtype);
+std::string Shape(ffi::Span<const int64_t> dims);
+ffi::Error ExpectShape(const Errors& err, const char* what, ffi::Span<const int64_t> got,
+                       std::initializer_list<int64_t> want);
+
+// Checks q [b, sq, h, d], k [b, sk, hk, d], v [b, sk, hk, dv] (rank, one dtype, GQA ratio, int32
+// range) and fills args' pointers and dims.
+ffi::Error CheckQkv(const Errors& err, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                    Fa4Dtype* dtype, Fa4Args* args);
+
+// The window bounds the "local" kernels take: an unbounded side becomes max(sq, sk), which
+// covers every key while keeping the kernels' index arithmetic far from int32 overflow (so
+// wider windows are clamped to it too: the same keys are visible). Causal is a right bound of 0.
+void KernelWindow(const Attrs& a, Fa4Args* args);
+
+ffi::Error Launch(const Errors& err, const Fa4Variant& variant, const Fa4Args& args,
+                  cudaStream_t stream);
+
+}  // namespace fa4

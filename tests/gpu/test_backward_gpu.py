@@ -1,0 +1,249 @@
+"""GPU tier: the CuTe backward kernels against the reference's gradients, and deterministic mode.
+
+Run with `pytest -m gpu`. Every test first confirms that the backward kernel (not the reference
+fallback of `backends.backward`) serves the call, and skips with the library's reason otherwise,
+so a green run never overstates coverage. Gradients are taken of out and lse together (random
+cotangents for both), against the fp32 reference under DESIGN.md's numerics rule.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fa4_jax
+from fa4_jax import ffi
+from fa4_jax.api import attention_params
+from fa4_jax.reference import attention_reference
+from tests.numerics import assert_close_by_rule, visible_mask
+
+pytestmark = pytest.mark.gpu
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _qkv(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, head_dim_v=None):
+    head_dim_v = head_dim_v or head_dim
+    q = jax.random.normal(next_key(), (batch, seqlen_q, heads_q, head_dim), dtype)
+    k = jax.random.normal(next_key(), (batch, seqlen_k, heads_kv, head_dim), dtype)
+    v = jax.random.normal(next_key(), (batch, seqlen_k, heads_kv, head_dim_v), dtype)
+    return q, k, v
+
+
+def _mask_options(causal=False, window_size=(None, None), **_):
+    return dict(causal=causal, window_left=window_size[0], window_right=window_size[1])
+
+
+def _require_kernels(q, k, v, **options):
+    """Skips unless both the forward and the backward kernel serve this call."""
+    try:
+        params = attention_params(q, k, v, implementation="cute", **options)
+    except ValueError as error:
+        pytest.skip(str(error))
+    reason = ffi.unsupported_reason(q, k, v, params, "bwd")
+    if reason is not None:
+        pytest.skip(f"no backward kernel: {reason}")
+
+
+def _kernel_grads(q, k, v, d_out, d_lse, **options):
+    def attend(q, k, v):
+        return fa4_jax.attention(q, k, v, return_lse=True, implementation="cute", **options)
+
+    (out, lse), vjp = jax.vjp(attend, q, k, v)
+    return vjp((d_out, d_lse))
+
+
+def _reference_grads(q, k, v, d_out, d_lse, compute_dtype, **options):
+    mask = _mask_options(**options)
+
+    def attend(q, k, v):
+        return attention_reference(q, k, v, softcap=options.get("softcap"),
+                                   compute_dtype=compute_dtype, **mask)
+
+    _, vjp = jax.vjp(attend, q, k, v)
+    return vjp((d_out, d_lse))
+
+
+def _cotangents(next_key, q, v, seqlen_k, **options):
+    """Random (d_out, d_lse); d_lse is 0 on rows that see no key (their lse is -inf)."""
+    batch, seqlen_q, heads_q, _ = q.shape
+    d_out = jax.random.normal(next_key(), (batch, seqlen_q, heads_q, v.shape[-1]), q.dtype)
+    d_lse = jax.random.normal(next_key(), (batch, heads_q, seqlen_q), jnp.float32)
+    visible = visible_mask(seqlen_q, seqlen_k, **_mask_options(**options)).any(axis=1)
+    return d_out, jnp.where(visible, d_lse, 0.0), visible
+
+
+def _check_backward(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype,
+                    head_dim_v=None, **options):
+    q, k, v = _qkv(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype,
+                   head_dim_v)
+    _require_kernels(q, k, v, **options)
+    d_out, d_lse, row_visible = _cotangents(next_key, q, v, seqlen_k, **options)
+    grads = _kernel_grads(q, k, v, d_out, d_lse, **options)
+    ref = _reference_grads(q, k, v, d_out, d_lse, jnp.float32, **options)
+    lowp = _reference_grads(q, k, v, d_out, d_lse, dtype, **options)
+    factor = 3 if options.get("softcap") else 2
+    for name, grad, want, want_lowp, x in zip(("dq", "dk", "dv"), grads, ref, lowp, (q, k, v)):
+        assert grad.dtype == x.dtype and grad.shape == x.shape, name
+        assert np.isfinite(np.asarray(grad, np.float32)).all(), f"{name}: non-finite entries"
+        assert_close_by_rule(grad, want, want_lowp, factor=factor, name=name)
+    # Rows that see no key get dq = 0; keys no row sees get dk = dv = 0 (exactly: nothing added).
+    visible = visible_mask(seqlen_q, seqlen_k, **_mask_options(**options))
+    dq, dk, dv = (np.asarray(g, np.float32) for g in grads)
+    assert np.all(dq[:, ~row_visible] == 0.0)
+    col_visible = visible.any(axis=0)
+    assert np.all(dk[:, ~col_visible] == 0.0) and np.all(dv[:, ~col_visible] == 0.0)
+    # Fresh cotangents give fresh gradients (no stale workspace or output served twice).
+    if row_visible.any():
+        other = _kernel_grads(q, k, v, -2 * d_out, d_lse, **options)
+        assert not np.array_equal(np.asarray(other[2]), np.asarray(grads[2]))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+def test_head_dims_dtypes(next_key, head_dim, dtype, causal):
+    _check_backward(next_key, 2, 1000, 1000, 4, 2, head_dim, dtype, causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_head_dim_192_with_value_dim_128(next_key, causal):
+    _check_backward(next_key, 2, 600, 600, 4, 2, 192, jnp.bfloat16, head_dim_v=128, causal=causal)
+
+
+LENGTHS = [(1, 1), (17, 17), (113, 113), (2049, 2049), (17, 1000), (1000, 17), (113, 2049),
+           (2049, 113)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", LENGTHS)
+def test_odd_and_unequal_lengths(next_key, seqlen_q, seqlen_k, causal):
+    _check_backward(next_key, 1, seqlen_q, seqlen_k, 4, 2, 128, jnp.bfloat16, causal=causal)
+
+
+@pytest.mark.parametrize("heads_q,heads_kv", [(8, 8), (8, 2), (8, 1)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_gqa_and_mqa(next_key, heads_q, heads_kv, dtype):
+    _check_backward(next_key, 2, 513, 513, heads_q, heads_kv, 128, dtype, causal=True)
+
+
+def test_fully_masked_rows(next_key):
+    # causal with seqlen_q > seqlen_k: the first 200 rows see no key.
+    _check_backward(next_key, 2, 300, 100, 4, 2, 128, jnp.bfloat16, causal=True)
+
+
+LOCAL_AND_SOFTCAP = {
+    "window_left_causal": dict(causal=True, window_size=(64, None)),
+    "window_both": dict(window_size=(100, 30)),
+    "window_right_only": dict(window_size=(None, 16)),
+    "softcap": dict(softcap=30.0),
+    "softcap_causal": dict(softcap=5.0, causal=True),
+}
+
+
+@pytest.mark.parametrize("options", LOCAL_AND_SOFTCAP.values(), ids=LOCAL_AND_SOFTCAP.keys())
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_windows_and_softcap(next_key, head_dim, options):
+    _check_backward(next_key, 1, 777, 1031, 4, 2, head_dim, jnp.bfloat16, **options)
+
+
+def _deterministic_case(next_key):
+    # Many key blocks add into every dQ tile and 4 q heads share each kv head: the orders the
+    # fixed-order reduction has to pin down.
+    q, k, v = _qkv(next_key, 2, 2048, 2048, 8, 2, 128, jnp.bfloat16)
+    d_out = jax.random.normal(next_key(), q.shape, jnp.bfloat16)
+    return q, k, v, d_out
+
+
+def _grad_fn(d_out, deterministic, causal=True):
+    def loss(q, k, v):
+        out = fa4_jax.attention(q, k, v, causal=causal, deterministic=deterministic,
+                                implementation="cute")
+        return (out.astype(jnp.float32) * d_out.astype(jnp.float32)).sum()
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_deterministic_mode_is_bitwise_repeatable(next_key, causal):
+    q, k, v, d_out = _deterministic_case(next_key)
+    _require_kernels(q, k, v, causal=causal, deterministic=True)
+    grad = _grad_fn(d_out, True, causal)
+    first = [np.asarray(g) for g in grad(q, k, v)]
+    for _ in range(9):
+        for want, got in zip(first, grad(q, k, v)):
+            np.testing.assert_array_equal(np.asarray(got), want)
+    # Same numbers as the default mode up to accumulation order.
+    default = _grad_fn(d_out, False, causal)(q, k, v)
+    batch, seqlen_q, heads_q, _ = q.shape
+    no_d_lse = jnp.zeros((batch, heads_q, seqlen_q), jnp.float32)
+    ref = _reference_grads(q, k, v, d_out, no_d_lse, jnp.float32, causal=causal)
+    lowp = _reference_grads(q, k, v, d_out, no_d_lse, jnp.bfloat16, causal=causal)
+    for name, det, fast, want, want_lowp in zip(("dq", "dk", "dv"), first, default, ref, lowp):
+        assert_close_by_rule(det, want, want_lowp, name=f"deterministic {name}")
+        assert_close_by_rule(fast, want, want_lowp, name=f"default {name}")
+
+
+_FRESH_PROCESS = """
+import hashlib, json, sys
+import jax, jax.numpy as jnp, numpy as np
+from tests.gpu.test_backward_gpu import _grad_fn
+seed = int(sys.argv[1])
+keys = iter(jax.random.split(jax.random.key(seed), 4))
+q, k, v, d_out = (jax.random.normal(next(keys), s, jnp.bfloat16)
+                  for s in ((2, 2048, 8, 128), (2, 2048, 2, 128), (2, 2048, 2, 128),
+                            (2, 2048, 8, 128)))
+grads = _grad_fn(d_out, True)(q, k, v)
+print(json.dumps([hashlib.sha256(np.asarray(g).tobytes()).hexdigest() for g in grads]))
+"""
+
+
+def test_deterministic_mode_is_bitwise_equal_across_processes(seed):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (_REPO, os.environ.get("PYTHONPATH")) if p))
+    digests = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", _FRESH_PROCESS, str(seed)], cwd=_REPO, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        digests.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert digests[0] == digests[1]
+
+
+def test_grad_of_jit_equals_jit_of_grad(next_key):
+    q, k, v = _qkv(next_key, 1, 700, 700, 4, 2, 128, jnp.bfloat16)
+    _require_kernels(q, k, v, causal=True, deterministic=True)
+    d_out = jax.random.normal(next_key(), q.shape, jnp.bfloat16)
+
+    def loss(q, k, v):
+        out = fa4_jax.attention(q, k, v, causal=True, deterministic=True, implementation="cute")
+        return (out.astype(jnp.float32) * d_out.astype(jnp.float32)).sum()
+
+    grad_of_jit = jax.grad(jax.jit(loss), argnums=(0, 1, 2))(q, k, v)
+    jit_of_grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    for a, b in zip(grad_of_jit, jit_of_grad):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_gradient_of_lse_alone(next_key):
+    # d(sum lse)/dq has only the dLSE term: D = -dLSE and dP · 0.
+    q, k, v = _qkv(next_key, 1, 333, 333, 4, 2, 64, jnp.bfloat16)
+    _require_kernels(q, k, v, causal=True)
+
+    def kernel_lse(q, k, v):
+        return fa4_jax.attention(q, k, v, causal=True, return_lse=True, implementation="cute")[1]
+
+    def reference_lse(compute_dtype):
+        return lambda q, k, v: attention_reference(q, k, v, causal=True,
+                                                   compute_dtype=compute_dtype)[1]
+
+    grads = jax.grad(lambda *x: kernel_lse(*x).sum(), argnums=(0, 1, 2))(q, k, v)
+    ref = jax.grad(lambda *x: reference_lse(jnp.float32)(*x).sum(), argnums=(0, 1, 2))(q, k, v)
+    lowp = jax.grad(lambda *x: reference_lse(jnp.bfloat16)(*x).sum(), argnums=(0, 1, 2))(q, k, v)
+    for name, grad, want, want_lowp in zip(("dq", "dk", "dv"), grads, ref, lowp):
+        assert_close_by_rule(grad, want, want_lowp, name=name)
+    assert np.all(np.asarray(grads[2], np.float32) == 0.0)  # lse does not depend on v
