@@ -224,7 +224,9 @@ def train(name: str, model: Decoder, config: DemoConfig, sampler: BatchSampler, 
     tokens_per_step = config.batch * config.seq_len
     losses = []
     timed_from = None
-    progress = tqdm(range(config.steps), desc=name, unit="step", file=sys.stdout)
+    # A log file gets a line every 15 s instead of a carriage-return redraw per step.
+    progress = tqdm(range(config.steps), desc=name, unit="step", file=sys.stdout,
+                    mininterval=0.1 if sys.stdout.isatty() else 15.0)
     for step in progress:
         params, opt_state, loss = train_step(params, opt_state, sampler(step))
         losses.append(float(loss))  # also waits for the step, so the timing below is honest
