@@ -8,7 +8,7 @@ from fa4_jax.aot.variants import MENU, Variant, select
 
 
 def test_menu_covers_the_axes_once():
-    assert len(MENU) == 2 * 3 * 3 * 2
+    assert len(MENU) == 2 * 5 * 3 * 2  # dtypes x head dims x masks x softcap
     assert len({v.name for v in MENU}) == len(MENU)
     assert all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v.name) for v in MENU)
     assert {v.arch for v in MENU} == {"sm_90a"}
@@ -34,7 +34,11 @@ def test_select_mask_rule():
 def test_select_finds_menu_entries():
     v = select("fp16", 256, 256, False, None, None, True)
     assert v in MENU and v.softcap and v.arch == "sm_90a"
-    assert select("bf16", 96, 96, False, None, None, False) not in MENU
+    v = select("bf16", 192, 128, True, None, None, False)
+    assert v in MENU and v.name == "fwd_sm90a_bf16_d192_dv128_causal"
+    assert select("bf16", 96, 96, False, None, None, False) in MENU
+    assert select("bf16", 192, 192, False, None, None, False) not in MENU
+    assert select("bf16", 160, 160, False, None, None, False) not in MENU
 
 
 def test_bad_variant_is_refused():

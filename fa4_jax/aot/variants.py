@@ -10,7 +10,8 @@ import itertools
 # Every arch the build plumbing knows. sm_100a has no kernel yet, so the menu does not list it.
 ARCHES = ("sm_90a", "sm_100a")
 DTYPES = ("bf16", "fp16")
-HEAD_DIMS = ((64, 64), (128, 128), (256, 256))
+# (head_dim, head_dim_v); (192, 128) is DeepSeek's shape. Each needs a TILE_CONFIGS entry.
+HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
 MASKS = ("none", "causal", "local")
 
 

@@ -90,13 +90,15 @@ class TileScheduler:
             if cutlass.const_expr(self.persistent):
                 stride, _, _ = cute.arch.grid_dim()
                 tile_idx = bx + i * stride
-            m_block, head, batch_idx = self._decode(tile_idx, seqlen_q, seqlen_k, num_heads,
-                                                    num_heads_kv, batch)
+            m_block, head, batch_idx = self.decode(tile_idx, seqlen_q, seqlen_k, num_heads,
+                                                   num_heads_kv, batch)
         return m_block, head, batch_idx
 
-    @cute.jit
-    def _decode(self, tile_idx: Int32, seqlen_q: Int32, seqlen_k: Int32, num_heads: Int32,
-                num_heads_kv: Int32, batch: Int32):
+    def decode(self, tile_idx, seqlen_q, seqlen_k, num_heads, num_heads_kv, batch):
+        """(m_block, head, batch index) of position tile_idx in the LPT order.
+
+        Straight-line integer arithmetic on non-negative values, so it runs unchanged on DSL
+        Int32s inside the kernel and on Python ints in the CPU test of the order."""
         num_m = (seqlen_q + self.tile_m - 1) // self.tile_m
         # Keys that fit the section budget (compile time), then whole KV heads of them; each
         # KV head serves num_heads // num_heads_kv query heads (GQA), all in the same section.

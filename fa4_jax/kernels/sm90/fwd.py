@@ -1,8 +1,10 @@
 """FlashAttention forward for Hopper (sm_90a): TMA loads, WGMMA, online softmax in registers.
 
-One CTA computes one (tile_m query rows, head, batch) tile of O and LSE. Warp-role table:
+A CTA computes (tile_m query rows, head, batch) tiles of O and LSE: one per CTA, or, with the
+persistent "lpt" scheduler (kernels/common/tile_scheduler.py), a strided share of all tiles in
+longest-first order, its pipelines carrying from tile to tile. Warp-role table:
 
-- warp group 0 (`producer_warp_group`): its first warp issues TMA for the Q tile once, then for
+- warp group 0 (`producer_warp_group`): its first warp issues TMA for each tile's Q, and for
   K and V blocks through a `kv_stages`-deep ring of mbarrier-guarded shared-memory buffers; the
   rest of the group idles at a low register budget.
 - warp groups 1..2 (`mma_warp_groups`): each owns 64 of the tile's rows. S = Q·Kᵀ by WGMMA from
@@ -13,7 +15,8 @@ One CTA computes one (tile_m query rows, head, batch) tile of O and LSE. Warp-ro
   two warp groups, named barriers order GEMM issue so one group's softmax overlaps the other's
   GEMMs (ping-pong).
 - epilogue (the MMA warp groups): O / ℓ to shared memory (reusing Q's buffer), one TMA store;
-  LSE written per row by the lane that holds the row's first columns.
+  LSE written per row by the lane that holds the row's first columns. The storing thread
+  releases Q's buffer to the producer once the store has read it (the next tile's Q goes there).
 
 Key blocks are visited from the highest to the lowest so the first block carries the sequence
 tail and the causal diagonal; the tail mask, the causal/window masks and the unmasked middle run
@@ -354,7 +357,8 @@ class FlashAttentionForwardSm90:
         self, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, sQ, sK, sV,
         pipeline_q, pipeline_k, pipeline_v, problem, block_info, window_left, window_right,
     ):
-        """One warp: for each of the CTA's tiles, Q once, then K/V blocks from the highest down.
+        """One warp: for each of the CTA's tiles, the first K, Q, then V and the other K/V blocks
+        from the highest down.
 
         The pipeline states carry across tiles, in step with the MMA warp groups' (same tile
         sequence, same block count per tile)."""
@@ -609,7 +613,9 @@ class FlashAttentionForwardSm90:
         # Ordinary stores must be made visible to the TMA (async proxy) before the store is issued.
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.num_mma_threads)
-        if tidx < 32:
+        # One thread issues the store: a bulk tensor copy is per thread (unlike the loads, the DSL
+        # elects no lane for it), so a whole warp would store the tile 32 times.
+        if tidx == 0:
             gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim_v), (m_block, 0))
             tOsO_tma, tOgO_tma = cpasync.tma_partition(
                 tma_atom_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
