@@ -7,13 +7,13 @@ longest-first order, its pipelines carrying from tile to tile. Warp-role table:
 - warp group 0 (`producer_warp_group`): its first warp issues TMA for each tile's Q, and for
   K and V blocks through a `kv_stages`-deep ring of mbarrier-guarded shared-memory buffers; the
   rest of the group idles at a low register budget.
-- warp groups 1..2 (`mma_warp_groups`): each owns 64 of the tile's rows. S = Q·Kᵀ by WGMMA from
-  shared memory, mask and online softmax in registers, then O += P·V with P fed straight from
+- warp groups 1..2 (`mma_warp_groups`; 1..3 with the 3-group tuning): each owns 64 of the
+  tile's rows. S = Q·Kᵀ by WGMMA from shared memory, mask and online softmax in registers, then O += P·V with P fed straight from
   registers as the WGMMA A operand, so S and P never touch shared memory. Within a warp group
   the GEMMs of block j (S_j = Q·K_jᵀ and O += P_{j-1}·V_{j-1}) are issued together and the
   softmax of S_j runs while O's GEMM is still in flight (intra-warp-group overlap); between the
-  two warp groups, named barriers order GEMM issue so one group's softmax overlaps the other's
-  GEMMs (ping-pong).
+  warp groups, named barriers pass GEMM issue round in order so one group's softmax overlaps
+  the others' GEMMs (ping-pong).
 - epilogue (the MMA warp groups): O / ℓ to shared memory (reusing Q's buffer), one TMA store;
   LSE written per row by the lane that holds the row's first columns. The storing thread
   releases Q's buffer to the producer once the store has read it (the next tile's Q goes there).
@@ -51,6 +51,8 @@ class TileConfig:
     pingpong: bool
     softmax: SoftmaxConfig
     scheduler: str = "linear"
+    # MMA warp groups of 64 query rows each: tile_m = 64 · mma_warp_groups.
+    mma_warp_groups: int = 2
 
     def smem_bytes(self, head_dim: int, head_dim_v: int, elem_bytes: int = 2) -> int:
         """Q (whose buffer O reuses) plus the K/V ring, as laid out by SharedStorage."""
@@ -59,7 +61,10 @@ class TileConfig:
 
 
 # Constructor overrides of a TileConfig, for ablation variants compiled side by side.
-TUNING_KNOBS = ("pingpong", "rescale_threshold", "exp2_poly_share", "scheduler")
+TUNING_KNOBS = ("pingpong", "rescale_threshold", "exp2_poly_share", "scheduler", "mma_warp_groups")
+# setmaxnreg budget of each MMA thread by MMA warp-group count: the 64K registers of an SM less
+# the producer group's 128 · 24, shared by the MMA threads, rounded down to a multiple of 8.
+MMA_REGISTERS = {2: 240, 3: 160}
 
 
 # 128 query rows = two MMA warp groups of 64. Shared memory bounds tile_n and the ring depth:
@@ -133,7 +138,13 @@ class _Problem:
         return scheduler.tile_count(self.seqlen_q, self.num_heads, self.batch)
 
     def tile(self, scheduler: TileScheduler, i: Int32):
-        return scheduler.tile(i, self.seqlen_q, self.seqlen_k, self.num_heads, self.num_heads_kv, self.batch)
+        """The i-th tile's (m_block, head, batch). Inside the tile loop, the sizes go through
+        opaque copies: otherwise LLVM hoists the schedule's divisions out of the loop and holds
+        their results in registers across the main loop (d256 causal then spilled)."""
+        sizes = (self.seqlen_q, self.seqlen_k, self.num_heads, self.num_heads_kv, self.batch)
+        if cutlass.const_expr(scheduler.kind != "linear"):
+            sizes = tuple(opaque_int32(x) for x in sizes)
+        return scheduler.tile(i, *sizes)
 
 
 def _permute(tensor: cute.Tensor, order) -> cute.Tensor:
@@ -142,20 +153,20 @@ def _permute(tensor: cute.Tensor, order) -> cute.Tensor:
 
 class FlashAttentionForwardSm90:
     producer_warp_group = 0
-    mma_warp_groups = (1, 2)
     threads_per_warp_group = 128
-    # setmaxnreg budgets: the producer needs few registers; the MMA groups hold S, P and O.
+    # setmaxnreg budgets: the producer needs few registers; the MMA groups hold S, P and O
+    # (MMA_REGISTERS, by how many MMA warp groups share the register file).
     producer_registers = 24
-    mma_registers = 240
-    # Named barrier 0 is __syncthreads; 1 syncs the MMA warp groups around the epilogue; 2 and 3
-    # are the ping-pong turns of MMA warp groups 1 and 2.
+    # Named barrier 0 is __syncthreads; 1 syncs the MMA warp groups around the epilogue;
+    # 2, 3 (and 4) are the GEMM-issue turns of MMA warp groups 1, 2 (and 3).
     epilogue_barrier_id = 1
-    pingpong_barrier_ids = (2, 3)
+    pingpong_barrier_base = 2
 
     def __init__(self, dtype, head_dim: int, head_dim_v: int, mask: str, has_softcap: bool, **tuning):
         """`tuning` overrides the tile table's settings (TUNING_KNOBS): pingpong (bool),
         rescale_threshold (float, log2 units; 0 = rescale whenever the maximum grows),
-        exp2_poly_share (float in [0, 1]) and scheduler ("linear", "lpt", "lpt_single")."""
+        exp2_poly_share (float in [0, 1]), scheduler ("linear", "lpt", "lpt_single") and
+        mma_warp_groups (2 or 3; tile_m = 64 per group)."""
         if mask not in ("none", "causal", "local"):
             raise ValueError(f"mask must be 'none', 'causal' or 'local', got {mask!r}")
         if (head_dim, head_dim_v) not in TILE_CONFIGS:
@@ -176,6 +187,12 @@ class FlashAttentionForwardSm90:
             softmax=dataclasses.replace(config.softmax, **softmax_tuning),
             **{k: tuning[k] for k in ("pingpong", "scheduler") if k in tuning},
         )
+        if "mma_warp_groups" in tuning:
+            config = dataclasses.replace(
+                config, mma_warp_groups=int(tuning["mma_warp_groups"]), tile_m=64 * int(tuning["mma_warp_groups"])
+            )
+        if config.mma_warp_groups not in MMA_REGISTERS or config.tile_m != 64 * config.mma_warp_groups:
+            raise ValueError(f"{config}: tile_m must be 64 per MMA warp group, 2 or 3 groups")
         if not 0.0 <= config.softmax.exp2_poly_share <= 1.0 or config.softmax.rescale_threshold < 0.0:
             raise ValueError(f"bad softmax tuning {config.softmax}")
         self.config = config
@@ -186,6 +203,8 @@ class FlashAttentionForwardSm90:
             config.scheduler, self.tile_m, reverse_m=self.causal or self.local,
             kv_bytes_per_key=(head_dim + head_dim_v) * dtype.width // 8,
         )
+        self.mma_warp_groups = tuple(range(1, config.mma_warp_groups + 1))
+        self.mma_registers = MMA_REGISTERS[config.mma_warp_groups]
         self.num_mma_threads = len(self.mma_warp_groups) * self.threads_per_warp_group
         self.num_threads = self.num_mma_threads + self.threads_per_warp_group
 
@@ -486,6 +505,8 @@ class FlashAttentionForwardSm90:
             lse = cute.make_rmem_tensor_like(softmax.row_max, Float32)
             softmax.finalize(row_scale, lse)
             scale_rows(acc_o_rc, row_scale)
+            # Decoded again rather than held in registers across the main loop.
+            m_block, head, batch = problem.tile(self.scheduler, tile_i)
             self.epilogue(tiled_mma_pv, thr_mma_pv, tidx, acc_o, lse, sO, tma_atom_o, mO, mLSE,
                           m_block, head, batch, seqlen_q, pipeline_q, q_state)
             q_state.advance()
@@ -547,13 +568,16 @@ class FlashAttentionForwardSm90:
             blocks.p.store(blocks.acc_s.load().to(self.dtype))
         return moved
 
+    # GEMM issue goes round the MMA warp groups in order: group g waits on barrier base + g,
+    # issues, and arrives on the next group's. Each barrier joins two groups (the waiter and the
+    # one handing over), so it counts 2 · 128 threads.
     @cute.jit
     def pingpong_init(self, warp_group):
-        """The second MMA warp group hands the first its initial turn."""
+        """The last MMA warp group hands the first its initial turn."""
         if cutlass.const_expr(self.config.pingpong):
-            if warp_group == 1:
+            if warp_group == len(self.mma_warp_groups) - 1:
                 cute.arch.barrier_arrive(
-                    barrier_id=self.pingpong_barrier_ids[0], number_of_threads=self.num_mma_threads
+                    barrier_id=self.pingpong_barrier_base, number_of_threads=2 * self.threads_per_warp_group
                 )
 
     @cute.jit
@@ -561,15 +585,17 @@ class FlashAttentionForwardSm90:
         """Wait for this warp group's turn to issue GEMMs."""
         if cutlass.const_expr(self.config.pingpong):
             cute.arch.barrier(
-                barrier_id=self.pingpong_barrier_ids[0] + warp_group, number_of_threads=self.num_mma_threads
+                barrier_id=self.pingpong_barrier_base + warp_group,
+                number_of_threads=2 * self.threads_per_warp_group,
             )
 
     @cute.jit
     def pingpong_yield(self, warp_group):
-        """Give the other warp group its turn once this one's GEMMs are issued."""
+        """Give the next warp group its turn once this one's GEMMs are issued."""
         if cutlass.const_expr(self.config.pingpong):
             cute.arch.barrier_arrive(
-                barrier_id=self.pingpong_barrier_ids[0] + 1 - warp_group, number_of_threads=self.num_mma_threads
+                barrier_id=self.pingpong_barrier_base + (warp_group + 1) % len(self.mma_warp_groups),
+                number_of_threads=2 * self.threads_per_warp_group,
             )
 
     @cute.jit
