@@ -61,7 +61,8 @@ class TileConfig:
 
 
 # Constructor overrides of a TileConfig, for ablation variants compiled side by side.
-TUNING_KNOBS = ("pingpong", "rescale_threshold", "exp2_poly_share", "scheduler", "mma_warp_groups")
+TUNING_KNOBS = ("pingpong", "rescale_threshold", "exp2_poly_share", "scheduler", "mma_warp_groups",
+                "tile_n", "kv_stages")
 # setmaxnreg budget of each MMA thread by MMA warp-group count: the 64K registers of an SM less
 # the producer group's 128 · 24, shared by the MMA threads, rounded down to a multiple of 8.
 MMA_REGISTERS = {2: 240, 3: 160}
@@ -166,7 +167,7 @@ class FlashAttentionForwardSm90:
         """`tuning` overrides the tile table's settings (TUNING_KNOBS): pingpong (bool),
         rescale_threshold (float, log2 units; 0 = rescale whenever the maximum grows),
         exp2_poly_share (float in [0, 1]), scheduler ("linear", "lpt", "lpt_single") and
-        mma_warp_groups (2 or 3; tile_m = 64 per group)."""
+        mma_warp_groups (2 or 3; tile_m = 64 per group), tile_n and kv_stages."""
         if mask not in ("none", "causal", "local"):
             raise ValueError(f"mask must be 'none', 'causal' or 'local', got {mask!r}")
         if (head_dim, head_dim_v) not in TILE_CONFIGS:
@@ -185,8 +186,10 @@ class FlashAttentionForwardSm90:
         config = dataclasses.replace(
             config,
             softmax=dataclasses.replace(config.softmax, **softmax_tuning),
-            **{k: tuning[k] for k in ("pingpong", "scheduler") if k in tuning},
+            **{k: tuning[k] for k in ("pingpong", "scheduler", "tile_n", "kv_stages") if k in tuning},
         )
+        if config.tile_n % 16 or not 16 <= config.tile_n <= 256:
+            raise ValueError(f"{config}: tile_n must be a multiple of 16 (P·V's k16 blocks), at most 256")
         if "mma_warp_groups" in tuning:
             config = dataclasses.replace(
                 config, mma_warp_groups=int(tuning["mma_warp_groups"]), tile_m=64 * int(tuning["mma_warp_groups"])
