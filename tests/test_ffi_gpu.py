@@ -40,7 +40,7 @@ def _naive(q, k, v, p: AttentionParams):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
 @pytest.mark.parametrize("mask", [{}, {"causal": True}, {"window_left": 5, "window_right": 0},
                                   {"window_left": 7}, {"causal": True, "window_left": 3}])
 @pytest.mark.parametrize("softcap", [None, 5.0])
@@ -60,12 +60,12 @@ def test_forward_matches_naive(dtype, d, mask, softcap):
 
 
 def test_missing_variant_is_named():
-    q = jnp.ones((1, 8, 2, 80), jnp.bfloat16)
+    q = jnp.ones((1, 8, 2, 160), jnp.bfloat16)
     params = AttentionParams(softmax_scale=0.1)
     reason = ffi.unsupported_reason(q, q, q, params)
-    assert reason is not None and "fwd_sm90a_bf16_d80_dv80" in reason
+    assert reason is not None and "fwd_sm90a_bf16_d160_dv160" in reason
     reason = ffi.unsupported_reason(q, q, q, params, "bwd")
-    assert reason is not None and "bwd_sm90a_bf16_d80_dv80" in reason
+    assert reason is not None and "bwd_sm90a_bf16_d160_dv160" in reason
 
 
 def test_handler_rejects_bad_shapes():

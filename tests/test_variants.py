@@ -9,17 +9,22 @@ from fa4_jax.aot.variants import MENU, Variant, select
 
 
 def test_menu_covers_the_axes_once():
-    assert len(MENU) == 2 * len(variants.DTYPES) * len(variants.HEAD_DIMS) * 3 * 2
+    users = [v for v in MENU if v.tuning == "default"]
+    for kind in variants.KINDS:
+        # dtypes x head dims x masks x softcap
+        assert sum(v.kind == kind for v in users) == 2 * len(variants.HEAD_DIMS[kind]) * 3 * 2
     assert len({v.name for v in MENU}) == len(MENU)
     assert all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v.name) for v in MENU)
     assert {v.arch for v in MENU} == {"sm_90a"}
-    assert {v.tuning for v in MENU} == {"default"}
+    ablations = {v.tuning for v in MENU} - {"default"}
+    assert ablations and ablations <= set(variants.TUNINGS)
 
 
-def test_every_forward_variant_has_a_backward_twin():
-    # A call the forward kernel serves is differentiated by kernels too.
-    forward = {dataclasses.replace(v, kind="bwd") for v in MENU if v.kind == "fwd"}
-    assert forward == {v for v in MENU if v.kind == "bwd"}
+def test_every_backward_variant_has_a_forward_twin():
+    backward = {dataclasses.replace(v, kind="fwd") for v in MENU if v.kind == "bwd"}
+    assert backward <= {v for v in MENU if v.kind == "fwd"}
+    # The head dims users train with most have backward kernels.
+    assert {(64, 64), (128, 128)} <= set(variants.HEAD_DIMS["bwd"])
 
 
 def test_name():
@@ -45,7 +50,12 @@ def test_select_finds_menu_entries():
     v = select("fp16", 256, 256, False, None, None, True)
     assert v in MENU and v.softcap and v.arch == "sm_90a" and v.kind == "fwd"
     assert select("fp16", 256, 256, False, None, None, True, kind="bwd") in MENU
-    assert select("bf16", 96, 96, False, None, None, False) not in MENU
+    v = select("bf16", 192, 128, True, None, None, False)
+    assert v in MENU and v.name == "fwd_sm90a_bf16_d192_dv128_causal"
+    assert select("bf16", 96, 96, False, None, None, False) in MENU
+    assert select("bf16", 192, 192, False, None, None, False) not in MENU
+    assert select("bf16", 160, 160, False, None, None, False) not in MENU
+    assert select("bf16", 128, 128, True, None, None, False, tuning="lpt") in MENU
 
 
 def test_bad_variant_is_refused():

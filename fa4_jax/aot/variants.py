@@ -1,8 +1,9 @@
 """The menu of ahead-of-time compiled variants, and the rule that picks one for a call.
 
-Every forward variant has a backward twin with the same key (kind "bwd"), so a call the forward
-kernel serves is differentiated by kernels too. The selection rule is mirrored in
-ffi/common.cc (`SelectMask`); change both together.
+A forward variant has a backward twin with the same key (kind "bwd") for every head dim the
+backward kernel supports (`HEAD_DIMS`); a call whose backward has no kernel is differentiated by
+the reference (`backends.backward`). The selection rule is mirrored in ffi/common.cc
+(`SelectMask`); change both together.
 """
 from __future__ import annotations
 
@@ -12,13 +13,34 @@ import itertools
 # Every arch the build plumbing knows. sm_100a has no kernel yet, so the menu does not list it.
 ARCHES = ("sm_90a", "sm_100a")
 DTYPES = ("bf16", "fp16")
-HEAD_DIMS = ((64, 64), (128, 128), (256, 256))
 MASKS = ("none", "causal", "local")
 KINDS = ("fwd", "bwd")
+# (head_dim, head_dim_v) per kind; (192, 128) is DeepSeek's shape. Each needs an entry in its
+# kernel's tile table.
+HEAD_DIMS = {
+    "fwd": ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256)),
+    "bwd": ((64, 64), (128, 128), (256, 256)),
+}
 # Named overrides of a kernel's tuned settings, passed to its constructor as keyword arguments.
-# "default" is what users get; the others exist for the ablations in docs/perf-log.md and are
-# reachable only through the benchmark (`ffi.forward(..., tuning=NAME)`).
-TUNINGS: dict[str, dict] = {"default": {}}
+# "default" is what users get; the others exist for the ablations in docs/perf-log.md, are
+# compiled only where ABLATIONS lists them, and are reachable only through the benchmark
+# (`ffi.forward(..., tuning=NAME)`, `--fa4-tunings`).
+TUNINGS: dict[str, dict] = {
+    "default": {},
+    "tau0": {"rescale_threshold": 0.0},  # rescale whenever the row max grows
+    "nopingpong": {"pingpong": False},
+    "poly25": {"exp2_poly_share": 0.25},  # a quarter of the exponentials on the FMA pipes
+    "lpt": {"scheduler": "lpt"},  # persistent CTAs, LPT tile order
+    "lpt_single": {"scheduler": "lpt_single"},  # one CTA per tile, in LPT order
+    "wg3": {"mma_warp_groups": 3, "tile_n": 96},  # FlashAttention-3's d64 shape: 192-row tiles
+    "wg3_lpt": {"mma_warp_groups": 3, "tile_n": 96, "scheduler": "lpt"},
+}
+# (head dim, tunings) of the forward ablations, bf16, masks none and causal.
+ABLATIONS = (
+    (128, ("tau0", "nopingpong", "poly25", "lpt", "lpt_single")),
+    (64, ("lpt", "lpt_single", "wg3", "wg3_lpt")),
+    (256, ("lpt", "lpt_single")),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +79,12 @@ class Variant:
 
 MENU: tuple[Variant, ...] = tuple(
     Variant("sm_90a", dtype, d, dv, mask, softcap, kind)
-    for kind, dtype, (d, dv), mask, softcap in itertools.product(
-        KINDS, DTYPES, HEAD_DIMS, MASKS, (False, True))
+    for kind in KINDS
+    for dtype, (d, dv), mask, softcap in itertools.product(
+        DTYPES, HEAD_DIMS[kind], MASKS, (False, True))
+) + tuple(
+    Variant("sm_90a", "bf16", d, d, mask, False, "fwd", tuning)
+    for d, tunings in ABLATIONS for tuning in tunings for mask in ("none", "causal")
 )
 
 

@@ -24,10 +24,10 @@ pytestmark = pytest.mark.gpu
 _UNSERVED = "implementation='cute' cannot serve this call"
 
 
-def _qkv(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype):
+def _qkv(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, head_dim_v=None):
     q = jax.random.normal(next_key(), (batch, seqlen_q, heads_q, head_dim), dtype)
     k = jax.random.normal(next_key(), (batch, seqlen_k, heads_kv, head_dim), dtype)
-    v = jax.random.normal(next_key(), (batch, seqlen_k, heads_kv, head_dim), dtype)
+    v = jax.random.normal(next_key(), (batch, seqlen_k, heads_kv, head_dim_v or head_dim), dtype)
     return q, k, v
 
 
@@ -51,8 +51,8 @@ def _cute(q, k, v, **options):
 
 
 def _check_forward(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype,
-                   **options):
-    q, k, v = _qkv(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype)
+                   head_dim_v=None, **options):
+    q, k, v = _qkv(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, head_dim_v)
     out, lse = _cute(q, k, v, **options)
     (ref, ref_lse), (lowp, lowp_lse) = reference_pair(q, k, v, **_reference_options(**options))
     factor = 3 if options.get("softcap") else 2
@@ -66,16 +66,25 @@ def _check_forward(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_
     assert np.isfinite(np.asarray(lse)[:, :, visible]).all()
     # Fresh inputs give fresh outputs (no stale buffer served twice).
     other_out, _ = _cute(*(2 * x for x in _qkv(next_key, batch, seqlen_q, seqlen_k, heads_q,
-                                                  heads_kv, head_dim, dtype)), **options)
+                                                  heads_kv, head_dim, dtype, head_dim_v)), **options)
     if visible.any():
         assert not np.array_equal(np.asarray(out), np.asarray(other_out))
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 def test_head_dims_dtypes(next_key, head_dim, dtype, causal):
     _check_forward(next_key, 2, 1000, 1000, 4, 4, head_dim, dtype, causal=causal)
+
+
+@pytest.mark.parametrize("options", [dict(), dict(causal=True), dict(window_size=(100, 30)),
+                                     dict(softcap=5.0, causal=True)],
+                         ids=["none", "causal", "window", "softcap_causal"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_head_dim_v_differs(next_key, dtype, options):
+    # DeepSeek's shape: q and k at 192, v and out at 128; odd lengths and GQA on top.
+    _check_forward(next_key, 2, 1000, 1031, 4, 2, 192, dtype, head_dim_v=128, **options)
 
 
 LENGTHS = [(1, 1), (17, 17), (113, 113), (4097, 4097), (17, 1000), (1000, 17), (113, 4097),
@@ -109,7 +118,7 @@ LOCAL_AND_SOFTCAP = {
 
 
 @pytest.mark.parametrize("options", LOCAL_AND_SOFTCAP.values(), ids=LOCAL_AND_SOFTCAP.keys())
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
 def test_windows_and_softcap(next_key, head_dim, options):
     _check_forward(next_key, 1, 777, 1031, 4, 2, head_dim, jnp.bfloat16, **options)
 
@@ -151,3 +160,39 @@ def test_reference_on_gpu_keeps_fp32_precision(next_key):
     want_out, want_lse = naive_attention_fp64(q, k, v, softmax_scale=1 / math.sqrt(64), causal=True)
     np.testing.assert_allclose(out, want_out, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(lse, want_lse, atol=1e-5, rtol=1e-5)
+
+
+def _ablation_variants():
+    from fa4_jax.aot import variants
+
+    return sorted({(v.head_dim, v.tuning) for v in variants.MENU if v.tuning != "default"})
+
+
+# Shapes that stress a scheduler: several tiles per persistent CTA (b·h·m_blocks >> 132),
+# causal with more queries than keys (tiles with no key block at all), odd lengths, GQA.
+SCHEDULER_SHAPES = {
+    "many_tiles": (4, 1100, 1100, 16, 4),
+    "sq_gt_sk": (2, 700, 300, 8, 2),
+    "odd_mqa": (3, 333, 777, 8, 1),
+}
+
+
+@pytest.mark.parametrize("shape", SCHEDULER_SHAPES.values(), ids=SCHEDULER_SHAPES.keys())
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim,tuning", _ablation_variants(),
+                         ids=[f"d{d}-{t}" for d, t in _ablation_variants()])
+def test_ablation_tunings_compute_the_same_attention(next_key, head_dim, tuning, causal, shape):
+    # The benchmark's ablation rows must be correct kernels, or their timings mean nothing.
+    from fa4_jax import ffi
+    from fa4_jax.api import attention_params
+
+    batch, seqlen_q, seqlen_k, heads_q, heads_kv = shape
+    q, k, v = _qkv(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, jnp.bfloat16)
+    params = attention_params(q, k, v, causal=causal, implementation="cute")
+    reason = ffi.unsupported_reason(q, k, v, params, tuning=tuning)
+    if reason is not None:
+        pytest.skip(reason)
+    out, lse = jax.jit(lambda q, k, v: ffi.forward(q, k, v, params, tuning=tuning))(q, k, v)
+    (ref, ref_lse), (lowp, lowp_lse) = reference_pair(q, k, v, causal=causal)
+    assert_close_by_rule(out, ref, lowp, name="out")
+    assert_close_by_rule(lse, ref_lse, lowp_lse, name="lse")

@@ -38,3 +38,23 @@ def acc_as_operand_a(tensor: cute.Tensor) -> cute.Tensor:
         ((st[0][0], st[0][1], st[0][2]), st[1], (2 * st[0][2], st[2])),
     )
     return cute.make_tensor(tensor.iterator, layout)
+
+
+def opaque_int32(x):
+    """x, through an asm statement the compiler may neither hoist nor merge with another copy.
+
+    Per-thread addresses derived from it are computed where they are used. In a persistent
+    kernel the epilogue's 32 swizzled shared-memory addresses depend only on the thread index,
+    so LLVM hoists them out of the tile loop and holds them across the whole main loop, which
+    pushes the MMA warp groups past their register budget (ptxas then serialises the WGMMAs).
+    """
+    from cutlass import Int32
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T
+
+    return Int32(
+        llvm.inline_asm(
+            T.i32(), [Int32(x).ir_value()], "mov.b32 $0, $1;", "=r,r",
+            has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )

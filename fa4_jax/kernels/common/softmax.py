@@ -64,9 +64,14 @@ class OnlineSoftmax:
     def create(config: SoftmaxConfig, scale_log2: Float32, num_rows: int) -> "OnlineSoftmax":
         row_max = cute.make_rmem_tensor((num_rows,), Float32)
         row_sum = cute.make_rmem_tensor((num_rows,), Float32)
-        row_max.fill(-Float32.inf)
-        row_sum.fill(0.0)
-        return OnlineSoftmax(config, scale_log2, row_max, row_sum)
+        softmax = OnlineSoftmax(config, scale_log2, row_max, row_sum)
+        softmax.reset()
+        return softmax
+
+    def reset(self):
+        """Start a new tile's rows: no maximum yet, nothing summed."""
+        self.row_max.fill(-Float32.inf)
+        self.row_sum.fill(0.0)
 
     @cute.jit
     def step(self, scores: cute.Tensor, row_scale: cute.Tensor) -> Boolean:

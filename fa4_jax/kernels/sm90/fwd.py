@@ -1,19 +1,22 @@
 """FlashAttention forward for Hopper (sm_90a): TMA loads, WGMMA, online softmax in registers.
 
-One CTA computes one (tile_m query rows, head, batch) tile of O and LSE. Warp-role table:
+A CTA computes (tile_m query rows, head, batch) tiles of O and LSE: one per CTA, or, with the
+persistent "lpt" scheduler (kernels/common/tile_scheduler.py), a strided share of all tiles in
+longest-first order, its pipelines carrying from tile to tile. Warp-role table:
 
-- warp group 0 (`producer_warp_group`): its first warp issues TMA for the Q tile once, then for
+- warp group 0 (`producer_warp_group`): its first warp issues TMA for each tile's Q, and for
   K and V blocks through a `kv_stages`-deep ring of mbarrier-guarded shared-memory buffers; the
   rest of the group idles at a low register budget.
-- warp groups 1..2 (`mma_warp_groups`): each owns 64 of the tile's rows. S = Q·Kᵀ by WGMMA from
-  shared memory, mask and online softmax in registers, then O += P·V with P fed straight from
+- warp groups 1..2 (`mma_warp_groups`; 1..3 with the 3-group tuning): each owns 64 of the
+  tile's rows. S = Q·Kᵀ by WGMMA from shared memory, mask and online softmax in registers, then O += P·V with P fed straight from
   registers as the WGMMA A operand, so S and P never touch shared memory. Within a warp group
   the GEMMs of block j (S_j = Q·K_jᵀ and O += P_{j-1}·V_{j-1}) are issued together and the
   softmax of S_j runs while O's GEMM is still in flight (intra-warp-group overlap); between the
-  two warp groups, named barriers order GEMM issue so one group's softmax overlaps the other's
-  GEMMs (ping-pong).
+  warp groups, named barriers pass GEMM issue round in order so one group's softmax overlaps
+  the others' GEMMs (ping-pong).
 - epilogue (the MMA warp groups): O / ℓ to shared memory (reusing Q's buffer), one TMA store;
-  LSE written per row by the lane that holds the row's first columns.
+  LSE written per row by the lane that holds the row's first columns. The storing thread
+  releases Q's buffer to the producer once the store has read it (the next tile's Q goes there).
 
 Key blocks are visited from the highest to the lowest so the first block carries the sequence
 tail and the causal diagonal; the tail mask, the causal/window masks and the unmasked middle run
@@ -33,9 +36,10 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from fa4_jax.kernels.common.block_info import BlockInfo
-from fa4_jax.kernels.common.layouts import acc_as_operand_a, acc_rows_cols
+from fa4_jax.kernels.common.layouts import acc_as_operand_a, acc_rows_cols, opaque_int32
 from fa4_jax.kernels.common.mask import AttentionMask
 from fa4_jax.kernels.common.softmax import OnlineSoftmax, SoftmaxConfig, scale_rows
+from fa4_jax.kernels.common.tile_scheduler import TileScheduler
 
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
@@ -46,21 +50,48 @@ class TileConfig:
     kv_stages: int
     pingpong: bool
     softmax: SoftmaxConfig
+    scheduler: str = "linear"
+    # MMA warp groups of 64 query rows each: tile_m = 64 · mma_warp_groups.
+    mma_warp_groups: int = 2
+
+    def smem_bytes(self, head_dim: int, head_dim_v: int, elem_bytes: int = 2) -> int:
+        """Q (whose buffer O reuses) plus the K/V ring, as laid out by SharedStorage."""
+        q_o = self.tile_m * max(head_dim, head_dim_v)
+        return elem_bytes * (q_o + self.kv_stages * self.tile_n * (head_dim + head_dim_v))
+
+
+# Constructor overrides of a TileConfig, for ablation variants compiled side by side.
+TUNING_KNOBS = ("pingpong", "rescale_threshold", "exp2_poly_share", "scheduler", "mma_warp_groups",
+                "tile_n", "kv_stages")
+# setmaxnreg budget of each MMA thread by MMA warp-group count: the 64K registers of an SM less
+# the producer group's 128 · 24, shared by the MMA threads, rounded down to a multiple of 8.
+MMA_REGISTERS = {2: 240, 3: 160}
 
 
 # 128 query rows = two MMA warp groups of 64. Shared memory bounds tile_n and the ring depth:
 # Q (tile_m·d) plus kv_stages·tile_n·(d + dv), 2 bytes each, under the 227 KB an sm_90 CTA may
-# use. Measured on the H200 (docs/perf-log.md, forward v2): these tiles reach 0.86-0.95 (d64),
+# use (`TileConfig.smem_bytes`; asserted at construction). Keyed by (head_dim, head_dim_v).
+# Measured on the H200 (docs/perf-log.md, forward v2): these tiles reach 0.86-0.95 (d64),
 # 0.95-1.06 (d128) and 1.09-1.15 (d256) of the best peer at s >= 4k. Ping-pong is off at d256,
 # whose 128-register O accumulator leaves no room for S and P of two blocks at once
 # (FlashAttention-3's choice too, not yet ablated here). The exp2 polynomial share is 0
 # everywhere: at d64 a 25% share cost 12-16% (353 vs 399 TF/s at s4k), the FMA pipe being the
 # busier unit on Hopper; rescale threshold 8 is FA4's value, not yet ablated here.
+# d96 and d192/dv128 are not measured yet. d96: the d64/d128 shape (O is 48 registers, S 64),
+# and its 48 KB K/V stage leaves room for three stages (168 KB). d192/dv128 (DeepSeek's shape):
+# the registers of d128 (O and S 64 each; Q·Kᵀ only has more k-steps), an 80 KB K/V stage, so
+# two stages (208 KB with Q's 48 KB).
 TILE_CONFIGS = {
-    64: TileConfig(128, 128, 3, True, SoftmaxConfig(rescale_threshold=8.0, exp2_poly_share=0.0)),
-    128: TileConfig(128, 128, 2, True, SoftmaxConfig(rescale_threshold=8.0)),
-    256: TileConfig(128, 64, 2, False, SoftmaxConfig(rescale_threshold=8.0)),
+    (64, 64): TileConfig(128, 128, 3, True, SoftmaxConfig(rescale_threshold=8.0, exp2_poly_share=0.0)),
+    (96, 96): TileConfig(128, 128, 3, True, SoftmaxConfig(rescale_threshold=8.0)),
+    (128, 128): TileConfig(128, 128, 2, True, SoftmaxConfig(rescale_threshold=8.0)),
+    (192, 128): TileConfig(128, 128, 2, True, SoftmaxConfig(rescale_threshold=8.0)),
+    (256, 256): TileConfig(128, 64, 2, False, SoftmaxConfig(rescale_threshold=8.0)),
 }
+# The most dynamic shared memory an sm_90 CTA may use (227 KB); the barriers and 1 KB alignment
+# of each buffer come on top of TileConfig.smem_bytes, hence the margin.
+SM90_SMEM_BYTES = 227 * 1024
+_SMEM_MARGIN = 4 * 1024
 
 LOG2_E = math.log2(math.e)
 
@@ -94,35 +125,89 @@ class _BlockOperands:
     score_prescale: Float32
 
 
+@dataclasses.dataclass(frozen=True)
+class _Problem:
+    """The runtime sizes every role needs to walk the tile schedule."""
+
+    seqlen_q: Int32
+    seqlen_k: Int32
+    num_heads: Int32
+    num_heads_kv: Int32
+    batch: Int32
+
+    def tile_count(self, scheduler: TileScheduler) -> Int32:
+        return scheduler.tile_count(self.seqlen_q, self.num_heads, self.batch)
+
+    def tile(self, scheduler: TileScheduler, i: Int32):
+        """The i-th tile's (m_block, head, batch). Inside the tile loop, the sizes go through
+        opaque copies: otherwise LLVM hoists the schedule's divisions out of the loop and holds
+        their results in registers across the main loop (d256 causal then spilled)."""
+        sizes = (self.seqlen_q, self.seqlen_k, self.num_heads, self.num_heads_kv, self.batch)
+        if cutlass.const_expr(scheduler.kind != "linear"):
+            sizes = tuple(opaque_int32(x) for x in sizes)
+        return scheduler.tile(i, *sizes)
+
+
 def _permute(tensor: cute.Tensor, order) -> cute.Tensor:
     return cute.make_tensor(tensor.iterator, cute.select(tensor.layout, mode=list(order)))
 
 
 class FlashAttentionForwardSm90:
     producer_warp_group = 0
-    mma_warp_groups = (1, 2)
     threads_per_warp_group = 128
-    # setmaxnreg budgets: the producer needs few registers; the MMA groups hold S, P and O.
+    # setmaxnreg budgets: the producer needs few registers; the MMA groups hold S, P and O
+    # (MMA_REGISTERS, by how many MMA warp groups share the register file).
     producer_registers = 24
-    mma_registers = 240
-    # Named barrier 0 is __syncthreads; 1 syncs the MMA warp groups around the epilogue; 2 and 3
-    # are the ping-pong turns of MMA warp groups 1 and 2.
+    # Named barrier 0 is __syncthreads; 1 syncs the MMA warp groups around the epilogue;
+    # 2, 3 (and 4) are the GEMM-issue turns of MMA warp groups 1, 2 (and 3).
     epilogue_barrier_id = 1
-    pingpong_barrier_ids = (2, 3)
+    pingpong_barrier_base = 2
 
-    def __init__(self, dtype, head_dim: int, head_dim_v: int, mask: str, has_softcap: bool):
+    def __init__(self, dtype, head_dim: int, head_dim_v: int, mask: str, has_softcap: bool, **tuning):
+        """`tuning` overrides the tile table's settings (TUNING_KNOBS): pingpong (bool),
+        rescale_threshold (float, log2 units; 0 = rescale whenever the maximum grows),
+        exp2_poly_share (float in [0, 1]), scheduler ("linear", "lpt", "lpt_single") and
+        mma_warp_groups (2 or 3; tile_m = 64 per group), tile_n and kv_stages."""
         if mask not in ("none", "causal", "local"):
             raise ValueError(f"mask must be 'none', 'causal' or 'local', got {mask!r}")
-        if head_dim not in TILE_CONFIGS:
-            raise ValueError(f"no tile configuration for head_dim={head_dim}")
+        if (head_dim, head_dim_v) not in TILE_CONFIGS:
+            raise ValueError(f"no tile configuration for head_dim={head_dim}, head_dim_v={head_dim_v}")
+        unknown = set(tuning) - set(TUNING_KNOBS)
+        if unknown:
+            raise TypeError(f"unknown tuning knobs {sorted(unknown)}; known: {TUNING_KNOBS}")
         self.dtype = dtype
         self.head_dim = head_dim
         self.head_dim_v = head_dim_v
         self.causal = mask == "causal"
         self.local = mask == "local"
         self.has_softcap = has_softcap
-        self.config = TILE_CONFIGS[head_dim]
-        self.tile_m, self.tile_n, self.kv_stages = self.config.tile_m, self.config.tile_n, self.config.kv_stages
+        config = TILE_CONFIGS[(head_dim, head_dim_v)]
+        softmax_tuning = {k: float(tuning[k]) for k in ("rescale_threshold", "exp2_poly_share") if k in tuning}
+        config = dataclasses.replace(
+            config,
+            softmax=dataclasses.replace(config.softmax, **softmax_tuning),
+            **{k: tuning[k] for k in ("pingpong", "scheduler", "tile_n", "kv_stages") if k in tuning},
+        )
+        if config.tile_n % 16 or not 16 <= config.tile_n <= 256:
+            raise ValueError(f"{config}: tile_n must be a multiple of 16 (P·V's k16 blocks), at most 256")
+        if "mma_warp_groups" in tuning:
+            config = dataclasses.replace(
+                config, mma_warp_groups=int(tuning["mma_warp_groups"]), tile_m=64 * int(tuning["mma_warp_groups"])
+            )
+        if config.mma_warp_groups not in MMA_REGISTERS or config.tile_m != 64 * config.mma_warp_groups:
+            raise ValueError(f"{config}: tile_m must be 64 per MMA warp group, 2 or 3 groups")
+        if not 0.0 <= config.softmax.exp2_poly_share <= 1.0 or config.softmax.rescale_threshold < 0.0:
+            raise ValueError(f"bad softmax tuning {config.softmax}")
+        self.config = config
+        if config.smem_bytes(head_dim, head_dim_v) + _SMEM_MARGIN > SM90_SMEM_BYTES:
+            raise ValueError(f"{config} needs more than {SM90_SMEM_BYTES} bytes of shared memory")
+        self.tile_m, self.tile_n, self.kv_stages = config.tile_m, config.tile_n, config.kv_stages
+        self.scheduler = TileScheduler(
+            config.scheduler, self.tile_m, reverse_m=self.causal or self.local,
+            kv_bytes_per_key=(head_dim + head_dim_v) * dtype.width // 8,
+        )
+        self.mma_warp_groups = tuple(range(1, config.mma_warp_groups + 1))
+        self.mma_registers = MMA_REGISTERS[config.mma_warp_groups]
         self.num_mma_threads = len(self.mma_warp_groups) * self.threads_per_warp_group
         self.num_threads = self.num_mma_threads + self.threads_per_warp_group
 
@@ -200,7 +285,7 @@ class FlashAttentionForwardSm90:
             score_prescale = Float32(1.0)
             scale_log2 = softmax_scale * LOG2_E
 
-        grid = (cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
+        grid = self.scheduler.grid(cute.size(mQ.shape[0]), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
         self.kernel(
             tiled_mma_qk, tiled_mma_pv,
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o,
@@ -246,9 +331,12 @@ class FlashAttentionForwardSm90:
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         # Consumers release a stage once per warp (the pipeline elects one lane per warp).
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+        # Q's buffer is released by the one warp that stores O from it (the buffer doubles as O's
+        # staging area), once its TMA store has read it: the next tile's Q may then overwrite it.
         pipeline_q = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=producer,
-            consumer_group=consumers, tx_count=self.tma_bytes_q, defer_sync=True,
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            tx_count=self.tma_bytes_q, defer_sync=True,
         )
         pipeline_k = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.kv_stages, producer_group=producer,
@@ -265,14 +353,8 @@ class FlashAttentionForwardSm90:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
 
-        m_block, head, batch = cute.arch.block_idx()
-        seqlen_q = mQ.shape[0]
-        seqlen_k = mK.shape[0]
-        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        problem = _Problem(mQ.shape[0], mK.shape[0], mQ.shape[2], mK.shape[2], mQ.shape[3])
         block_info = BlockInfo(self.tile_m, self.tile_n, self.causal, self.local)
-        n_block_min, n_block_max = block_info.n_block_range(
-            m_block, seqlen_q, seqlen_k, window_left, window_right
-        )
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
         warp_group = cute.arch.make_warp_uniform(warp_idx // 4)
@@ -281,8 +363,7 @@ class FlashAttentionForwardSm90:
             if warp_idx == 0:
                 self.load(
                     tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, sQ, sK, sV,
-                    pipeline_q, pipeline_k, pipeline_v, m_block, head, head_kv, batch,
-                    n_block_min, n_block_max,
+                    pipeline_q, pipeline_k, pipeline_v, problem, block_info, window_left, window_right,
                 )
         else:
             cute.arch.setmaxregister_increase(self.mma_registers)
@@ -290,43 +371,65 @@ class FlashAttentionForwardSm90:
             self.mma(
                 tiled_mma_qk, tiled_mma_pv, tidx - self.threads_per_warp_group,
                 sQ, sK, sV, sO, tma_atom_o, mO, mLSE, pipeline_q, pipeline_k, pipeline_v,
-                m_block, head, batch, seqlen_q, seqlen_k, n_block_min, n_block_max,
-                score_prescale, scale_log2, window_left, window_right, block_info,
+                problem, score_prescale, scale_log2, window_left, window_right, block_info,
             )
 
     @cute.jit
     def load(
         self, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, sQ, sK, sV,
-        pipeline_q, pipeline_k, pipeline_v, m_block, head, head_kv, batch, n_block_min, n_block_max,
+        pipeline_q, pipeline_k, pipeline_v, problem, block_info, window_left, window_right,
     ):
-        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim_v), (None, 0))
+        """One warp: for each of the CTA's tiles, the first K, Q, then V and the other K/V blocks
+        from the highest down.
+
+        The pipeline states carry across tiles, in step with the MMA warp groups' (same tile
+        sequence, same block count per tile)."""
         no_cluster = cute.make_layout(1)
-        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, no_cluster, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-        tKsK, tKgK = cpasync.tma_partition(tma_atom_k, 0, no_cluster, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_atom_v, 0, no_cluster, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
-
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        pipeline_q.producer_acquire(q_state)
-        cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
-
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
-        for i in cutlass.range(n_block_max - n_block_min, unroll=1):
-            n_block = n_block_max - 1 - i
-            pipeline_k.producer_acquire(kv_state)
-            cute.copy(tma_atom_k, tKgK[None, n_block], tKsK[None, kv_state.index],
-                      tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
-            pipeline_v.producer_acquire(kv_state)
-            cute.copy(tma_atom_v, tVgV[None, n_block], tVsV[None, kv_state.index],
-                      tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
-            kv_state.advance()
+        for tile_i in cutlass.range(problem.tile_count(self.scheduler), unroll=1):
+            m_block, head, batch = problem.tile(self.scheduler, tile_i)
+            head_kv = head // (problem.num_heads // problem.num_heads_kv)
+            n_block_min, n_block_max = block_info.n_block_range(
+                m_block, problem.seqlen_q, problem.seqlen_k, window_left, window_right
+            )
+            gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
+            gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
+            gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim_v), (None, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, no_cluster, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+            tKsK, tKgK = cpasync.tma_partition(tma_atom_k, 0, no_cluster, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+            tVsV, tVgV = cpasync.tma_partition(tma_atom_v, 0, no_cluster, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+
+            n_blocks = n_block_max - n_block_min
+            # The first K goes out before Q: Q's buffer frees only once the previous tile's O has
+            # been stored from it, and the K load need not wait for that.
+            if n_blocks > 0:
+                pipeline_k.producer_acquire(kv_state)
+                cute.copy(tma_atom_k, tKgK[None, n_block_max - 1], tKsK[None, kv_state.index],
+                          tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
+            pipeline_q.producer_acquire(q_state)
+            cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+            q_state.advance()
+            if n_blocks > 0:
+                pipeline_v.producer_acquire(kv_state)
+                cute.copy(tma_atom_v, tVgV[None, n_block_max - 1], tVsV[None, kv_state.index],
+                          tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
+                kv_state.advance()
+            for i in cutlass.range(n_blocks - 1, unroll=1):
+                n_block = n_block_max - 2 - i
+                pipeline_k.producer_acquire(kv_state)
+                cute.copy(tma_atom_k, tKgK[None, n_block], tKsK[None, kv_state.index],
+                          tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
+                pipeline_v.producer_acquire(kv_state)
+                cute.copy(tma_atom_v, tVgV[None, n_block], tVsV[None, kv_state.index],
+                          tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
+                kv_state.advance()
 
     @cute.jit
     def mma(
         self, tiled_mma_qk, tiled_mma_pv, tidx, sQ, sK, sV, sO, tma_atom_o, mO, mLSE,
-        pipeline_q, pipeline_k, pipeline_v, m_block, head, batch, seqlen_q, seqlen_k,
-        n_block_min, n_block_max, score_prescale, scale_log2, window_left, window_right, block_info,
+        pipeline_q, pipeline_k, pipeline_v, problem, score_prescale, scale_log2,
+        window_left, window_right, block_info,
     ):
         warp_group = cute.arch.make_warp_uniform(tidx // self.threads_per_warp_group)
         # WGMMA descriptors are per warp group; register fragments are per thread.
@@ -340,7 +443,6 @@ class FlashAttentionForwardSm90:
         # V viewed as (dv, tile_n): the P·V B operand, MN-major over the same swizzled tiles.
         tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(_permute(sV, (1, 0, 2))))
         acc_o = thr_mma_pv.make_fragment_C(thr_mma_pv.partition_shape_C((self.tile_m, self.head_dim_v)))
-        acc_o.fill(0.0)
         acc_o_rc = acc_rows_cols(acc_o)
         score_identity = cute.make_identity_tensor((self.tile_m, self.tile_n))
         score_coords0 = acc_rows_cols(tiled_mma_qk.get_slice(0).partition_C(score_identity))
@@ -349,53 +451,68 @@ class FlashAttentionForwardSm90:
         softmax = OnlineSoftmax.create(self.config.softmax, scale_log2, cute.size(acc_o_rc, mode=[0]))
         row_scale = cute.make_rmem_tensor_like(softmax.row_max, Float32)
         mask = AttentionMask(self.tile_m, self.tile_n, self.causal, self.local)
-        apply_mask = functools.partial(
-            mask.apply, coords0=score_coords0, thread_row=thread_origin[0], thread_col=thread_origin[1],
-            m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-            window_left=window_left, window_right=window_right,
-        )
         acc_s = thr_mma_qk.make_fragment_C(thr_mma_qk.partition_shape_C((self.tile_m, self.tile_n)))
         p = cute.make_rmem_tensor_like(acc_s, self.dtype)
         blocks = _BlockOperands(
             tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_s, p, acc_o, acc_o_rc,
             softmax, row_scale, pipeline_k, pipeline_v, score_prescale,
         )
+        step = functools.partial(self.mma_overlapped_block, blocks, warp_group)
+        seqlen_q, seqlen_k = problem.seqlen_q, problem.seqlen_k
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        pipeline_q.consumer_wait(q_state)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
+        # Both warp groups run the same number of GEMM turns per tile, so the ping-pong token is
+        # back with the first group at every tile boundary: one hand-over for the whole CTA.
         self.pingpong_init(warp_group)
-        step = functools.partial(self.mma_overlapped_block, blocks, warp_group)
-        masked = functools.partial(step, apply_mask=apply_mask)
-
-        if n_block_max > n_block_min:
-            # The highest block holds the sequence tail (and the diagonal): always masked.
-            self.mma_first_block(blocks, kv_state, n_block_max - 1, apply_mask)
-            n_block = n_block_max - 2
-            if cutlass.const_expr(block_info.has_right_bound):
-                n_masked_from = block_info.n_block_min_right_masked(
-                    m_block, n_block_min, seqlen_q, seqlen_k, window_right
-                )
-                for _ in cutlass.range(n_block + 1 - n_masked_from, unroll=1):
-                    kv_state = masked(kv_state, n_block)
-                    n_block -= 1
-            n_unmasked_from = block_info.n_block_min_unmasked(
-                m_block, n_block_min, seqlen_q, seqlen_k, window_left
+        for tile_i in cutlass.range(problem.tile_count(self.scheduler), unroll=1):
+            m_block, head, batch = problem.tile(self.scheduler, tile_i)
+            n_block_min, n_block_max = block_info.n_block_range(
+                m_block, seqlen_q, seqlen_k, window_left, window_right
             )
-            for _ in cutlass.range(n_block + 1 - n_unmasked_from, unroll=1):
-                kv_state = step(kv_state, n_block)
-                n_block -= 1
-            if cutlass.const_expr(self.local):
-                for _ in cutlass.range(n_block + 1 - n_block_min, unroll=1):
-                    kv_state = masked(kv_state, n_block)
-                    n_block -= 1
-            self.mma_last_pv(blocks, kv_state)
+            apply_mask = functools.partial(
+                mask.apply, coords0=score_coords0, thread_row=thread_origin[0], thread_col=thread_origin[1],
+                m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                window_left=window_left, window_right=window_right,
+            )
+            masked = functools.partial(step, apply_mask=apply_mask)
+            acc_o.fill(0.0)
+            softmax.reset()
 
-        lse = cute.make_rmem_tensor_like(softmax.row_max, Float32)
-        softmax.finalize(row_scale, lse)
-        scale_rows(acc_o_rc, row_scale)
-        self.epilogue(tiled_mma_pv, thr_mma_pv, tidx, acc_o, lse, sO, tma_atom_o, mO, mLSE,
-                      m_block, head, batch, seqlen_q)
+            pipeline_q.consumer_wait(q_state)
+            if n_block_max > n_block_min:
+                # The highest block holds the sequence tail (and the diagonal): always masked.
+                self.mma_first_block(blocks, kv_state, n_block_max - 1, apply_mask)
+                n_block = n_block_max - 2
+                if cutlass.const_expr(block_info.has_right_bound):
+                    n_masked_from = block_info.n_block_min_right_masked(
+                        m_block, n_block_min, seqlen_q, seqlen_k, window_right
+                    )
+                    for _ in cutlass.range(n_block + 1 - n_masked_from, unroll=1):
+                        kv_state = masked(kv_state, n_block)
+                        n_block -= 1
+                n_unmasked_from = block_info.n_block_min_unmasked(
+                    m_block, n_block_min, seqlen_q, seqlen_k, window_left
+                )
+                for _ in cutlass.range(n_block + 1 - n_unmasked_from, unroll=1):
+                    kv_state = step(kv_state, n_block)
+                    n_block -= 1
+                if cutlass.const_expr(self.local):
+                    for _ in cutlass.range(n_block + 1 - n_block_min, unroll=1):
+                        kv_state = masked(kv_state, n_block)
+                        n_block -= 1
+                self.mma_last_pv(blocks, kv_state)
+                # kv_state held the last block's slot; the next tile starts at the one after it.
+                kv_state.advance()
+
+            lse = cute.make_rmem_tensor_like(softmax.row_max, Float32)
+            softmax.finalize(row_scale, lse)
+            scale_rows(acc_o_rc, row_scale)
+            # Decoded again rather than held in registers across the main loop.
+            m_block, head, batch = problem.tile(self.scheduler, tile_i)
+            self.epilogue(tiled_mma_pv, thr_mma_pv, tidx, acc_o, lse, sO, tma_atom_o, mO, mLSE,
+                          m_block, head, batch, seqlen_q, pipeline_q, q_state)
+            q_state.advance()
 
     @cute.jit
     def mma_first_block(self, blocks, kv_state, n_block, apply_mask):
@@ -454,13 +571,16 @@ class FlashAttentionForwardSm90:
             blocks.p.store(blocks.acc_s.load().to(self.dtype))
         return moved
 
+    # GEMM issue goes round the MMA warp groups in order: group g waits on barrier base + g,
+    # issues, and arrives on the next group's. Each barrier joins two groups (the waiter and the
+    # one handing over), so it counts 2 · 128 threads.
     @cute.jit
     def pingpong_init(self, warp_group):
-        """The second MMA warp group hands the first its initial turn."""
+        """The last MMA warp group hands the first its initial turn."""
         if cutlass.const_expr(self.config.pingpong):
-            if warp_group == 1:
+            if warp_group == len(self.mma_warp_groups) - 1:
                 cute.arch.barrier_arrive(
-                    barrier_id=self.pingpong_barrier_ids[0], number_of_threads=self.num_mma_threads
+                    barrier_id=self.pingpong_barrier_base, number_of_threads=2 * self.threads_per_warp_group
                 )
 
     @cute.jit
@@ -468,15 +588,17 @@ class FlashAttentionForwardSm90:
         """Wait for this warp group's turn to issue GEMMs."""
         if cutlass.const_expr(self.config.pingpong):
             cute.arch.barrier(
-                barrier_id=self.pingpong_barrier_ids[0] + warp_group, number_of_threads=self.num_mma_threads
+                barrier_id=self.pingpong_barrier_base + warp_group,
+                number_of_threads=2 * self.threads_per_warp_group,
             )
 
     @cute.jit
     def pingpong_yield(self, warp_group):
-        """Give the other warp group its turn once this one's GEMMs are issued."""
+        """Give the next warp group its turn once this one's GEMMs are issued."""
         if cutlass.const_expr(self.config.pingpong):
             cute.arch.barrier_arrive(
-                barrier_id=self.pingpong_barrier_ids[0] + 1 - warp_group, number_of_threads=self.num_mma_threads
+                barrier_id=self.pingpong_barrier_base + (warp_group + 1) % len(self.mma_warp_groups),
+                number_of_threads=2 * self.threads_per_warp_group,
             )
 
     @cute.jit
@@ -497,7 +619,7 @@ class FlashAttentionForwardSm90:
 
     @cute.jit
     def epilogue(self, tiled_mma_pv, thr_mma_pv, tidx, acc_o, lse, sO, tma_atom_o, mO, mLSE,
-                 m_block, head, batch, seqlen_q):
+                 m_block, head, batch, seqlen_q, pipeline_q, q_state):
         # LSE: the lane holding column 0 of a row writes it; rows past seqlen_q are padding.
         o_coords = acc_rows_cols(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
         gLSE = mLSE[None, head, batch]
@@ -512,17 +634,23 @@ class FlashAttentionForwardSm90:
         o_out.store(acc_o.load().to(self.dtype))
         # Both warp groups must be done reading Q before O overwrites it (layouts differ if dv != d).
         cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.num_mma_threads)
-        tOsO = thr_mma_pv.partition_C(sO)
+        # The thread's slice is rebuilt from an opaque index so its swizzled addresses are
+        # computed here, not hoisted out of a persistent kernel's tile loop (see opaque_int32).
+        tOsO = tiled_mma_pv.get_slice(opaque_int32(tidx)).partition_C(sO)
         for i in cutlass.range_constexpr(cute.size(o_out)):
             tOsO[i] = o_out[i]
         # Ordinary stores must be made visible to the TMA (async proxy) before the store is issued.
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.num_mma_threads)
-        if tidx < 32:
+        # One thread issues the store: a bulk tensor copy is per thread (unlike the loads, the DSL
+        # elects no lane for it), so a whole warp would store the tile 32 times.
+        if tidx == 0:
             gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim_v), (m_block, 0))
             tOsO_tma, tOgO_tma = cpasync.tma_partition(
                 tma_atom_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
             )
             cute.copy(tma_atom_o, tOsO_tma, tOgO_tma)
             cute.arch.cp_async_bulk_commit_group()
+            # Once the store has read O out of Q's buffer, the producer may load the next Q there.
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+            pipeline_q.consumer_release(q_state)

@@ -1,0 +1,77 @@
+"""CPU tier: the LPT tile order is a permutation of the tiles, longest first, L2-sectioned.
+
+The kernel runs `TileScheduler.decode` on DSL integers; here the same code runs on Python ints.
+"""
+import itertools
+
+import pytest
+
+from fa4_jax.kernels.common.tile_scheduler import SCHEDULERS, TileScheduler
+
+SHAPES = [  # seqlen_q, seqlen_k, heads, heads_kv, batch
+    (1, 1, 1, 1, 1), (1000, 1000, 4, 4, 2), (4097, 4097, 8, 2, 1), (16384, 16384, 16, 16, 1),
+    (1024, 1024, 16, 1, 16), (300, 100, 4, 2, 2), (4096, 131072, 6, 3, 3),
+]
+
+
+def _order(sched, sq, sk, h, hk, b):
+    num_m = -(-sq // sched.tile_m)
+    return [sched.decode(t, sq, sk, h, hk, b) for t in range(num_m * h * b)], num_m
+
+
+@pytest.mark.parametrize("reverse_m", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_order_is_a_permutation(shape, reverse_m):
+    sched = TileScheduler("lpt", 128, reverse_m, kv_bytes_per_key=512)
+    order, num_m = _order(sched, *shape)
+    h, b = shape[2], shape[4]
+    assert sorted(order) == sorted(itertools.product(range(num_m), range(h), range(b)))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_heaviest_first_within_a_section(shape):
+    sched = TileScheduler("lpt", 128, True, kv_bytes_per_key=512)
+    order, _ = _order(sched, *shape)
+    # Within one L2 section the m-blocks never grow: the bottom (heaviest causal) rows go first.
+    sections = {}
+    for i, (m, _, _) in enumerate(order):
+        sections.setdefault(_section(sched, shape, i), []).append(m)
+    for ms in sections.values():
+        assert ms == sorted(ms, reverse=True)
+
+
+def _section(sched, shape, tile_idx):
+    sq, sk, h, hk, b = shape
+    num_m = -(-sq // sched.tile_m)
+    kv_heads = max(sched.l2_bytes // sched.kv_bytes_per_key // max(sk, 1), 1)
+    return tile_idx // (kv_heads * (h // hk) * num_m)
+
+
+def test_section_keeps_kv_within_the_l2_budget():
+    sched = TileScheduler("lpt", 128, True, kv_bytes_per_key=(128 + 128) * 2)
+    sq = sk = 4096
+    h = hk = 64
+    order, num_m = _order(sched, sq, sk, h, hk, 1)
+    # 32 MiB / (4096 keys * 512 B) = 16 KV heads per section: the first 16 * num_m tiles use
+    # heads 0..15 only, starting with the last (heaviest) m-block of each.
+    first = order[: 16 * num_m]
+    assert {head for _, head, _ in first} == set(range(16))
+    assert [m for m, _, _ in order[:16]] == [num_m - 1] * 16
+
+
+def test_persistent_ctas_split_the_tiles():
+    sched = TileScheduler("lpt", 128, True, kv_bytes_per_key=512)
+    sq, sk, h, hk, b = 4096, 4096, 16, 16, 2
+    num_tiles = 32 * h * b
+    grid = min(num_tiles, sched.num_sms)
+    seen = []
+    for cta in range(grid):
+        count = (num_tiles - cta + grid - 1) // grid
+        seen += [sched.decode(cta + i * grid, sq, sk, h, hk, b) for i in range(count)]
+    assert len(seen) == len(set(seen)) == num_tiles
+
+
+def test_unknown_scheduler_is_refused():
+    assert SCHEDULERS == ("linear", "lpt", "lpt_single")
+    with pytest.raises(ValueError):
+        TileScheduler("dynamic", 128, False, 512)
