@@ -1,5 +1,6 @@
 """Element masks on a score tile held in registers (-inf where a key is not visible)."""
 import dataclasses
+import math
 
 import cutlass
 import cutlass.cute as cute
@@ -71,9 +72,11 @@ class AttentionMask:
         seqlen_k: Int32,
         window_left: Int32,
         window_right: Int32,
+        fill: cutlass.Constexpr[float] = -math.inf,
     ):
         """The causal/window rules on a transposed tile Sᵀ: rows are keys, columns are queries.
 
+        Invisible entries become `fill` (−inf for scores; 0 for a tile that already holds P or dS).
         Same register-coordinate scheme as `apply`. The sequence tails are not masked here (the
         backward handles them through lse = +inf rows and zero-filled keys, see
         BlockInfo.tile_needs_mask).
@@ -93,7 +96,7 @@ class AttentionMask:
             for c in cutlass.range_constexpr(cute.size(scores_t, mode=[1])):
                 col = coords0[r, c][1]
                 if col < col_lo:
-                    scores_t[r, c] = -Float32.inf
+                    scores_t[r, c] = Float32(fill)
                 if cutlass.const_expr(self.local):
                     if col >= col_hi:
-                        scores_t[r, c] = -Float32.inf
+                        scores_t[r, c] = Float32(fill)

@@ -124,7 +124,8 @@ class _BlockOperands:
     tdKrQ: cute.Tensor
     tdQrdS: cute.Tensor  # dQ = dS·K operands
     tdQrK: cute.Tensor
-    tPsP: cute.Tensor  # this thread's Pᵀ / dSᵀ registers' places in shared memory
+    store_pds: cute.ThrCopy  # Pᵀ / dSᵀ registers -> shared memory
+    tPsP: cute.Tensor
     tdSsdS: cute.Tensor
     sLSE: cute.Tensor
     sdPsum: cute.Tensor
@@ -172,6 +173,7 @@ class FlashAttentionBackwardSm90:
         self.num_mma_threads = len(self.mma_warp_groups) * self.threads_per_warp_group
         self.num_threads = self.num_mma_threads + self.threads_per_warp_group
         assert self.tile_m % BWD_SEMAPHORE_ROWS == 0 and 128 % self.tile_m == 0
+        assert self.stages % self.config.pds_stages == 0
         self.preprocess = BackwardPreprocess(dtype, head_dim_v)
         self.postprocess = BackwardPostprocess(dtype, head_dim)
 
@@ -396,6 +398,9 @@ class FlashAttentionBackwardSm90:
         m_block_min, m_block_max = block_info.m_block_range(
             n_block, seqlen_q, seqlen_k, window_left, window_right
         )
+        # Loop bounds are CTA-uniform: saying so lets them live in uniform registers.
+        m_block_min = cute.arch.make_warp_uniform(m_block_min)
+        m_block_max = cute.arch.make_warp_uniform(m_block_max)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
         warp_group = cute.arch.make_warp_uniform(warp_idx // 4)
@@ -483,12 +488,18 @@ class FlashAttentionBackwardSm90:
         sdOt = _permute(sdO, (1, 0, 2))
         sdSt = _permute(sdS, (1, 0, 2))
         sKt = _permute(sK, (1, 0))
+        # Pᵀ/dSᵀ registers -> shared memory with stmatrix: one address per 4 8x8 matrices, where
+        # element-wise stores would keep ~20 more swizzled addresses live through the loop.
+        store_pds = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
+            tiled_mma_sdp,
+        ).get_slice(tidx)
         tdVrP, tdKrdS = None, None
         tPsP = None
         if cutlass.const_expr(not self.config.dkv_from_registers):
             tdVrP = wg_mma_dv.make_fragment_A(wg_mma_dv.partition_A(sP))
             tdKrdS = wg_mma_dk.make_fragment_A(wg_mma_dk.partition_A(sdS))
-            tPsP = thr_mma_sdp.partition_C(sP)
+            tPsP = store_pds.partition_D(sP)
 
         acc_s = thr_mma_sdp.make_fragment_C(thr_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)))
         acc_dk = thr_mma_dk.make_fragment_C(thr_mma_dk.partition_shape_C((self.tile_n, self.head_dim)))
@@ -508,8 +519,9 @@ class FlashAttentionBackwardSm90:
             wg_mma_dk.make_fragment_B(wg_mma_dk.partition_B(sQt)),
             wg_mma_dq.make_fragment_A(wg_mma_dq.partition_A(sdSt)),
             wg_mma_dq.make_fragment_B(wg_mma_dq.partition_B(sKt)),
+            store_pds,
             tPsP,
-            thr_mma_sdp.partition_C(sdS),
+            store_pds.partition_D(sdS),
             sLSE,
             sdPsum,
             acc_s,
@@ -536,7 +548,6 @@ class FlashAttentionBackwardSm90:
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipeline_kv.consumer_wait(kv_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        pds_index = Int32(0)
         for head_in_group in cutlass.range(group, unroll=1):
             head = head_kv * group + head_in_group
             gdQaccum = mdQaccum[batch, head, None, None]
@@ -546,13 +557,12 @@ class FlashAttentionBackwardSm90:
                     needs_mask = block_info.tile_needs_mask(
                         m_block, n_block, seqlen_q, seqlen_k, window_left, window_right
                     )
-                self.query_block(blocks, state, pds_index, m_block, needs_mask, apply_mask)
+                self.query_block(blocks, state, m_block, needs_mask, apply_mask)
                 self.accumulate_dq(
                     blocks, tidx, gdQaccum, mSemaphore, m_block, n_block, head, batch,
                     seqlen_q, seqlen_k, window_left, window_right, deterministic, block_info,
                 )
                 state.advance()
-                pds_index = (pds_index + 1) % self.config.pds_stages
 
         self.epilogue(
             blocks, thr_mma_dk, thr_mma_dv, tidx, sK, sV, tma_atom_dk, mdK, tma_atom_dv, mdV,
@@ -560,9 +570,11 @@ class FlashAttentionBackwardSm90:
         )
 
     @cute.jit
-    def query_block(self, blocks, state, pds_index, m_block, needs_mask, apply_mask):
+    def query_block(self, blocks, state, m_block, needs_mask, apply_mask):
         """dV and dK updates, and this query block's dQ share in blocks.acc_dq."""
         stage = state.index
+        # Consecutive query blocks alternate dSᵀ buffers (stages is a multiple of pds_stages).
+        pds_index = stage % self.config.pds_stages
         blocks.pipeline_q.consumer_wait(state)
         self.gemm(blocks.tiled_mma_sdp, blocks.acc_s, blocks.tSrK, blocks.tSrQ[None, None, None, stage],
                   zero_init=True, wait_group=-1)
@@ -572,40 +584,51 @@ class FlashAttentionBackwardSm90:
         scores = acc_rows_cols(blocks.acc_s)
         dp = acc_rows_cols(blocks.acc_dp)
         if cutlass.const_expr(self.has_softcap):
-            warpgroup.wait_group(0)
+            # One pass over Sᵀ and dPᵀ: t = tanh, P, dSᵀ = P ∘ (dPᵀ − D) ∘ (1 − t²), so only one
+            # LSE and one D value are live at a time; the mask then zeroes P and dSᵀ (masking the
+            # scores first would leave t = −inf for the derivative).
+            # The tanh overlaps the dPᵀ GEMM.
+            warpgroup.wait_group(1)
             for i in cutlass.range_constexpr(cute.size(blocks.acc_s)):
                 blocks.acc_s[i] = cute.math.tanh(blocks.acc_s[i] * blocks.score_prescale, fastmath=True)
-            # (dPᵀ − D) ∘ (1 − tanh²) now, while the scores are still tanh values: the mask below
-            # turns masked ones into −inf.
-            for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
-                d_value = blocks.sdPsum[self._query_of(blocks, c), stage]
-                for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
-                    dp[r, c] = (dp[r, c] - d_value) * (1.0 - scores[r, c] * scores[r, c])
+            warpgroup.wait_group(0)
+            for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+                query = self._query_of(blocks, c)
+                lse_log2 = blocks.sLSE[query, stage]
+                d_value = blocks.sdPsum[query, stage]
+                for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
+                    capped = scores[r, c]
+                    prob = cute.math.exp2(capped * blocks.scale_log2 - lse_log2, fastmath=True)
+                    scores[r, c] = prob
+                    dp[r, c] = prob * (dp[r, c] - d_value) * (1.0 - capped * capped)
+            if cutlass.const_expr(self.causal or self.local):
+                if needs_mask:
+                    apply_mask(scores, m_block=m_block, fill=0.0)
+                    apply_mask(dp, m_block=m_block, fill=0.0)
         else:
             # Sᵀ is done; the exponentials overlap the dPᵀ GEMM.
             warpgroup.wait_group(1)
-        if cutlass.const_expr(self.causal or self.local):
-            if needs_mask:
-                apply_mask(scores, m_block=m_block)
-        for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-            lse_log2 = blocks.sLSE[self._query_of(blocks, c), stage]
-            for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
-                scores[r, c] = cute.math.exp2(scores[r, c] * blocks.scale_log2 - lse_log2, fastmath=True)
+            if cutlass.const_expr(self.causal or self.local):
+                if needs_mask:
+                    apply_mask(scores, m_block=m_block)
+            for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+                lse_log2 = blocks.sLSE[self._query_of(blocks, c), stage]
+                for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
+                    scores[r, c] = cute.math.exp2(scores[r, c] * blocks.scale_log2 - lse_log2, fastmath=True)
         blocks.p.store(blocks.acc_s.load().to(self.dtype))
+        if cutlass.const_expr(self.has_softcap):
+            blocks.ds.store(blocks.acc_dp.load().to(self.dtype))
         if cutlass.const_expr(self.config.dkv_from_registers):
             self.gemm(blocks.tiled_mma_dv, blocks.acc_dv, acc_as_operand_a(blocks.p),
                       blocks.tdVrdO[None, None, None, stage], zero_init=False, wait_group=-1)
-        if cutlass.const_expr(self.has_softcap):
-            for i in cutlass.range_constexpr(cute.size(blocks.acc_dp)):
-                blocks.acc_dp[i] = blocks.acc_s[i] * blocks.acc_dp[i]
-        else:
+        if cutlass.const_expr(not self.has_softcap):
             # dPᵀ is done (the dV GEMM, if issued, may still run).
             warpgroup.wait_group(1 if cutlass.const_expr(self.config.dkv_from_registers) else 0)
             for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
                 d_value = blocks.sdPsum[self._query_of(blocks, c), stage]
                 for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
                     dp[r, c] = scores[r, c] * (dp[r, c] - d_value)
-        blocks.ds.store(blocks.acc_dp.load().to(self.dtype))
+            blocks.ds.store(blocks.acc_dp.load().to(self.dtype))
         if cutlass.const_expr(self.config.dkv_from_registers):
             self.gemm(blocks.tiled_mma_dk, blocks.acc_dk, acc_as_operand_a(blocks.ds),
                       blocks.tdKrQ[None, None, None, stage], zero_init=False, wait_group=-1)
@@ -614,13 +637,9 @@ class FlashAttentionBackwardSm90:
         if cutlass.const_expr(self.config.pds_stages == 1):
             # The other warp group may still be reading the previous block's buffer.
             cute.arch.barrier(barrier_id=self.pds_barrier_id, number_of_threads=self.num_mma_threads)
-        tdSsdS = blocks.tdSsdS[None, None, None, pds_index]
-        for i in cutlass.range_constexpr(cute.size(blocks.ds)):
-            tdSsdS[i] = blocks.ds[i]
+        cute.copy(blocks.store_pds, blocks.store_pds.retile(blocks.ds), blocks.tdSsdS[None, None, None, pds_index])
         if cutlass.const_expr(not self.config.dkv_from_registers):
-            tPsP = blocks.tPsP[None, None, None, pds_index]
-            for i in cutlass.range_constexpr(cute.size(blocks.p)):
-                tPsP[i] = blocks.p[i]
+            cute.copy(blocks.store_pds, blocks.store_pds.retile(blocks.p), blocks.tPsP[None, None, None, pds_index])
         # Ordinary stores must be made visible to WGMMA (async proxy) before it reads them.
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=self.pds_barrier_id, number_of_threads=self.num_mma_threads)
