@@ -19,10 +19,12 @@ LOG2_E = math.log2(math.e)
 
 class BackwardPreprocess:
     threads = 256
-    lanes_per_row = 8
+    # Elements per 16-byte vector of the 2-byte io dtype: each lane's chunk is whole vectors.
+    vector = 8
 
     def __init__(self, dtype, head_dim_v: int):
-        assert head_dim_v % (8 * self.lanes_per_row) == 0, "each lane reads whole 16-byte vectors"
+        # Up to 8 lanes per row, as many as split the row into whole vectors (dv = 96: 4 lanes of 24).
+        self.lanes_per_row = next(n for n in (8, 4, 2, 1) if head_dim_v % (self.vector * n) == 0)
         self.dtype = dtype
         self.head_dim_v = head_dim_v
         self.chunk = head_dim_v // self.lanes_per_row

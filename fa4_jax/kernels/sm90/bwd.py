@@ -68,29 +68,48 @@ class TileConfig:
 
 
 # tile_m is 64 everywhere: the dQ GEMM gives each MMA warp group half of d with all tile_m rows,
-# and a WGMMA has 64 rows. Shared memory (2-byte elements, 227 KB per CTA):
-#   stages·tile_m·(d + dv) + tile_n·(d + dv) + pds_stages·tile_n·tile_m·(1 or 2)
-#   d64:  2·64·128 + 128·128 + 2·128·64      =  80 KB
-#   d128: 2·64·256 + 128·256 + 2·128·64      = 144 KB
-#   d256: 2·64·512 + 64·512  + 2·2·64·64     = 224 KB (+ LSE/D slices and barriers: just fits)
-# Registers per MMA thread (240 budget): d128 holds dK, dV (64 + 64 fp32), Sᵀ and dPᵀ (32 + 32)
-# and their 16-bit copies; d256 with 64 keys per warp group would need 256 for dK + dV alone,
-# hence tile_n = 64 with dK/dV split along d (64 + 64) and P/dS through shared memory.
+# and a WGMMA has 64 rows. Shared memory, 2-byte elements, under the 227 KB of an sm_90 CTA:
+#   2 · (stages·tile_m·(d + dv) + tile_n·(d + dv) + pds_stages·tile_n·tile_m·(1, or 2 with P))
+#   d64:  2·(2·64·128 + 128·128 + 2·128·64)   =  96 KB
+#   d96:  2·(2·64·192 + 128·192 + 2·128·64)   = 128 KB
+#   d128: 2·(2·64·256 + 128·256 + 2·128·64)   = 160 KB
+#   d192/dv128: 2·(2·64·320 + 64·320 + 2·2·64·64) = 152 KB
+#   d256: 2·(2·64·512 + 64·512 + 2·2·64·64)   = 224 KB (+1.5 KB of LSE/D slices and barriers)
+# Registers per MMA thread (240 budget): with dkv_from_registers a warp group holds dK and dV of
+# 64 keys (d128: 64 + 64 fp32), Sᵀ and dPᵀ (32 + 32) and their 16-bit copies; d128 needs 236-240
+# (253-255 with softcap, which still fits without spills). d192 and d256 with 64 keys per warp
+# group would need 160 and 256 for dK + dV alone, hence tile_n = 64 with dK/dV split along d
+# (d256: 64 + 64) and P/dS through shared memory: d256 needs ~220 registers.
 # FlashAttention-3's Hopper backward uses the same shapes (64 x 128 for d <= 128, 64 x 64 for
 # d256). Not yet measured here.
 TILE_CONFIGS = {
     64: TileConfig(64, 128, 2, True, 2),
+    96: TileConfig(64, 128, 2, True, 2),
     128: TileConfig(64, 128, 2, True, 2),
+    192: TileConfig(64, 64, 2, False, 2),
     256: TileConfig(64, 64, 2, False, 2),
 }
 
 LOG2_E = math.log2(math.e)
 
 
-def _smem_layout(dtype, rows: int, cols: int, stages: int | None = None):
-    """Row-major, swizzled tile (cols contiguous), as TMA writes it and WGMMA reads it."""
+def _swizzle_width(cols: int) -> int:
+    """Elements per row of the widest 2-byte swizzle atom (128, 64 or 32 bytes) that tiles cols."""
+    return next(w for w in (64, 32, 16, 8) if cols % w == 0)
+
+
+def _smem_layout(dtype, rows: int, cols: int, stages: int | None = None, split: int | None = None):
+    """Row-major, swizzled tile (cols contiguous), as TMA writes it and WGMMA reads it.
+
+    `split`: the column slice one warp group's WGMMA reads as an MN-major operand; the swizzle
+    atom is narrowed when the natural one cuts across slices (d96: 48 of 96, d192: 96 of 192).
+    """
+    major = cols
+    natural = _swizzle_width(cols)
+    if split is not None and split % natural != 0 and natural % split != 0:
+        major = split
     atom = warpgroup.make_smem_layout_atom(
-        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype
+        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, major), dtype
     )
     shape = (rows, cols) if stages is None else (rows, cols, stages)
     return cute.tile_to_shape(atom, shape, order=tuple(range(len(shape))))
@@ -174,6 +193,11 @@ class FlashAttentionBackwardSm90:
         self.num_threads = self.num_mma_threads + self.threads_per_warp_group
         assert self.tile_m % BWD_SEMAPHORE_ROWS == 0 and 128 % self.tile_m == 0
         assert self.stages % self.config.pds_stages == 0
+        # Columns of dK, dV and dQ one MMA warp group computes.
+        wgs = len(self.mma_warp_groups)
+        split_dkv = 1 if self.config.dkv_from_registers else wgs
+        self.dk_cols, self.dv_cols = head_dim // split_dkv, head_dim_v // split_dkv
+        self.dq_cols = head_dim // wgs
         self.preprocess = BackwardPreprocess(dtype, head_dim_v)
         self.postprocess = BackwardPostprocess(dtype, head_dim)
 
@@ -182,26 +206,29 @@ class FlashAttentionBackwardSm90:
         wgs = len(self.mma_warp_groups)
         K, MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
         if cutlass.const_expr(self.config.dkv_from_registers):
-            # Each warp group: 64 keys x all of tile_m (Sᵀ, dPᵀ) and x all of d (dK, dV).
+            # Each warp group: tile_n / 2 keys x all of tile_m (Sᵀ, dPᵀ) and x all of d (dK, dV).
             sdp = ((wgs, 1, 1), (self.tile_n // wgs, self.tile_m))
-            dk = ((wgs, 1, 1), (self.tile_n // wgs, self.head_dim))
-            dv = ((wgs, 1, 1), (self.tile_n // wgs, self.head_dim_v))
+            dkv_atoms = (wgs, 1, 1)
             dkv_a = warpgroup.OperandSource.RMEM
         else:
             # Each warp group: all tile_n keys x half of tile_m (Sᵀ, dPᵀ) and x half of d (dK, dV).
             sdp = ((1, wgs, 1), (self.tile_n, self.tile_m // wgs))
-            dk = ((1, wgs, 1), (self.tile_n, self.head_dim // wgs))
-            dv = ((1, wgs, 1), (self.tile_n, self.head_dim_v // wgs))
+            dkv_atoms = (1, wgs, 1)
             dkv_a = warpgroup.OperandSource.SMEM
+        dkv_rows = self.tile_n // dkv_atoms[0]
         tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, K, K, Float32, *sdp)
         # A = Pᵀ / dSᵀ (keys x queries, queries contiguous: K-major), B = dO / Q viewed as
         # (d, queries), d contiguous: MN-major.
-        tiled_mma_dk = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, K, MN, Float32, *dk, dkv_a)
-        tiled_mma_dv = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, K, MN, Float32, *dv, dkv_a)
+        tiled_mma_dk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K, MN, Float32, dkv_atoms, (dkv_rows, self.dk_cols), dkv_a
+        )
+        tiled_mma_dv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K, MN, Float32, dkv_atoms, (dkv_rows, self.dv_cols), dkv_a
+        )
         # A = dS viewed from the dSᵀ buffer (queries contiguous: MN-major), B = K viewed as
         # (d, keys), d contiguous: MN-major. Each warp group: all tile_m rows x half of d.
         tiled_mma_dq = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, MN, MN, Float32, (1, wgs, 1), (self.tile_m, self.head_dim // wgs)
+            self.dtype, self.dtype, MN, MN, Float32, (1, wgs, 1), (self.tile_m, self.dq_cols)
         )
         return tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq
 
@@ -239,9 +266,10 @@ class FlashAttentionBackwardSm90:
 
         tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq = self._tiled_mmas()
 
-        sQ_layout = _smem_layout(self.dtype, self.tile_m, self.head_dim, self.stages)
-        sdO_layout = _smem_layout(self.dtype, self.tile_m, self.head_dim_v, self.stages)
-        sK_layout = _smem_layout(self.dtype, self.tile_n, self.head_dim)
+        # Q, dO and K are also the MN-major B operands of dK, dV and dQ.
+        sQ_layout = _smem_layout(self.dtype, self.tile_m, self.head_dim, self.stages, split=self.dk_cols)
+        sdO_layout = _smem_layout(self.dtype, self.tile_m, self.head_dim_v, self.stages, split=self.dv_cols)
+        sK_layout = _smem_layout(self.dtype, self.tile_n, self.head_dim, split=self.dq_cols)
         sV_layout = _smem_layout(self.dtype, self.tile_n, self.head_dim_v)
         # Pᵀ and dSᵀ: keys x queries, queries contiguous.
         sPdS_layout = _smem_layout(self.dtype, self.tile_n, self.tile_m, self.config.pds_stages)
