@@ -426,9 +426,6 @@ class FlashAttentionBackwardSm90:
         m_block_min, m_block_max = block_info.m_block_range(
             n_block, seqlen_q, seqlen_k, window_left, window_right
         )
-        # Loop bounds are CTA-uniform: saying so lets them live in uniform registers.
-        m_block_min = cute.arch.make_warp_uniform(m_block_min)
-        m_block_max = cute.arch.make_warp_uniform(m_block_max)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
         warp_group = cute.arch.make_warp_uniform(warp_idx // 4)
@@ -722,8 +719,14 @@ class FlashAttentionBackwardSm90:
 
     @cute.jit
     def red_add(self, acc, gmem):
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            cute.arch.red(_elem_ptr(gmem, i), acc[i], op="add", dtype="f32", sem="relaxed", scope="gpu")
+        """gmem += acc, where both are partitions of one accumulator tile.
+
+        Registers 2i and 2i+1 of a WGMMA accumulator hold adjacent columns, so each pair is one
+        8-byte `red.global.add.v2.f32`: half the L2 atomic operations of scalar adds.
+        """
+        for i in cutlass.range_constexpr(0, cute.size(acc), 2):
+            pair = cute.make_tensor(acc.iterator + i, cute.make_layout(2)).load()
+            cute.arch.red(_elem_ptr(gmem, i), pair, op="add", dtype="f32", sem="relaxed", scope="gpu")
 
     @cute.jit
     def epilogue(self, blocks, thr_mma_dk, thr_mma_dv, tidx, sK, sV, tma_atom_dk, mdK, tma_atom_dv, mdV,
