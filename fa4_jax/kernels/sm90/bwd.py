@@ -584,13 +584,13 @@ class FlashAttentionBackwardSm90:
                     )
                 self.query_block(blocks, state, m_block, needs_mask, apply_mask)
                 self.accumulate_dq(
-                    blocks, tidx, gdQaccum, mSemaphore, m_block, n_block, head, batch,
+                    blocks, gdQaccum, mSemaphore, m_block, n_block, head, batch,
                     seqlen_q, seqlen_k, window_left, window_right, deterministic, block_info,
                 )
                 state.advance()
 
         self.epilogue(
-            blocks, thr_mma_dk, thr_mma_dv, tidx, sK, sV, tma_atom_dk, mdK, tma_atom_dv, mdV,
+            blocks, thr_mma_dk, thr_mma_dv, sK, sV, tma_atom_dk, mdK, tma_atom_dv, mdV,
             n_block, head_kv, batch, softmax_scale,
         )
 
@@ -686,7 +686,7 @@ class FlashAttentionBackwardSm90:
 
     @cute.jit
     def accumulate_dq(
-        self, blocks, tidx, gdQaccum, mSemaphore, m_block, n_block, head, batch,
+        self, blocks, gdQaccum, mSemaphore, m_block, n_block, head, batch,
         seqlen_q, seqlen_k, window_left, window_right, deterministic, block_info,
     ):
         """mdQaccum[batch, head, m_block rows] += this block's dS·K, unless the tile is fully masked.
@@ -703,7 +703,7 @@ class FlashAttentionBackwardSm90:
                 if deterministic != 0:
                     semaphore = _elem_ptr(mSemaphore, (batch, head, m_block * (self.tile_m // BWD_SEMAPHORE_ROWS)))
                     turn = n_block - n_block_lo
-                    if tidx == 0:
+                    if self._is_first_mma_thread():
                         done = cute.arch.load(semaphore, Int32, sem="acquire", scope="gpu")
                         while done != turn:
                             done = cute.arch.load(semaphore, Int32, sem="acquire", scope="gpu")
@@ -712,10 +712,20 @@ class FlashAttentionBackwardSm90:
                     # Every thread's adds are visible GPU-wide before the next key block's turn.
                     cute.arch.fence_acq_rel_gpu()
                     cute.arch.barrier(barrier_id=self.dq_turn_barrier_id, number_of_threads=self.num_mma_threads)
-                    if tidx == 0:
+                    if self._is_first_mma_thread():
                         cute.arch.atomic_add(semaphore, Int32(1), sem="release", scope="gpu")
                 else:
                     self.red_add(blocks.acc_dq, tdQgdQ)
+
+    @cute.jit
+    def _is_first_mma_thread(self) -> cutlass.Boolean:
+        # Read afresh rather than keeping the thread index live through the main loop.
+        tidx, _, _ = cute.arch.thread_idx()
+        return tidx == self.threads_per_warp_group
+
+    @cute.jit
+    def _is_first_mma_warp(self) -> cutlass.Boolean:
+        return cute.arch.make_warp_uniform(cute.arch.warp_idx()) == self.mma_warp_groups[0] * 4
 
     @cute.jit
     def red_add(self, acc, gmem):
@@ -729,7 +739,7 @@ class FlashAttentionBackwardSm90:
             cute.arch.red(_elem_ptr(gmem, i), pair, op="add", dtype="f32", sem="relaxed", scope="gpu")
 
     @cute.jit
-    def epilogue(self, blocks, thr_mma_dk, thr_mma_dv, tidx, sK, sV, tma_atom_dk, mdK, tma_atom_dv, mdV,
+    def epilogue(self, blocks, thr_mma_dk, thr_mma_dv, sK, sV, tma_atom_dk, mdK, tma_atom_dv, mdV,
                  n_block, head_kv, batch, softmax_scale):
         """dK·softmax_scale and dV: registers -> K's and V's shared buffers -> TMA stores."""
         dk_out = cute.make_rmem_tensor_like(blocks.acc_dk, self.dtype)
@@ -747,7 +757,7 @@ class FlashAttentionBackwardSm90:
         # Ordinary stores must be made visible to the TMA (async proxy) before the store is issued.
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.num_mma_threads)
-        if tidx < 32:
+        if self._is_first_mma_warp():
             no_cluster = cute.make_layout(1)
             gdK = cute.local_tile(mdK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
             gdV = cute.local_tile(mdV[None, None, head_kv, batch], (self.tile_n, self.head_dim_v), (n_block, 0))
