@@ -15,10 +15,10 @@ class BackwardPostprocess:
     chunk = 8
 
     def __init__(self, dtype, head_dim: int):
-        assert head_dim % self.chunk == 0
         self.dtype = dtype
         self.head_dim = head_dim
         self.chunks_per_row = head_dim // self.chunk
+        assert self.rows_per_block * self.chunks_per_row % self.threads == 0, "whole steps per block"
         self.steps = self.rows_per_block * self.chunks_per_row // self.threads
 
     @cute.jit

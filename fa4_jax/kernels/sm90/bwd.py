@@ -16,18 +16,23 @@ the group inside the CTA). Warp-role table:
   query block Q with its LSElog2 row slice and dO with its D slice through a `stages`-deep ring of
   mbarrier-guarded buffers (`pipeline_q`, `pipeline_do`, one slot index for both).
 - warp groups 1..2 (`mma_warp_groups`), per query block:
-    Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (WGMMA from shared memory; transposed so that keys are the M
-    mode); Pᵀ = exp2(Sᵀ·scale_log2 − LSElog2) (mask first where the tile crosses the
-    causal/window band); dSᵀ = Pᵀ∘(dPᵀ − D) (∘ (1 − tanh²) with softcap);
-    dV += Pᵀ·dO and dK += dSᵀ·Q;
-    dSᵀ to shared memory, then dQ_partial = dS·K (WGMMA, dS read as an M-major view of dSᵀ);
-    dQ_partial added into mdQaccum with fp32 reductions (`red.global.add.f32`); in deterministic
-    mode in increasing key-block order per (batch, head, query block), ordered by mSemaphore.
+    Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ, issued together (WGMMA from shared memory; transposed so that
+    keys are the M mode); Pᵀ = exp2(Sᵀ·scale_log2 − LSElog2) while the dPᵀ GEMM runs (causal /
+    window mask first, only on tiles that cross the band: BlockInfo.tile_needs_mask);
+    dV += Pᵀ·dO issued, then dSᵀ = Pᵀ∘(dPᵀ − D) while it runs; dK += dSᵀ·Q;
+    dSᵀ to shared memory (stmatrix), a named barrier, then dQ_partial = dS·K (WGMMA, dS read as
+    an M-major view of dSᵀ); dQ_partial added into mdQaccum with `red.global.add.v2.f32`; in
+    deterministic mode in increasing key-block order per (batch, head, query block), each CTA
+    waiting on mSemaphore for its turn.
+    With softcap, Sᵀ and dPᵀ are both awaited and one pass computes t = tanh(Sᵀ·scale/softcap),
+    Pᵀ and dSᵀ = Pᵀ∘(dPᵀ − D)∘(1 − t²); the mask then zeroes Pᵀ and dSᵀ (masking the scores
+    to −inf first would leave no t for the derivative).
   With `dkv_from_registers` (d ≤ 128) each MMA warp group owns 64 of the tile's keys: its Pᵀ and
   dSᵀ registers are directly the WGMMA A operand of dV and dK (layouts.py), the way the forward
-  feeds P, and only dSᵀ goes to shared memory. Otherwise (d = 256: dK and dV of 64 keys are
-  2 · 64 · 256 fp32, too many registers for one warp group) the warp groups split dK/dV (and Sᵀ,
-  dPᵀ) along the other mode, so Pᵀ and dSᵀ both go through shared memory.
+  feeds P, and only dSᵀ goes to shared memory. Otherwise (d = 192, 256: dK and dV of 64 keys
+  would be 64·(d + dv)/128 fp32 registers per thread, too many) the warp groups split dK/dV
+  (and Sᵀ, dPᵀ) along the other mode, so Pᵀ and dSᵀ both go through shared memory.
+  The dQ GEMM gives each warp group all tile_m rows and half of d.
 - epilogue (the MMA warp groups): dK·softmax_scale and dV to shared memory (reusing K's and V's
   buffers once every GEMM has retired), then TMA stores, which drop rows past seqlen_k.
 
@@ -76,10 +81,11 @@ class TileConfig:
 #   d192/dv128: 2·(2·64·320 + 64·320 + 2·2·64·64) = 152 KB
 #   d256: 2·(2·64·512 + 64·512 + 2·2·64·64)   = 224 KB (+1.5 KB of LSE/D slices and barriers)
 # Registers per MMA thread (240 budget): with dkv_from_registers a warp group holds dK and dV of
-# 64 keys (d128: 64 + 64 fp32), Sᵀ and dPᵀ (32 + 32) and their 16-bit copies; d128 needs 236-240
-# (253-255 with softcap, which still fits without spills). d192 and d256 with 64 keys per warp
-# group would need 160 and 256 for dK + dV alone, hence tile_n = 64 with dK/dV split along d
-# (d256: 64 + 64) and P/dS through shared memory: d256 needs ~220 registers.
+# 64 keys (d128: 64 + 64 fp32), Sᵀ and dPᵀ (32 + 32) and their 16-bit copies: unconstrained,
+# ptxas would take 236-240 at d128 (250-255 with softcap) and fits all of them in 240 without
+# spills. d192 and d256 with 64 keys per warp group would need 160 and 256 for dK + dV alone,
+# hence tile_n = 64 with dK/dV split along d (d256: 64 + 64) and P/dS through shared memory:
+# d256 takes ~220, d192 ~155.
 # FlashAttention-3's Hopper backward uses the same shapes (64 x 128 for d <= 128, 64 x 64 for
 # d256). Not yet measured here.
 TILE_CONFIGS = {
