@@ -15,6 +15,7 @@ class BackwardPostprocess:
     chunk = 8
 
     def __init__(self, dtype, head_dim: int):
+        assert head_dim % self.chunk == 0, "whole chunks per row"
         self.dtype = dtype
         self.head_dim = head_dim
         self.chunks_per_row = head_dim // self.chunk
