@@ -71,3 +71,53 @@ class BlockInfo:
             left_edge = last_row + seqlen_k - seqlen_q - window_left
             result = cutlass.max(n_block_min, (cutlass.max(left_edge, 0) + self.tile_n - 1) // self.tile_n)
         return result
+
+    @cute.jit
+    def m_block_range(
+        self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32, window_left: Int32, window_right: Int32
+    ):
+        """[m_block_min, m_block_max): the query tiles a backward key block visits.
+
+        A superset of the tiles whose `n_block_range` holds n_block (the inverse relation, derived
+        from the same bounds without the sequence clipping), so no query tile that counts this key
+        block in its deterministic dQ order is skipped; tiles in it with no visible pair are fully
+        masked and contribute zero.
+        """
+        m_block_max = cute.ceil_div(seqlen_q, self.tile_m)
+        m_block_min = Int32(0)
+        offset = seqlen_k - seqlen_q
+        if cutlass.const_expr(self.has_right_bound):
+            # Row i sees column j only if i >= j - offset - right: the first row the block's
+            # first key is visible to.
+            first_row = n_block * self.tile_n - offset - self._right_limit(window_right)
+            m_block_min = cutlass.max(first_row, 0) // self.tile_m
+        if cutlass.const_expr(self.local):
+            # Row i sees column j only if i <= j - offset + left: the last row that still sees the
+            # block's last key; none if that is < 0.
+            last_row = (n_block + 1) * self.tile_n - 1 - offset + window_left
+            m_block_max = cutlass.min(m_block_max, cutlass.max(last_row + self.tile_m, 0) // self.tile_m)
+        return m_block_min, m_block_max
+
+    @cute.jit
+    def tile_needs_mask(
+        self, m_block: Int32, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32, window_left: Int32,
+        window_right: Int32,
+    ) -> cutlass.Boolean:
+        """Whether some (row, column) pair of the tile falls outside the causal/window band.
+
+        Sequence tails need no mask in the backward: padded rows carry lse = +inf (so P = 0) and
+        keys past seqlen_k are zero-filled by TMA and their dK/dV rows are never stored.
+        """
+        needed = cutlass.Boolean(False)
+        offset = seqlen_k - seqlen_q
+        if cutlass.const_expr(self.has_right_bound):
+            # The tile's first row against its last column.
+            first_row_reach = m_block * self.tile_m + offset + self._right_limit(window_right)
+            if first_row_reach < (n_block + 1) * self.tile_n - 1:
+                needed = cutlass.Boolean(True)
+        if cutlass.const_expr(self.local):
+            # The tile's last row against its first column.
+            last_row_start = (m_block + 1) * self.tile_m - 1 + offset - window_left
+            if last_row_start > n_block * self.tile_n:
+                needed = cutlass.Boolean(True)
+        return needed

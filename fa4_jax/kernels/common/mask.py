@@ -1,5 +1,6 @@
 """Element masks on a score tile held in registers (-inf where a key is not visible)."""
 import dataclasses
+import math
 
 import cutlass
 import cutlass.cute as cute
@@ -57,3 +58,45 @@ class AttentionMask:
                 if cutlass.const_expr(self.local):
                     if col < col_lo:
                         scores[r, c] = -Float32.inf
+
+    @cute.jit
+    def apply_transposed(
+        self,
+        scores_t: cute.Tensor,
+        coords0: cute.Tensor,
+        thread_row: Int32,
+        thread_col: Int32,
+        m_block: Int32,
+        n_block: Int32,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+        window_left: Int32,
+        window_right: Int32,
+        fill: cutlass.Constexpr[float] = -math.inf,
+    ):
+        """The causal/window rules on a transposed tile Sᵀ: rows are keys, columns are queries.
+
+        Invisible entries become `fill` (−inf for scores; 0 for a tile that already holds P or dS).
+        Same register-coordinate scheme as `apply`. The sequence tails are not masked here (the
+        backward handles them through lse = +inf rows and zero-filled keys, see
+        BlockInfo.tile_needs_mask).
+        """
+        offset = seqlen_k - seqlen_q
+        for r in cutlass.range_constexpr(cute.size(scores_t, mode=[0])):
+            key = n_block * self.tile_n + thread_row + coords0[r, 0][0]
+            # Queries that see this key, as [col_lo, col_hi) relative to the thread's first column.
+            col_base = m_block * self.tile_m + thread_col
+            right = Int32(0)
+            if cutlass.const_expr(self.local):
+                right = window_right
+            col_lo = key - offset - right - col_base
+            col_hi = Int32(0)
+            if cutlass.const_expr(self.local):
+                col_hi = key - offset + window_left + 1 - col_base
+            for c in cutlass.range_constexpr(cute.size(scores_t, mode=[1])):
+                col = coords0[r, c][1]
+                if col < col_lo:
+                    scores_t[r, c] = Float32(fill)
+                if cutlass.const_expr(self.local):
+                    if col >= col_hi:
+                        scores_t[r, c] = Float32(fill)

@@ -1,0 +1,68 @@
+"""Backward preprocess (arch-independent): the per-row statistics the main backward kernel reads.
+
+For every padded query row r < sq_pad of every (batch, head):
+  mdPsum[b, h, r]   = rowsum(dO ∘ O)[r] − dLSE[r]  in fp32 (0 for padded rows), the `D` of dS = P∘(dP − D);
+  mLSElog2[b, h, r] = lse[r] · log2(e), or +inf for padded rows and for rows with lse = −inf
+                      (no visible key), so the main kernel's P = exp2(s·scale_log2 − LSElog2) is 0
+                      there instead of NaN.
+`lanes_per_row` adjacent lanes share a row, each reducing a contiguous chunk of dv elements, so
+the loads are wide and a warp covers several rows.
+"""
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+LOG2_E = math.log2(math.e)
+
+
+class BackwardPreprocess:
+    threads = 256
+    # Elements per 16-byte vector of the 2-byte io dtype: each lane's chunk is whole vectors.
+    vector = 8
+
+    def __init__(self, dtype, head_dim_v: int):
+        # Up to 8 lanes per row, as many as split the row into whole vectors (dv = 96: 4 lanes of 24).
+        self.lanes_per_row = next(n for n in (8, 4, 2, 1) if head_dim_v % (self.vector * n) == 0)
+        self.dtype = dtype
+        self.head_dim_v = head_dim_v
+        self.chunk = head_dim_v // self.lanes_per_row
+        self.rows_per_block = self.threads // self.lanes_per_row
+
+    @cute.jit
+    def __call__(self, mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2, stream):
+        """mO/mdO [b, sq, h, dv]; mLSE/mdLSE [b, h, sq]; mdPsum/mLSElog2 [b, h, sq_pad]."""
+        sq_pad, heads, batch = mdPsum.shape[2], mdPsum.shape[1], mdPsum.shape[0]
+        self.kernel(mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2).launch(
+            grid=(cute.ceil_div(sq_pad, self.rows_per_block), heads, batch),
+            block=[self.threads, 1, 1],
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(self, mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2):
+        tidx, _, _ = cute.arch.thread_idx()
+        row_block, head, batch = cute.arch.block_idx()
+        lane_in_row = tidx % self.lanes_per_row
+        row = row_block * self.rows_per_block + tidx // self.lanes_per_row
+        seqlen_q = mO.shape[1]
+
+        partial_sum = Float32(0.0)
+        if row < seqlen_q:
+            o = cute.local_tile(mO[batch, row, head, None], (self.chunk,), (lane_in_row,)).load()
+            do = cute.local_tile(mdO[batch, row, head, None], (self.chunk,), (lane_in_row,)).load()
+            partial_sum = (o.to(Float32) * do.to(Float32)).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        # Every lane of the row group joins the shuffle, padded rows included (their sum is 0).
+        row_sum = cute.arch.warp_reduction_sum(partial_sum, threads_in_group=self.lanes_per_row)
+
+        if lane_in_row == 0 and row < mdPsum.shape[2]:
+            d_value = Float32(0.0)
+            lse_log2 = Float32.inf
+            if row < seqlen_q:
+                d_value = row_sum - mdLSE[batch, head, row]
+                lse = mLSE[batch, head, row]
+                if lse != -Float32.inf:
+                    lse_log2 = lse * LOG2_E
+            mdPsum[batch, head, row] = d_value
+            mLSElog2[batch, head, row] = lse_log2

@@ -1,0 +1,795 @@
+"""FlashAttention backward for Hopper (sm_90a): TMA loads, WGMMA, Sᵀ/dPᵀ in registers.
+
+One `__call__` launches three kernels on the stream, in order:
+
+1. `BackwardPreprocess` (kernels/bwd_pre.py): D = rowsum(dO ∘ O) − dLSE → mdPsum, and
+   lse·log2(e) → mLSElog2 (+inf for padded rows and rows with no visible key, so their P is 0).
+2. The main kernel below: dK and dV of one key block, and dS·K atomically added into mdQaccum.
+3. `BackwardPostprocess` (kernels/bwd_post.py): dQ = softmax_scale · mdQaccum → mdQ.
+
+Main kernel: one CTA per (key block of tile_n keys, kv head, batch); it walks the q heads of its
+GQA group and, for each, the query blocks of tile_m rows that see its keys (BlockInfo.m_block_range),
+keeping dK and dV in registers for a single store at the end (no atomics on dK/dV, and GQA sums over
+the group inside the CTA). Warp-role table:
+
+- warp group 0 (`producer_warp_group`): its first warp issues TMA for K and V once, then for each
+  query block Q with its LSElog2 row slice and dO with its D slice through a `stages`-deep ring of
+  mbarrier-guarded buffers (`pipeline_q`, `pipeline_do`, one slot index for both).
+- warp groups 1..2 (`mma_warp_groups`), per query block:
+    Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ, issued together (WGMMA from shared memory; transposed so that
+    keys are the M mode); Pᵀ = exp2(Sᵀ·scale_log2 − LSElog2) while the dPᵀ GEMM runs (causal /
+    window mask first, only on tiles that cross the band: BlockInfo.tile_needs_mask);
+    dV += Pᵀ·dO issued, then dSᵀ = Pᵀ∘(dPᵀ − D) while it runs; dK += dSᵀ·Q;
+    dSᵀ to shared memory (stmatrix), a named barrier, then dQ_partial = dS·K (WGMMA, dS read as
+    an M-major view of dSᵀ); dQ_partial added into mdQaccum with `red.global.add.v2.f32`; in
+    deterministic mode in increasing key-block order per (batch, head, query block), each CTA
+    waiting on mSemaphore for its turn.
+    With softcap, Sᵀ and dPᵀ are both awaited and one pass computes t = tanh(Sᵀ·scale/softcap),
+    Pᵀ and dSᵀ = Pᵀ∘(dPᵀ − D)∘(1 − t²); the mask then zeroes Pᵀ and dSᵀ (masking the scores
+    to −inf first would leave no t for the derivative).
+  With `dkv_from_registers` (d ≤ 128) each MMA warp group owns 64 of the tile's keys: its Pᵀ and
+  dSᵀ registers are directly the WGMMA A operand of dV and dK (layouts.py), the way the forward
+  feeds P, and only dSᵀ goes to shared memory. Otherwise (d = 192, 256: dK and dV of 64 keys
+  would be 64·(d + dv)/128 fp32 registers per thread, too many) the warp groups split dK/dV
+  (and Sᵀ, dPᵀ) along the other mode, so Pᵀ and dSᵀ both go through shared memory.
+  The dQ GEMM gives each warp group all tile_m rows and half of d.
+- epilogue (the MMA warp groups): dK·softmax_scale and dV to shared memory (reusing K's and V's
+  buffers once every GEMM has retired), then TMA stores, which drop rows past seqlen_k.
+
+Sequence tails need no masking: query rows past seqlen_q have LSElog2 = +inf (P = 0) and zero Q and
+dO rows; keys past seqlen_k are zero-filled, so their dS·K adds nothing to dQ, and their dK/dV rows
+are never stored.
+"""
+import dataclasses
+import functools
+import math
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from fa4_jax.aot.compile import BWD_SEMAPHORE_ROWS
+from fa4_jax.kernels.bwd_post import BackwardPostprocess
+from fa4_jax.kernels.bwd_pre import BackwardPreprocess
+from fa4_jax.kernels.common.block_info import BlockInfo
+from fa4_jax.kernels.common.layouts import acc_as_operand_a, acc_rows_cols
+from fa4_jax.kernels.common.mask import AttentionMask
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """One head dim's static backward kernel shape."""
+
+    tile_m: int  # query rows per step of the inner loop
+    tile_n: int  # keys per CTA
+    stages: int  # depth of the Q / dO rings
+    dkv_from_registers: bool  # Pᵀ, dSᵀ feed the dV/dK WGMMAs from registers (else from smem)
+    pds_stages: int  # dSᵀ (and Pᵀ) shared-memory buffers; 2 saves a barrier per query block
+
+
+# tile_m is 64 everywhere: the dQ GEMM gives each MMA warp group half of d with all tile_m rows,
+# and a WGMMA has 64 rows. Shared memory, 2-byte elements, under the 227 KB of an sm_90 CTA:
+#   2 · (stages·tile_m·(d + dv) + tile_n·(d + dv) + pds_stages·tile_n·tile_m·(1, or 2 with P))
+#   d64:  2·(2·64·128 + 128·128 + 2·128·64)   =  96 KB
+#   d96:  2·(2·64·192 + 128·192 + 2·128·64)   = 128 KB
+#   d128: 2·(2·64·256 + 128·256 + 2·128·64)   = 160 KB
+#   d192/dv128: 2·(2·64·320 + 64·320 + 2·2·64·64) = 152 KB
+#   d256: 2·(2·64·512 + 64·512 + 2·2·64·64)   = 224 KB (+1.5 KB of LSE/D slices and barriers)
+# Registers per MMA thread (240 budget): with dkv_from_registers a warp group holds dK and dV of
+# 64 keys (d128: 64 + 64 fp32), Sᵀ and dPᵀ (32 + 32) and their 16-bit copies: unconstrained,
+# ptxas would take 236-240 at d128 (250-255 with softcap) and fits all of them in 240 without
+# spills. d192 and d256 with 64 keys per warp group would need 160 and 256 for dK + dV alone,
+# hence tile_n = 64 with dK/dV split along d (d256: 64 + 64) and P/dS through shared memory:
+# d256 takes ~220, d192 ~155.
+# FlashAttention-3's Hopper backward uses the same shapes (64 x 128 for d <= 128, 64 x 64 for
+# d256). Not yet measured here.
+TILE_CONFIGS = {
+    64: TileConfig(64, 128, 2, True, 2),
+    96: TileConfig(64, 128, 2, True, 2),
+    128: TileConfig(64, 128, 2, True, 2),
+    192: TileConfig(64, 64, 2, False, 2),
+    256: TileConfig(64, 64, 2, False, 2),
+}
+
+LOG2_E = math.log2(math.e)
+
+
+def _swizzle_width(cols: int) -> int:
+    """Elements per row of the widest 2-byte swizzle atom (128, 64 or 32 bytes) that tiles cols."""
+    return next(w for w in (64, 32, 16, 8) if cols % w == 0)
+
+
+def _smem_layout(dtype, rows: int, cols: int, stages: int | None = None, split: int | None = None):
+    """Row-major, swizzled tile (cols contiguous), as TMA writes it and WGMMA reads it.
+
+    `split`: the column slice one warp group's WGMMA reads as an MN-major operand; the swizzle
+    atom is narrowed when the natural one cuts across slices (d96: 48 of 96, d192: 96 of 192).
+    """
+    major = cols
+    natural = _swizzle_width(cols)
+    if split is not None and split % natural != 0 and natural % split != 0:
+        major = split
+    atom = warpgroup.make_smem_layout_atom(
+        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, major), dtype
+    )
+    shape = (rows, cols) if stages is None else (rows, cols, stages)
+    return cute.tile_to_shape(atom, shape, order=tuple(range(len(shape))))
+
+
+def _permute(tensor: cute.Tensor, order) -> cute.Tensor:
+    return cute.make_tensor(tensor.iterator, cute.select(tensor.layout, mode=list(order)))
+
+
+def _elem_ptr(tensor: cute.Tensor, index):
+    return tensor.iterator + cute.crd2idx(index, tensor.layout)
+
+
+@dataclasses.dataclass(frozen=True)
+class _BlockOperands:
+    """What every query block of one MMA warp group touches: MMAs, fragments, accumulators."""
+
+    tiled_mma_sdp: cute.TiledMma
+    tiled_mma_dk: cute.TiledMma
+    tiled_mma_dv: cute.TiledMma
+    tiled_mma_dq: cute.TiledMma
+    thr_mma_sdp: cute.ThrMma
+    thr_mma_dq: cute.ThrMma
+    tSrK: cute.Tensor  # Sᵀ = K·Qᵀ operands
+    tSrQ: cute.Tensor
+    tdPrV: cute.Tensor  # dPᵀ = V·dOᵀ operands
+    tdPrdO: cute.Tensor
+    tdVrP: cute.Tensor  # dV += Pᵀ·dO operands (A is None when Pᵀ comes from registers)
+    tdVrdO: cute.Tensor
+    tdKrdS: cute.Tensor  # dK += dSᵀ·Q operands (A is None when dSᵀ comes from registers)
+    tdKrQ: cute.Tensor
+    tdQrdS: cute.Tensor  # dQ = dS·K operands
+    tdQrK: cute.Tensor
+    store_pds: cute.ThrCopy  # Pᵀ / dSᵀ registers -> shared memory
+    tPsP: cute.Tensor
+    tdSsdS: cute.Tensor
+    sLSE: cute.Tensor
+    sdPsum: cute.Tensor
+    acc_s: cute.Tensor
+    acc_dp: cute.Tensor
+    p: cute.Tensor
+    ds: cute.Tensor
+    acc_dk: cute.Tensor
+    acc_dv: cute.Tensor
+    acc_dq: cute.Tensor
+    score_coords0: cute.Tensor
+    thread_origin: tuple
+    score_prescale: Float32
+    scale_log2: Float32
+    pipeline_q: pipeline.PipelineTmaAsync
+    pipeline_do: pipeline.PipelineTmaAsync
+
+
+class FlashAttentionBackwardSm90:
+    producer_warp_group = 0
+    mma_warp_groups = (1, 2)
+    threads_per_warp_group = 128
+    # setmaxnreg budgets: the producer needs few registers; the MMA groups hold dK, dV, Sᵀ, dPᵀ.
+    producer_registers = 24
+    mma_registers = 240
+    # Named barrier 0 is __syncthreads. 1: dSᵀ (Pᵀ) fully in shared memory before the GEMMs that
+    # read it across warp groups; 2: the dK/dV epilogue; 3: the deterministic dQ turn.
+    pds_barrier_id = 1
+    epilogue_barrier_id = 2
+    dq_turn_barrier_id = 3
+
+    def __init__(self, dtype, head_dim: int, head_dim_v: int, mask: str, has_softcap: bool, **tuning):
+        if mask not in ("none", "causal", "local"):
+            raise ValueError(f"mask must be 'none', 'causal' or 'local', got {mask!r}")
+        if head_dim not in TILE_CONFIGS:
+            raise ValueError(f"no tile configuration for head_dim={head_dim}")
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.head_dim_v = head_dim_v
+        self.causal = mask == "causal"
+        self.local = mask == "local"
+        self.has_softcap = has_softcap
+        self.config = dataclasses.replace(TILE_CONFIGS[head_dim], **tuning)
+        self.tile_m, self.tile_n, self.stages = self.config.tile_m, self.config.tile_n, self.config.stages
+        self.num_mma_threads = len(self.mma_warp_groups) * self.threads_per_warp_group
+        self.num_threads = self.num_mma_threads + self.threads_per_warp_group
+        assert self.tile_m % BWD_SEMAPHORE_ROWS == 0 and 128 % self.tile_m == 0
+        assert self.stages % self.config.pds_stages == 0
+        # Columns of dK, dV and dQ one MMA warp group computes.
+        wgs = len(self.mma_warp_groups)
+        split_dkv = 1 if self.config.dkv_from_registers else wgs
+        self.dk_cols, self.dv_cols = head_dim // split_dkv, head_dim_v // split_dkv
+        self.dq_cols = head_dim // wgs
+        self.preprocess = BackwardPreprocess(dtype, head_dim_v)
+        self.postprocess = BackwardPostprocess(dtype, head_dim)
+
+    def _tiled_mmas(self):
+        """Sᵀ/dPᵀ, dK, dV and dQ WGMMAs for the two MMA warp groups."""
+        wgs = len(self.mma_warp_groups)
+        K, MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        if cutlass.const_expr(self.config.dkv_from_registers):
+            # Each warp group: tile_n / 2 keys x all of tile_m (Sᵀ, dPᵀ) and x all of d (dK, dV).
+            sdp = ((wgs, 1, 1), (self.tile_n // wgs, self.tile_m))
+            dkv_atoms = (wgs, 1, 1)
+            dkv_a = warpgroup.OperandSource.RMEM
+        else:
+            # Each warp group: all tile_n keys x half of tile_m (Sᵀ, dPᵀ) and x half of d (dK, dV).
+            sdp = ((1, wgs, 1), (self.tile_n, self.tile_m // wgs))
+            dkv_atoms = (1, wgs, 1)
+            dkv_a = warpgroup.OperandSource.SMEM
+        dkv_rows = self.tile_n // dkv_atoms[0]
+        tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, K, K, Float32, *sdp)
+        # A = Pᵀ / dSᵀ (keys x queries, queries contiguous: K-major), B = dO / Q viewed as
+        # (d, queries), d contiguous: MN-major.
+        tiled_mma_dk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K, MN, Float32, dkv_atoms, (dkv_rows, self.dk_cols), dkv_a
+        )
+        tiled_mma_dv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K, MN, Float32, dkv_atoms, (dkv_rows, self.dv_cols), dkv_a
+        )
+        # A = dS viewed from the dSᵀ buffer (queries contiguous: MN-major), B = K viewed as
+        # (d, keys), d contiguous: MN-major. Each warp group: all tile_m rows x half of d.
+        tiled_mma_dq = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, MN, MN, Float32, (1, wgs, 1), (self.tile_m, self.dq_cols)
+        )
+        return tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mdLSE: cute.Tensor,
+        mdQ: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mdPsum: cute.Tensor,
+        mLSElog2: cute.Tensor,
+        mSemaphore: cute.Tensor,
+        softmax_scale: Float32,
+        softcap: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        deterministic: Int32,
+        stream: cuda.CUstream,
+    ):
+        """Tensors as fa4_jax.aot.compile.TENSORS["bwd"] (JAX row-major layouts)."""
+        self.preprocess(mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2, stream)
+
+        # Kernel-side views put the sequence and feature modes first: (s, d, heads, batch), and
+        # (s_pad, heads, batch) for the per-row workspaces.
+        mQ_k, mK_k, mV_k, mdO_k, mdK_k, mdV_k = [_permute(t, (1, 3, 2, 0)) for t in (mQ, mK, mV, mdO, mdK, mdV)]
+        mLSElog2_k, mdPsum_k = [_permute(t, (2, 1, 0)) for t in (mLSElog2, mdPsum)]
+
+        tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq = self._tiled_mmas()
+
+        # Q, dO and K are also the MN-major B operands of dK, dV and dQ.
+        sQ_layout = _smem_layout(self.dtype, self.tile_m, self.head_dim, self.stages, split=self.dk_cols)
+        sdO_layout = _smem_layout(self.dtype, self.tile_m, self.head_dim_v, self.stages, split=self.dv_cols)
+        sK_layout = _smem_layout(self.dtype, self.tile_n, self.head_dim, split=self.dq_cols)
+        sV_layout = _smem_layout(self.dtype, self.tile_n, self.head_dim_v)
+        # Pᵀ and dSᵀ: keys x queries, queries contiguous.
+        sPdS_layout = _smem_layout(self.dtype, self.tile_n, self.tile_m, self.config.pds_stages)
+        sRow_layout = cute.make_layout((self.tile_m, self.stages))
+
+        def tma_load(tensor, layout, tile):
+            return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), tensor, layout, tile)
+
+        tma_atom_q, tma_q = tma_load(mQ_k, cute.select(sQ_layout, mode=[0, 1]), (self.tile_m, self.head_dim))
+        tma_atom_do, tma_do = tma_load(mdO_k, cute.select(sdO_layout, mode=[0, 1]), (self.tile_m, self.head_dim_v))
+        tma_atom_k, tma_k = tma_load(mK_k, sK_layout, (self.tile_n, self.head_dim))
+        tma_atom_v, tma_v = tma_load(mV_k, sV_layout, (self.tile_n, self.head_dim_v))
+        tma_atom_lse, tma_lse = tma_load(mLSElog2_k, cute.select(sRow_layout, mode=[0]), (self.tile_m,))
+        tma_atom_dpsum, tma_dpsum = tma_load(mdPsum_k, cute.select(sRow_layout, mode=[0]), (self.tile_m,))
+        tma_atom_dk, tma_dk = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mdK_k, sK_layout, (self.tile_n, self.head_dim)
+        )
+        tma_atom_dv, tma_dv = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mdV_k, sV_layout, (self.tile_n, self.head_dim_v)
+        )
+        row_bytes = self.tile_m * Float32.width // 8
+        self.tma_bytes_q = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1])) + row_bytes
+        self.tma_bytes_do = cute.size_in_bytes(self.dtype, cute.select(sdO_layout, mode=[0, 1])) + row_bytes
+        self.tma_bytes_kv = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(self.dtype, sV_layout)
+
+        # Pᵀ goes through shared memory only when it cannot feed dV from registers.
+        p_elems = 0 if cutlass.const_expr(self.config.dkv_from_registers) else cute.cosize(sPdS_layout)
+
+        @cute.struct
+        class SharedStorage:
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sRow_layout)], 128]
+            sdPsum: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sRow_layout)], 128]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], 1024]
+
+        self.shared_storage = SharedStorage
+
+        # With softcap the scores become tanh(s·scale/softcap), and softcap·log2(e) carries them
+        # into the exp2 domain; without it, scale·log2(e) does (as in the forward).
+        if cutlass.const_expr(self.has_softcap):
+            score_prescale = softmax_scale / softcap
+            scale_log2 = softcap * LOG2_E
+        else:
+            score_prescale = Float32(1.0)
+            scale_log2 = softmax_scale * LOG2_E
+
+        # Key blocks are the fastest grid mode, so in deterministic mode a CTA is never resident
+        # while one of lower key block (whose dQ adds it waits for) has not been launched yet.
+        grid = (cute.ceil_div(cute.size(mK_k.shape[0]), self.tile_n), cute.size(mK_k.shape[2]),
+                cute.size(mK_k.shape[3]))
+        self.kernel(
+            tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq,
+            tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
+            tma_atom_lse, tma_lse, tma_atom_dpsum, tma_dpsum, tma_atom_dk, tma_dk, tma_atom_dv, tma_dv,
+            mdQaccum, mSemaphore, mQ_k.shape[0], mQ_k.shape[2],
+            sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout, sRow_layout,
+            softmax_scale, score_prescale, scale_log2, window_left, window_right, deterministic,
+        ).launch(
+            grid=grid,
+            block=[self.num_threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+        self.postprocess(mdQaccum, mdQ, softmax_scale, stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        tiled_mma_sdp: cute.TiledMma,
+        tiled_mma_dk: cute.TiledMma,
+        tiled_mma_dv: cute.TiledMma,
+        tiled_mma_dq: cute.TiledMma,
+        tma_atom_q: cute.CopyAtom,
+        mQ: cute.Tensor,
+        tma_atom_do: cute.CopyAtom,
+        mdO: cute.Tensor,
+        tma_atom_k: cute.CopyAtom,
+        mK: cute.Tensor,
+        tma_atom_v: cute.CopyAtom,
+        mV: cute.Tensor,
+        tma_atom_lse: cute.CopyAtom,
+        mLSElog2: cute.Tensor,
+        tma_atom_dpsum: cute.CopyAtom,
+        mdPsum: cute.Tensor,
+        tma_atom_dk: cute.CopyAtom,
+        mdK: cute.Tensor,
+        tma_atom_dv: cute.CopyAtom,
+        mdV: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mSemaphore: cute.Tensor,
+        seqlen_q: Int32,
+        num_heads: Int32,
+        sQ_layout: cute.ComposedLayout,
+        sdO_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sPdS_layout: cute.ComposedLayout,
+        sRow_layout: cute.Layout,
+        softmax_scale: Float32,
+        score_prescale: Float32,
+        scale_log2: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        deterministic: Int32,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v, tma_atom_lse, tma_atom_dpsum,
+                         tma_atom_dk, tma_atom_dv):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # Consumers release a stage once per warp (the pipeline elects one lane per warp).
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+        pipeline_kv = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, producer_group=producer,
+            consumer_group=consumers, tx_count=self.tma_bytes_kv, defer_sync=True,
+        )
+        pipeline_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.stages, producer_group=producer,
+            consumer_group=consumers, tx_count=self.tma_bytes_q, defer_sync=True,
+        )
+        pipeline_do = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.stages, producer_group=producer,
+            consumer_group=consumers, tx_count=self.tma_bytes_do, defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sdS = storage.sdS.get_tensor(sPdS_layout.outer, swizzle=sPdS_layout.inner)
+        sP = None
+        if cutlass.const_expr(not self.config.dkv_from_registers):
+            sP = storage.sP.get_tensor(sPdS_layout.outer, swizzle=sPdS_layout.inner)
+        sLSE = storage.sLSE.get_tensor(sRow_layout)
+        sdPsum = storage.sdPsum.get_tensor(sRow_layout)
+
+        n_block, head_kv, batch = cute.arch.block_idx()
+        seqlen_k = mK.shape[0]
+        group = num_heads // mK.shape[2]
+        block_info = BlockInfo(self.tile_m, self.tile_n, self.causal, self.local)
+        m_block_min, m_block_max = block_info.m_block_range(
+            n_block, seqlen_q, seqlen_k, window_left, window_right
+        )
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        warp_group = cute.arch.make_warp_uniform(warp_idx // 4)
+        if warp_group == self.producer_warp_group:
+            cute.arch.setmaxregister_decrease(self.producer_registers)
+            if warp_idx == 0:
+                self.load(
+                    tma_atom_q, mQ, tma_atom_do, mdO, tma_atom_k, mK, tma_atom_v, mV,
+                    tma_atom_lse, mLSElog2, tma_atom_dpsum, mdPsum, sQ, sdO, sK, sV, sLSE, sdPsum,
+                    pipeline_kv, pipeline_q, pipeline_do, n_block, head_kv, batch, group,
+                    m_block_min, m_block_max,
+                )
+        else:
+            cute.arch.setmaxregister_increase(self.mma_registers)
+            tidx, _, _ = cute.arch.thread_idx()
+            self.mma(
+                tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, tidx - self.threads_per_warp_group,
+                sQ, sdO, sK, sV, sdS, sP, sLSE, sdPsum, pipeline_kv, pipeline_q, pipeline_do,
+                tma_atom_dk, mdK, tma_atom_dv, mdV, mdQaccum, mSemaphore,
+                n_block, head_kv, batch, group, seqlen_q, seqlen_k, m_block_min, m_block_max,
+                softmax_scale, score_prescale, scale_log2, window_left, window_right, deterministic,
+                block_info,
+            )
+
+    @cute.jit
+    def load(
+        self, tma_atom_q, mQ, tma_atom_do, mdO, tma_atom_k, mK, tma_atom_v, mV,
+        tma_atom_lse, mLSElog2, tma_atom_dpsum, mdPsum, sQ, sdO, sK, sV, sLSE, sdPsum,
+        pipeline_kv, pipeline_q, pipeline_do, n_block, head_kv, batch, group, m_block_min, m_block_max,
+    ):
+        no_cluster = cute.make_layout(1)
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim_v), (n_block, 0))
+        tKsK, tKgK = cpasync.tma_partition(tma_atom_k, 0, no_cluster, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_atom_v, 0, no_cluster, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipeline_kv.producer_acquire(kv_state)
+        cute.copy(tma_atom_k, tKgK, tKsK, tma_bar_ptr=pipeline_kv.producer_get_barrier(kv_state))
+        cute.copy(tma_atom_v, tVgV, tVsV, tma_bar_ptr=pipeline_kv.producer_get_barrier(kv_state))
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        for head_in_group in cutlass.range(group, unroll=1):
+            head = head_kv * group + head_in_group
+            gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
+            gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, self.head_dim_v), (None, 0))
+            gLSE = cute.local_tile(mLSElog2[None, head, batch], (self.tile_m,), (None,))
+            gdPsum = cute.local_tile(mdPsum[None, head, batch], (self.tile_m,), (None,))
+            tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, no_cluster, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+            tdOsdO, tdOgdO = cpasync.tma_partition(tma_atom_do, 0, no_cluster, cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2))
+            tLsL, tLgL = cpasync.tma_partition(tma_atom_lse, 0, no_cluster, cute.group_modes(sLSE, 0, 1), cute.group_modes(gLSE, 0, 1))
+            tDsD, tDgD = cpasync.tma_partition(tma_atom_dpsum, 0, no_cluster, cute.group_modes(sdPsum, 0, 1), cute.group_modes(gdPsum, 0, 1))
+            for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+                pipeline_q.producer_acquire(state)
+                q_bar = pipeline_q.producer_get_barrier(state)
+                cute.copy(tma_atom_q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=q_bar)
+                cute.copy(tma_atom_lse, tLgL[None, m_block], tLsL[None, state.index], tma_bar_ptr=q_bar)
+                pipeline_do.producer_acquire(state)
+                do_bar = pipeline_do.producer_get_barrier(state)
+                cute.copy(tma_atom_do, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=do_bar)
+                cute.copy(tma_atom_dpsum, tDgD[None, m_block], tDsD[None, state.index], tma_bar_ptr=do_bar)
+                state.advance()
+
+    @cute.jit
+    def mma(
+        self, tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, tidx,
+        sQ, sdO, sK, sV, sdS, sP, sLSE, sdPsum, pipeline_kv, pipeline_q, pipeline_do,
+        tma_atom_dk, mdK, tma_atom_dv, mdV, mdQaccum, mSemaphore,
+        n_block, head_kv, batch, group, seqlen_q, seqlen_k, m_block_min, m_block_max,
+        softmax_scale, score_prescale, scale_log2, window_left, window_right, deterministic, block_info,
+    ):
+        warp_group = cute.arch.make_warp_uniform(tidx // self.threads_per_warp_group)
+        # WGMMA descriptors are per warp group; register fragments are per thread.
+        wg_first_thread = warp_group * self.threads_per_warp_group
+        wg_mma_sdp = tiled_mma_sdp.get_slice(wg_first_thread)
+        wg_mma_dk = tiled_mma_dk.get_slice(wg_first_thread)
+        wg_mma_dv = tiled_mma_dv.get_slice(wg_first_thread)
+        wg_mma_dq = tiled_mma_dq.get_slice(wg_first_thread)
+        thr_mma_sdp = tiled_mma_sdp.get_slice(tidx)
+        thr_mma_dk = tiled_mma_dk.get_slice(tidx)
+        thr_mma_dv = tiled_mma_dv.get_slice(tidx)
+        thr_mma_dq = tiled_mma_dq.get_slice(tidx)
+
+        # Transposed views: (d, queries, stage) of Q and dO, (queries, keys, stage) of dSᵀ, (d, keys) of K.
+        sQt = _permute(sQ, (1, 0, 2))
+        sdOt = _permute(sdO, (1, 0, 2))
+        sdSt = _permute(sdS, (1, 0, 2))
+        sKt = _permute(sK, (1, 0))
+        # Pᵀ/dSᵀ registers -> shared memory with stmatrix: one address per 4 8x8 matrices, where
+        # element-wise stores would keep ~20 more swizzled addresses live through the loop.
+        store_pds = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
+            tiled_mma_sdp,
+        ).get_slice(tidx)
+        tdVrP, tdKrdS = None, None
+        tPsP = None
+        if cutlass.const_expr(not self.config.dkv_from_registers):
+            tdVrP = wg_mma_dv.make_fragment_A(wg_mma_dv.partition_A(sP))
+            tdKrdS = wg_mma_dk.make_fragment_A(wg_mma_dk.partition_A(sdS))
+            tPsP = store_pds.partition_D(sP)
+
+        acc_s = thr_mma_sdp.make_fragment_C(thr_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)))
+        acc_dk = thr_mma_dk.make_fragment_C(thr_mma_dk.partition_shape_C((self.tile_n, self.head_dim)))
+        acc_dv = thr_mma_dv.make_fragment_C(thr_mma_dv.partition_shape_C((self.tile_n, self.head_dim_v)))
+        acc_dk.fill(0.0)
+        acc_dv.fill(0.0)
+        score_identity = cute.make_identity_tensor((self.tile_n, self.tile_m))
+        blocks = _BlockOperands(
+            tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, thr_mma_sdp, thr_mma_dq,
+            wg_mma_sdp.make_fragment_A(wg_mma_sdp.partition_A(sK)),
+            wg_mma_sdp.make_fragment_B(wg_mma_sdp.partition_B(sQ)),
+            wg_mma_sdp.make_fragment_A(wg_mma_sdp.partition_A(sV)),
+            wg_mma_sdp.make_fragment_B(wg_mma_sdp.partition_B(sdO)),
+            tdVrP,
+            wg_mma_dv.make_fragment_B(wg_mma_dv.partition_B(sdOt)),
+            tdKrdS,
+            wg_mma_dk.make_fragment_B(wg_mma_dk.partition_B(sQt)),
+            wg_mma_dq.make_fragment_A(wg_mma_dq.partition_A(sdSt)),
+            wg_mma_dq.make_fragment_B(wg_mma_dq.partition_B(sKt)),
+            store_pds,
+            tPsP,
+            store_pds.partition_D(sdS),
+            sLSE,
+            sdPsum,
+            acc_s,
+            cute.make_rmem_tensor_like(acc_s, Float32),
+            cute.make_rmem_tensor_like(acc_s, self.dtype),
+            cute.make_rmem_tensor_like(acc_s, self.dtype),
+            acc_dk,
+            acc_dv,
+            thr_mma_dq.make_fragment_C(thr_mma_dq.partition_shape_C((self.tile_m, self.head_dim))),
+            acc_rows_cols(tiled_mma_sdp.get_slice(0).partition_C(score_identity)),
+            acc_rows_cols(thr_mma_sdp.partition_C(score_identity))[0, 0],
+            score_prescale,
+            scale_log2,
+            pipeline_q,
+            pipeline_do,
+        )
+        mask = AttentionMask(self.tile_m, self.tile_n, self.causal, self.local)
+        apply_mask = functools.partial(
+            mask.apply_transposed, coords0=blocks.score_coords0, thread_row=blocks.thread_origin[0],
+            thread_col=blocks.thread_origin[1], n_block=n_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+            window_left=window_left, window_right=window_right,
+        )
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipeline_kv.consumer_wait(kv_state)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        for head_in_group in cutlass.range(group, unroll=1):
+            head = head_kv * group + head_in_group
+            gdQaccum = mdQaccum[batch, head, None, None]
+            for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+                needs_mask = cutlass.Boolean(False)
+                if cutlass.const_expr(block_info.has_right_bound):
+                    needs_mask = block_info.tile_needs_mask(
+                        m_block, n_block, seqlen_q, seqlen_k, window_left, window_right
+                    )
+                self.query_block(blocks, state, m_block, needs_mask, apply_mask)
+                self.accumulate_dq(
+                    blocks, gdQaccum, mSemaphore, m_block, n_block, head, batch,
+                    seqlen_q, seqlen_k, window_left, window_right, deterministic, block_info,
+                )
+                state.advance()
+
+        self.epilogue(
+            blocks, thr_mma_dk, thr_mma_dv, sK, sV, tma_atom_dk, mdK, tma_atom_dv, mdV,
+            n_block, head_kv, batch, softmax_scale,
+        )
+
+    @cute.jit
+    def query_block(self, blocks, state, m_block, needs_mask, apply_mask):
+        """dV and dK updates, and this query block's dQ share in blocks.acc_dq."""
+        stage = state.index
+        # Consecutive query blocks alternate dSᵀ buffers (stages is a multiple of pds_stages).
+        pds_index = stage % self.config.pds_stages
+        blocks.pipeline_q.consumer_wait(state)
+        self.gemm(blocks.tiled_mma_sdp, blocks.acc_s, blocks.tSrK, blocks.tSrQ[None, None, None, stage],
+                  zero_init=True, wait_group=-1)
+        blocks.pipeline_do.consumer_wait(state)
+        self.gemm(blocks.tiled_mma_sdp, blocks.acc_dp, blocks.tdPrV, blocks.tdPrdO[None, None, None, stage],
+                  zero_init=True, wait_group=-1)
+        scores = acc_rows_cols(blocks.acc_s)
+        dp = acc_rows_cols(blocks.acc_dp)
+        if cutlass.const_expr(self.has_softcap):
+            # One pass over Sᵀ and dPᵀ: t = tanh, P, dSᵀ = P ∘ (dPᵀ − D) ∘ (1 − t²), so only one
+            # LSE and one D value are live at a time; the mask then zeroes P and dSᵀ (masking the
+            # scores first would leave t = −inf for the derivative).
+            # The tanh overlaps the dPᵀ GEMM.
+            warpgroup.wait_group(1)
+            for i in cutlass.range_constexpr(cute.size(blocks.acc_s)):
+                blocks.acc_s[i] = cute.math.tanh(blocks.acc_s[i] * blocks.score_prescale, fastmath=True)
+            warpgroup.wait_group(0)
+            for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+                query = self._query_of(blocks, c)
+                lse_log2 = blocks.sLSE[query, stage]
+                d_value = blocks.sdPsum[query, stage]
+                for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
+                    capped = scores[r, c]
+                    prob = cute.math.exp2(capped * blocks.scale_log2 - lse_log2, fastmath=True)
+                    scores[r, c] = prob
+                    dp[r, c] = prob * (dp[r, c] - d_value) * (1.0 - capped * capped)
+            if cutlass.const_expr(self.causal or self.local):
+                if needs_mask:
+                    apply_mask(scores, m_block=m_block, fill=0.0)
+                    apply_mask(dp, m_block=m_block, fill=0.0)
+        else:
+            # Sᵀ is done; the exponentials overlap the dPᵀ GEMM.
+            warpgroup.wait_group(1)
+            if cutlass.const_expr(self.causal or self.local):
+                if needs_mask:
+                    apply_mask(scores, m_block=m_block)
+            for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+                lse_log2 = blocks.sLSE[self._query_of(blocks, c), stage]
+                for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
+                    scores[r, c] = cute.math.exp2(scores[r, c] * blocks.scale_log2 - lse_log2, fastmath=True)
+        blocks.p.store(blocks.acc_s.load().to(self.dtype))
+        if cutlass.const_expr(self.has_softcap):
+            blocks.ds.store(blocks.acc_dp.load().to(self.dtype))
+        if cutlass.const_expr(self.config.dkv_from_registers):
+            self.gemm(blocks.tiled_mma_dv, blocks.acc_dv, acc_as_operand_a(blocks.p),
+                      blocks.tdVrdO[None, None, None, stage], zero_init=False, wait_group=-1)
+        if cutlass.const_expr(not self.has_softcap):
+            # dPᵀ is done (the dV GEMM, if issued, may still run).
+            warpgroup.wait_group(1 if cutlass.const_expr(self.config.dkv_from_registers) else 0)
+            for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
+                d_value = blocks.sdPsum[self._query_of(blocks, c), stage]
+                for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
+                    dp[r, c] = scores[r, c] * (dp[r, c] - d_value)
+            blocks.ds.store(blocks.acc_dp.load().to(self.dtype))
+        if cutlass.const_expr(self.config.dkv_from_registers):
+            self.gemm(blocks.tiled_mma_dk, blocks.acc_dk, acc_as_operand_a(blocks.ds),
+                      blocks.tdKrQ[None, None, None, stage], zero_init=False, wait_group=-1)
+
+        # dSᵀ (and Pᵀ) to shared memory for the GEMMs that read all of it from both warp groups.
+        if cutlass.const_expr(self.config.pds_stages == 1):
+            # The other warp group may still be reading the previous block's buffer.
+            cute.arch.barrier(barrier_id=self.pds_barrier_id, number_of_threads=self.num_mma_threads)
+        cute.copy(blocks.store_pds, blocks.store_pds.retile(blocks.ds), blocks.tdSsdS[None, None, None, pds_index])
+        if cutlass.const_expr(not self.config.dkv_from_registers):
+            cute.copy(blocks.store_pds, blocks.store_pds.retile(blocks.p), blocks.tPsP[None, None, None, pds_index])
+        # Ordinary stores must be made visible to WGMMA (async proxy) before it reads them.
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=self.pds_barrier_id, number_of_threads=self.num_mma_threads)
+        if cutlass.const_expr(not self.config.dkv_from_registers):
+            self.gemm(blocks.tiled_mma_dv, blocks.acc_dv, blocks.tdVrP[None, None, None, pds_index],
+                      blocks.tdVrdO[None, None, None, stage], zero_init=False, wait_group=-1)
+            self.gemm(blocks.tiled_mma_dk, blocks.acc_dk, blocks.tdKrdS[None, None, None, pds_index],
+                      blocks.tdKrQ[None, None, None, stage], zero_init=False, wait_group=-1)
+        self.gemm(blocks.tiled_mma_dq, blocks.acc_dq, blocks.tdQrdS[None, None, None, pds_index],
+                  blocks.tdQrK, zero_init=True, wait_group=0)
+        # Every GEMM reading this slot's Q and dO (and P, dS registers) has retired.
+        blocks.pipeline_q.consumer_release(state)
+        blocks.pipeline_do.consumer_release(state)
+
+    @cute.jit
+    def _query_of(self, blocks, c: cutlass.Constexpr[int]) -> Int32:
+        """Row of the query tile that register column c of this thread's Sᵀ fragment holds."""
+        return blocks.thread_origin[1] + blocks.score_coords0[0, c][1]
+
+    @cute.jit
+    def accumulate_dq(
+        self, blocks, gdQaccum, mSemaphore, m_block, n_block, head, batch,
+        seqlen_q, seqlen_k, window_left, window_right, deterministic, block_info,
+    ):
+        """mdQaccum[batch, head, m_block rows] += this block's dS·K, unless the tile is fully masked.
+
+        Deterministic mode: the key blocks that visit a query block (n_block_range) add in
+        increasing order; the semaphore counts those done. Key blocks wait only for lower ones,
+        which the grid launches first, so the chain cannot deadlock.
+        """
+        n_block_lo, n_block_hi = block_info.n_block_range(m_block, seqlen_q, seqlen_k, window_left, window_right)
+        if n_block >= n_block_lo:
+            if n_block < n_block_hi:
+                gdQ = cute.local_tile(gdQaccum, (self.tile_m, self.head_dim), (m_block, 0))
+                tdQgdQ = blocks.thr_mma_dq.partition_C(gdQ)
+                if deterministic != 0:
+                    semaphore = _elem_ptr(mSemaphore, (batch, head, m_block * (self.tile_m // BWD_SEMAPHORE_ROWS)))
+                    turn = n_block - n_block_lo
+                    if self._is_first_mma_thread():
+                        done = cute.arch.load(semaphore, Int32, sem="acquire", scope="gpu")
+                        while done != turn:
+                            done = cute.arch.load(semaphore, Int32, sem="acquire", scope="gpu")
+                    cute.arch.barrier(barrier_id=self.dq_turn_barrier_id, number_of_threads=self.num_mma_threads)
+                    self.red_add(blocks.acc_dq, tdQgdQ)
+                    # Every thread's adds are visible GPU-wide before the next key block's turn.
+                    cute.arch.fence_acq_rel_gpu()
+                    cute.arch.barrier(barrier_id=self.dq_turn_barrier_id, number_of_threads=self.num_mma_threads)
+                    if self._is_first_mma_thread():
+                        cute.arch.atomic_add(semaphore, Int32(1), sem="release", scope="gpu")
+                else:
+                    self.red_add(blocks.acc_dq, tdQgdQ)
+
+    @cute.jit
+    def _is_first_mma_thread(self) -> cutlass.Boolean:
+        # Read afresh rather than keeping the thread index live through the main loop.
+        tidx, _, _ = cute.arch.thread_idx()
+        return tidx == self.threads_per_warp_group
+
+    @cute.jit
+    def _is_first_mma_warp(self) -> cutlass.Boolean:
+        return cute.arch.make_warp_uniform(cute.arch.warp_idx()) == self.mma_warp_groups[0] * 4
+
+    @cute.jit
+    def red_add(self, acc, gmem):
+        """gmem += acc, where both are partitions of one accumulator tile.
+
+        Registers 2i and 2i+1 of a WGMMA accumulator hold adjacent columns, so each pair is one
+        8-byte `red.global.add.v2.f32`: half the L2 atomic operations of scalar adds.
+        """
+        for i in cutlass.range_constexpr(0, cute.size(acc), 2):
+            pair = cute.make_tensor(acc.iterator + i, cute.make_layout(2)).load()
+            cute.arch.red(_elem_ptr(gmem, i), pair, op="add", dtype="f32", sem="relaxed", scope="gpu")
+
+    @cute.jit
+    def epilogue(self, blocks, thr_mma_dk, thr_mma_dv, sK, sV, tma_atom_dk, mdK, tma_atom_dv, mdV,
+                 n_block, head_kv, batch, softmax_scale):
+        """dK·softmax_scale and dV: registers -> K's and V's shared buffers -> TMA stores."""
+        dk_out = cute.make_rmem_tensor_like(blocks.acc_dk, self.dtype)
+        dk_out.store((blocks.acc_dk.load() * softmax_scale).to(self.dtype))
+        dv_out = cute.make_rmem_tensor_like(blocks.acc_dv, self.dtype)
+        dv_out.store(blocks.acc_dv.load().to(self.dtype))
+        # Both warp groups' GEMMs reading K and V have retired (each waits for its own).
+        cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.num_mma_threads)
+        tdKsdK = thr_mma_dk.partition_C(sK)
+        for i in cutlass.range_constexpr(cute.size(dk_out)):
+            tdKsdK[i] = dk_out[i]
+        tdVsdV = thr_mma_dv.partition_C(sV)
+        for i in cutlass.range_constexpr(cute.size(dv_out)):
+            tdVsdV[i] = dv_out[i]
+        # Ordinary stores must be made visible to the TMA (async proxy) before the store is issued.
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.num_mma_threads)
+        if self._is_first_mma_warp():
+            no_cluster = cute.make_layout(1)
+            gdK = cute.local_tile(mdK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
+            gdV = cute.local_tile(mdV[None, None, head_kv, batch], (self.tile_n, self.head_dim_v), (n_block, 0))
+            tdKsdK_tma, tdKgdK = cpasync.tma_partition(
+                tma_atom_dk, 0, no_cluster, cute.group_modes(sK, 0, 2), cute.group_modes(gdK, 0, 2)
+            )
+            tdVsdV_tma, tdVgdV = cpasync.tma_partition(
+                tma_atom_dv, 0, no_cluster, cute.group_modes(sV, 0, 2), cute.group_modes(gdV, 0, 2)
+            )
+            cute.copy(tma_atom_dk, tdKsdK_tma, tdKgdK)
+            cute.copy(tma_atom_dv, tdVsdV_tma, tdVgdV)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def gemm(self, tiled_mma, acc, frag_a, frag_b, zero_init: cutlass.Constexpr[bool],
+             wait_group: cutlass.Constexpr[int]):
+        """acc (+)= A·B over the k blocks as one WGMMA batch; then wait until at most `wait_group`
+        batches are in flight (-1: don't wait)."""
+        warpgroup.fence()
+        # A fresh atom per GEMM: its ACCUMULATE field is mutated across the k loop.
+        atom = cute.make_mma_atom(tiled_mma.op)
+        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+        for k in cutlass.range_constexpr(cute.size(frag_a.shape[2])):
+            cute.gemm(atom, acc, frag_a[None, None, k], frag_b[None, None, k], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+        if cutlass.const_expr(wait_group >= 0):
+            warpgroup.wait_group(wait_group)
