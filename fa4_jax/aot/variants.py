@@ -19,7 +19,7 @@ KINDS = ("fwd", "bwd")
 # kernel's tile table.
 HEAD_DIMS = {
     "fwd": ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256)),
-    "bwd": ((64, 64), (128, 128), (256, 256)),
+    "bwd": ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256)),
 }
 # Named overrides of a kernel's tuned settings, passed to its constructor as keyword arguments.
 # "default" is what users get; the others exist for the ablations in docs/perf-log.md, are
