@@ -99,6 +99,10 @@ def _variant(q, k, v, params, arch: str, kind: str, tuning: str = "default"):
 
 
 def unsupported_reason(q, k, v, params, kind: str = "fwd", tuning: str = "default") -> str | None:
+    if params.ragged:
+        # forward/backward pass no lengths operands yet: the kernels would attend the padding.
+        return ("ragged lengths (query_seq_lengths / key_value_seq_lengths, varlen_attention) "
+                "have no kernel yet")
     compiled, reason = _load()
     if reason is not None:
         return reason
