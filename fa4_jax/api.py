@@ -187,24 +187,28 @@ def dot_product_attention(
     without the batch dimension, [T, N, H] / [S, K, H]; N a multiple of K.
 
     Differences:
-      - bias, mask, query_seq_lengths and key_value_seq_lengths are not supported yet and raise
-        NotImplementedError.
+      - bias and mask are not supported yet and raise NotImplementedError.
       - jax aligns is_causal and local_window_size to the top-left corner (query i vs key i);
         fa4_jax aligns to the bottom-right. The two agree when T == S; otherwise the call is
         translated to fa4_jax's windows, and a NotImplementedError is raised when that needs a
         negative window (e.g. is_causal with T < S).
-      - A query row that sees no key gives 0 here (jax: the mean of all values).
+      - With query_seq_lengths / key_value_seq_lengths, fa4_jax aligns is_causal and
+        local_window_size bottom-right to each entry's valid lengths (see `attention`), jax
+        still top-left: the two agree when both lengths are given and equal entry by entry
+        (padded self-attention), so with a mask both are required (NotImplementedError
+        otherwise) and entries of unequal lengths follow fa4_jax's rule. Without a mask,
+        either length may come alone, as in jax. Lengths may be any integer dtype (jax:
+        int32) and are clamped to [0, T] and [0, S]. Ragged calls run on the reference
+        backend until the kernels support lengths.
+      - A query row that sees no key gives 0 here (jax: the mean of all values), padded rows
+        included (jax: 0 as well).
       - implementation is None, "cute" or "reference" (see `attention`); "xla" and "cudnn"
         are jax's own backends: call `jax.nn.dot_product_attention` for them.
       - The residual of return_residual (the logsumexp, [B, T, N] or [T, N], in key's dtype,
-        gradient stopped, as in jax) is -inf for rows that see no key.
+        gradient stopped, as in jax) is -inf for rows that see no key, padded rows included
+        (jax: a large negative number).
     """
-    for name, argument in (
-        ("bias", bias),
-        ("mask", mask),
-        ("query_seq_lengths", query_seq_lengths),
-        ("key_value_seq_lengths", key_value_seq_lengths),
-    ):
+    for name, argument in (("bias", bias), ("mask", mask)):
         if argument is not None:
             raise NotImplementedError(
                 f"fa4_jax.dot_product_attention does not support {name} yet; pass {name}=None "
@@ -226,8 +230,24 @@ def dot_product_attention(
                 f"got ranks {query.ndim}, {key.ndim}, {value.ndim}"
             )
         query, key, value = query[None], key[None], value[None]
+        query_seq_lengths, key_value_seq_lengths = (
+            None if lengths is None else jnp.reshape(jnp.asarray(lengths), (-1,))
+            for lengths in (query_seq_lengths, key_value_seq_lengths)
+        )
+    ragged = query_seq_lengths is not None or key_value_seq_lengths is not None
+    masked = is_causal or local_window_size is not None
+    if ragged and masked and (query_seq_lengths is None or key_value_seq_lengths is None):
+        raise NotImplementedError(
+            "is_causal / local_window_size with only one of query_seq_lengths and "
+            "key_value_seq_lengths: fa4_jax aligns masks to the valid lengths, jax to index 0; "
+            "they agree when both are given and equal entry by entry (padded self-attention), "
+            "so pass both"
+        )
+    # With lengths fa4_jax's masks align to the valid lengths, which matches jax's top-left
+    # alignment when they are equal: no shift, as for T == S.
+    seqlen_q = key.shape[1] if ragged else query.shape[1]
     window_size = _top_left_to_bottom_right(
-        is_causal, local_window_size, seqlen_q=query.shape[1], seqlen_k=key.shape[1]
+        is_causal, local_window_size, seqlen_q=seqlen_q, seqlen_k=key.shape[1]
     )
     out, lse = attention(
         query,
@@ -237,6 +257,8 @@ def dot_product_attention(
         window_size=window_size,
         return_lse=True,
         implementation=implementation,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
     )
     if unbatched:
         out, lse = out[0], lse[0]

@@ -149,6 +149,7 @@ def test_default_backend_falls_back_to_reference_and_logs_why(next_key, caplog):
 def test_public_surface():
     assert set(fa4_jax.__all__) == {
         "attention",
+        "varlen_attention",
         "dot_product_attention",
         "ring_attention",
         "to_zigzag_layout",
