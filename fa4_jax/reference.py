@@ -50,7 +50,8 @@ def attention_reference(
         [0, seqlen_q] and [0, seqlen_k] (traced values are fine; both or neither): batch entry b
         holds only its first query_seq_lengths[b] rows and key_value_seq_lengths[b] keys, and
         the masks align bottom-right to those (offset = kv length - q length, per entry). Rows
-        past the length have out 0, lse -inf; keys past it get zero gradient.
+        past the length have out 0, lse -inf; keys past it get zero gradient. What the padding
+        holds (even inf or NaN) does not matter.
       compute_dtype: dtype of the matmul inputs and outputs, the scale/softcap arithmetic and
         the probabilities fed to the second matmul. float32 gives the oracle `ref`; the input
         dtype gives FlashAttention's `ref_lowp`. The running max, row sum and output
@@ -78,6 +79,9 @@ def attention_reference(
     valid_q, valid_k = seqlen_q, seqlen_k
     if query_seq_lengths is not None:
         valid_q, valid_k = map(_as_tile_batch, (query_seq_lengths, key_value_seq_lengths))
+        query = _zero_padding(query, query_seq_lengths)
+        key = _zero_padding(key, key_value_seq_lengths)
+        value = _zero_padding(value, key_value_seq_lengths)
     mask = _MaskSpec(valid_q, valid_k, causal, window_left, window_right)
 
     q_tiles = _tile_queries(query.astype(compute_dtype), q_chunk, heads_kv)
@@ -142,6 +146,17 @@ class _MaskSpec:
         if self.window_right is not None:
             visible &= k_index <= diagonal + self.window_right
         return visible
+
+
+def _zero_padding(x, lengths):
+    """x [batch, seq, ...] with the rows past each entry's length zeroed.
+
+    Masking the scores is not enough: padding holding inf or NaN would still reach the
+    output or the gradients through 0 * NaN in a matmul, and a truncated call never reads it.
+    """
+    row = jnp.arange(x.shape[1])[None, :, None, None]
+    valid = row < jnp.asarray(lengths).reshape(-1, 1, 1, 1)
+    return jnp.where(valid, x, jnp.zeros((), x.dtype))
 
 
 def _as_tile_batch(lengths):
