@@ -275,3 +275,18 @@ def test_varlen_errors_name_the_argument(kwargs, error, message):
     arguments.update(kwargs)
     with pytest.raises(error, match=message):
         jax.eval_shape(lambda x: fa4_jax.varlen_attention(x, x, x, **arguments), x)
+
+
+def test_vmap_maps_lengths_with_the_inputs(next_key):
+    q, k, v, _, _ = _inputs(next_key, 2, 2, jnp.float32, batch=4)
+    q_len, kv_len = (x[:4] for x in _lengths(next_key))
+
+    def attend(q, k, v, q_len, kv_len):
+        return fa4_jax.attention(q, k, v, causal=True, query_seq_lengths=q_len,
+                                 key_value_seq_lengths=kv_len)
+
+    def pairs(x):  # [4, ...] -> [2, 2, ...]
+        return x.reshape(2, 2, *x.shape[1:])
+
+    mapped = jax.vmap(attend)(*map(pairs, (q, k, v, q_len, kv_len)))
+    np.testing.assert_array_equal(mapped, pairs(attend(q, k, v, q_len, kv_len)))
