@@ -235,7 +235,13 @@ def dot_product_attention(
             for lengths in (query_seq_lengths, key_value_seq_lengths)
         )
     ragged = query_seq_lengths is not None or key_value_seq_lengths is not None
-    masked = is_causal or local_window_size is not None
+    # With lengths fa4_jax's masks align to the valid lengths, which matches jax's top-left
+    # alignment when they are equal: no shift, as for T == S.
+    seqlen_q = key.shape[1] if ragged else query.shape[1]
+    window_size = _top_left_to_bottom_right(
+        is_causal, local_window_size, seqlen_q=seqlen_q, seqlen_k=key.shape[1]
+    )
+    masked = window_size != (None, None)
     if ragged and masked and (query_seq_lengths is None or key_value_seq_lengths is None):
         raise NotImplementedError(
             "is_causal / local_window_size with only one of query_seq_lengths and "
@@ -243,12 +249,6 @@ def dot_product_attention(
             "they agree when both are given and equal entry by entry (padded self-attention), "
             "so pass both"
         )
-    # With lengths fa4_jax's masks align to the valid lengths, which matches jax's top-left
-    # alignment when they are equal: no shift, as for T == S.
-    seqlen_q = key.shape[1] if ragged else query.shape[1]
-    window_size = _top_left_to_bottom_right(
-        is_causal, local_window_size, seqlen_q=seqlen_q, seqlen_k=key.shape[1]
-    )
     out, lse = attention(
         query,
         key,

@@ -77,8 +77,9 @@ def ring_attention(
       Both are differentiable.
 
     Raises:
-      NotImplementedError for a sliding window or sequence lengths; ValueError for causal blocks of unequal or odd
-      length; plus whatever `fa4_jax.attention` raises for its arguments.
+      NotImplementedError for a sliding window or sequence lengths; ValueError for causal
+      blocks of unequal or odd length; plus whatever `fa4_jax.attention` raises for its
+      arguments.
     """
     if tuple(window_size) != (None, None):
         raise NotImplementedError(
