@@ -1,6 +1,7 @@
 """fa4_jax: FlashAttention-4 kernels for JAX.
 
-Public surface: `attention` (the full-featured entry point), `dot_product_attention`
+Public surface: `attention` (the full-featured entry point, padded ragged batches included),
+`varlen_attention` (packed variable-length sequences), `dot_product_attention`
 (a drop-in for `jax.nn.dot_product_attention`), and for multi-device work `ring_attention`
 (context parallelism inside `shard_map`) with the zig-zag layout helpers, and
 `ReshardWarning` (an input sharding the op cannot keep). See docs/multi_gpu.md.
@@ -8,11 +9,13 @@ Public surface: `attention` (the full-featured entry point), `dot_product_attent
 from fa4_jax.api import attention, dot_product_attention
 from fa4_jax.context_parallel import from_zigzag_layout, ring_attention, to_zigzag_layout
 from fa4_jax.sharding import ReshardWarning
+from fa4_jax.varlen import varlen_attention
 
 __version__ = "0.1.0"
 
 __all__ = [
     "attention",
+    "varlen_attention",
     "dot_product_attention",
     "ring_attention",
     "to_zigzag_layout",

@@ -36,11 +36,14 @@ def attention(
     deterministic=False,
     return_lse=False,
     implementation=None,
+    query_seq_lengths=None,
+    key_value_seq_lengths=None,
 ):
     """FlashAttention: `softmax(mask(softcap(scale · q kᵀ))) v`, without materialising `q kᵀ`.
 
     Works under `jax.jit`, `jax.grad` (a custom VJP; `lse` is differentiable too) and `jax.vmap`.
-    All arguments but the arrays are static Python values, validated when the call is traced.
+    All arguments but the arrays (query, key, value and the sequence lengths) are static Python
+    values, validated when the call is traced.
 
     Args:
       query: [batch, seqlen_q, heads_q, head_dim].
@@ -64,12 +67,22 @@ def attention(
         choice and its reason are logged at debug level on the "fa4_jax" logger), "cute" (the
         CuTe-DSL kernels; a ValueError says why when they cannot serve the call) or
         "reference" (pure JAX, chunked, float32 math; any platform).
+      query_seq_lengths, key_value_seq_lengths: a ragged (padded) batch. None, or an integer
+        array [batch] (traced values are fine: new values need no retrace): batch entry b holds
+        only its first query_seq_lengths[b] query rows and key_value_seq_lengths[b] keys, the
+        rest is padding. The result is that of attending each entry on its own, truncated to
+        its lengths: masks (causal, window) are bottom-right aligned to the valid lengths
+        (offset = key_value_seq_lengths[b] - query_seq_lengths[b]); padded rows have out 0 and
+        lse -inf and padded keys get zero gradient. Either may be given alone (the other means
+        the full length). Values are clamped to [0, seqlen_q] and [0, seqlen_k]. Ragged calls
+        run on the reference backend until the kernels support lengths (implementation="cute"
+        raises). For packed sequences see `varlen_attention`.
 
     Returns:
       out: [batch, seqlen_q, heads_q, head_dim_v] in the input dtype; and, when return_lse,
       lse: [batch, heads_q, seqlen_q] float32, natural log of the sum of exp(scores) over the
-      visible keys. A row that sees no key (causal with seqlen_q > seqlen_k, a window) has out 0
-      and lse -inf, and contributes no gradient.
+      visible keys. A row that sees no key (causal with seqlen_q > seqlen_k, a window, a padded
+      row) has out 0 and lse -inf, and contributes no gradient.
 
     Raises:
       TypeError / ValueError naming the offending argument and the rule it breaks.
@@ -83,6 +96,7 @@ def attention(
     """
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
     _check_bool("return_lse", return_lse)
+    ragged = query_seq_lengths is not None or key_value_seq_lengths is not None
     params = attention_params(
         query,
         key,
@@ -93,8 +107,15 @@ def attention(
         softcap=softcap,
         deterministic=deterministic,
         implementation=implementation,
+        ragged=ragged,
     )
-    out, lse = attention_op(query, key, value, params)
+    seq_lengths = None
+    if ragged:
+        seq_lengths = (
+            _canonical_lengths("query_seq_lengths", query_seq_lengths, query.shape[:2]),
+            _canonical_lengths("key_value_seq_lengths", key_value_seq_lengths, key.shape[:2]),
+        )
+    out, lse = attention_op(query, key, value, params, seq_lengths)
     return (out, lse) if return_lse else out
 
 
@@ -109,11 +130,13 @@ def attention_params(
     softcap=None,
     deterministic=False,
     implementation=None,
+    ragged=False,
 ):
     """The validated, canonical `AttentionParams` of `attention(query, key, value, ...)`.
 
-    Same arguments (query, key, value as arrays) and the same errors as `attention`; for
-    entry points that run the attention ops themselves (`ring_attention`).
+    Same arguments (query, key, value as arrays) and the same errors as `attention`, with
+    `ragged` saying whether sequence lengths come with the call; for entry points that run
+    the attention ops themselves (`ring_attention`).
     """
     _check_arrays(query, key, value)
     window_left, window_right = _check_window(window_size)
@@ -138,6 +161,7 @@ def attention_params(
         softcap=_canonical_softcap(softcap),
         deterministic=bool(deterministic),
         implementation=_choose_implementation(query.dtype, implementation),
+        ragged=ragged,
     )
     return _resolve_backend(query, key, value, params, implementation)
 
@@ -163,24 +187,28 @@ def dot_product_attention(
     without the batch dimension, [T, N, H] / [S, K, H]; N a multiple of K.
 
     Differences:
-      - bias, mask, query_seq_lengths and key_value_seq_lengths are not supported yet and raise
-        NotImplementedError.
+      - bias and mask are not supported yet and raise NotImplementedError.
       - jax aligns is_causal and local_window_size to the top-left corner (query i vs key i);
         fa4_jax aligns to the bottom-right. The two agree when T == S; otherwise the call is
         translated to fa4_jax's windows, and a NotImplementedError is raised when that needs a
         negative window (e.g. is_causal with T < S).
-      - A query row that sees no key gives 0 here (jax: the mean of all values).
+      - With query_seq_lengths / key_value_seq_lengths, fa4_jax aligns is_causal and
+        local_window_size bottom-right to each entry's valid lengths (see `attention`), jax
+        still top-left: the two agree when both lengths are given and equal entry by entry
+        (padded self-attention), so with a mask both are required (NotImplementedError
+        otherwise) and entries of unequal lengths follow fa4_jax's rule. Without a mask,
+        either length may come alone, as in jax. Lengths may be any integer dtype (jax:
+        int32) and are clamped to [0, T] and [0, S]. Ragged calls run on the reference
+        backend until the kernels support lengths.
+      - A query row that sees no key gives 0 here (jax: the mean of all values), padded rows
+        included (jax: 0 as well).
       - implementation is None, "cute" or "reference" (see `attention`); "xla" and "cudnn"
         are jax's own backends: call `jax.nn.dot_product_attention` for them.
       - The residual of return_residual (the logsumexp, [B, T, N] or [T, N], in key's dtype,
-        gradient stopped, as in jax) is -inf for rows that see no key.
+        gradient stopped, as in jax) is -inf for rows that see no key, padded rows included
+        (jax: a large negative number).
     """
-    for name, argument in (
-        ("bias", bias),
-        ("mask", mask),
-        ("query_seq_lengths", query_seq_lengths),
-        ("key_value_seq_lengths", key_value_seq_lengths),
-    ):
+    for name, argument in (("bias", bias), ("mask", mask)):
         if argument is not None:
             raise NotImplementedError(
                 f"fa4_jax.dot_product_attention does not support {name} yet; pass {name}=None "
@@ -202,9 +230,25 @@ def dot_product_attention(
                 f"got ranks {query.ndim}, {key.ndim}, {value.ndim}"
             )
         query, key, value = query[None], key[None], value[None]
+        query_seq_lengths, key_value_seq_lengths = (
+            None if lengths is None else jnp.reshape(jnp.asarray(lengths), (-1,))
+            for lengths in (query_seq_lengths, key_value_seq_lengths)
+        )
+    ragged = query_seq_lengths is not None or key_value_seq_lengths is not None
+    # With lengths fa4_jax's masks align to the valid lengths, which matches jax's top-left
+    # alignment when they are equal: no shift, as for T == S.
+    seqlen_q = key.shape[1] if ragged else query.shape[1]
     window_size = _top_left_to_bottom_right(
-        is_causal, local_window_size, seqlen_q=query.shape[1], seqlen_k=key.shape[1]
+        is_causal, local_window_size, seqlen_q=seqlen_q, seqlen_k=key.shape[1]
     )
+    masked = window_size != (None, None)
+    if ragged and masked and (query_seq_lengths is None or key_value_seq_lengths is None):
+        raise NotImplementedError(
+            "is_causal / local_window_size with only one of query_seq_lengths and "
+            "key_value_seq_lengths: fa4_jax aligns masks to the valid lengths, jax to index 0; "
+            "they agree when both are given and equal entry by entry (padded self-attention), "
+            "so pass both"
+        )
     out, lse = attention(
         query,
         key,
@@ -213,6 +257,8 @@ def dot_product_attention(
         window_size=window_size,
         return_lse=True,
         implementation=implementation,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
     )
     if unbatched:
         out, lse = out[0], lse[0]
@@ -299,6 +345,22 @@ def _check_arrays(query, key, value):
                 f"{name} head_dim must be a positive multiple of {_HEAD_DIM_MULTIPLE} and at "
                 f"most {_MAX_HEAD_DIM}, got {dim}"
             )
+
+
+def _canonical_lengths(name, lengths, batch_and_seqlen):
+    """Valid lengths as int32 [batch], clamped to [0, seqlen]; all lengths full for None."""
+    batch, seqlen = batch_and_seqlen
+    if lengths is None:
+        return jnp.full((batch,), seqlen, jnp.int32)
+    lengths = jnp.asarray(lengths)
+    if lengths.shape != (batch,):
+        raise ValueError(
+            f"{name} must have shape [batch] = ({batch},), got shape {lengths.shape}"
+        )
+    if not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array (int32), got dtype {lengths.dtype}")
+    # Traced values cannot be checked; clamping keeps every backend inside the arrays.
+    return jnp.clip(lengths, 0, seqlen).astype(jnp.int32)
 
 
 def _check_bool(name, value):

@@ -6,6 +6,10 @@ compiled kernels (`ffi.forward`, `ffi.backward`); the reference backward recompu
 through the pure-JAX reference in float32 and takes its VJP, honouring the same contract (see
 `backward`). `params.deterministic` reaches the backward kernel as a static attribute; the
 reference is deterministic anyway (no atomics).
+
+`seq_lengths` is None, or (q_len, kv_len): int32 [batch] valid lengths of a ragged batch
+(`params.ragged`; semantics in `AttentionParams`). Only the reference serves them until the
+kernels do: `ffi.unsupported_reason` says so, and `api` falls back before reaching here.
 """
 from __future__ import annotations
 
@@ -17,14 +21,14 @@ from fa4_jax.params import AttentionParams
 from fa4_jax.reference import attention_reference
 
 
-def forward(q, k, v, params: AttentionParams):
+def forward(q, k, v, params: AttentionParams, seq_lengths=None):
     """(out, lse) of one device's inputs; shapes as `vjp.attention_op`."""
     if params.implementation == "cute":
         return ffi.forward(q, k, v, params)
-    return _reference_fp32(q, k, v, params)
+    return _reference_fp32(q, k, v, params, seq_lengths)
 
 
-def backward(q, k, v, out, lse, d_out, d_lse, params: AttentionParams):
+def backward(q, k, v, out, lse, d_out, d_lse, params: AttentionParams, seq_lengths=None):
     """(dq, dk, dv) of one device's inputs, each in its input's dtype.
 
     FlashAttention's backward contract: `out` and `lse` are the softmax statistics the
@@ -37,20 +41,22 @@ def backward(q, k, v, out, lse, d_out, d_lse, params: AttentionParams):
       q, k, v: the forward's inputs, shapes as `vjp.attention_op`.
       out: [batch, seqlen_q, heads_q, head_dim_v]; lse: [batch, heads_q, seqlen_q] float32.
       d_out: the cotangent of out, like out; d_lse: the cotangent of lse, like lse.
+      seq_lengths: None or (q_len, kv_len), as for the forward; the ring contract holds per
+        entry (rows past q_len have block lse -inf, so weight 0 and zero gradient).
     """
     if params.implementation == "cute" and ffi.unsupported_reason(q, k, v, params, "bwd") is None:
         return ffi.backward(q, k, v, out, lse, d_out, d_lse, params)
-    return _reference_backward(q, k, v, out, lse, d_out, d_lse, params)
+    return _reference_backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths)
 
 
-def _reference_backward(q, k, v, out, lse, d_out, d_lse, params):
+def _reference_backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths):
     # The VJP of the fp32 reference on this block, whose own
     # (block_out, block_lse) enter the given statistics as out = Σ_blocks w · block_out,
     # lse = log Σ_blocks exp(block_lse), with w = exp(block_lse - lse). The chain rule maps
     # the cotangents onto the block: w · d_out, and w · (d_lse + <d_out, block_out - out>).
     # For the op's own statistics w = 1 and the inner product is 0.
     (block_out, block_lse), reference_vjp = jax.vjp(
-        lambda q, k, v: _reference_fp32(q, k, v, params), q, k, v
+        lambda q, k, v: _reference_fp32(q, k, v, params, seq_lengths), q, k, v
     )
     weight = jnp.where(block_lse == -jnp.inf, 0.0, jnp.exp(block_lse - lse))
     weight_by_row = jnp.swapaxes(weight, 1, 2)[..., None]  # out's layout
@@ -62,7 +68,8 @@ def _reference_backward(q, k, v, out, lse, d_out, d_lse, params):
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-def _reference_fp32(q, k, v, params):
+def _reference_fp32(q, k, v, params, seq_lengths):
+    q_len, kv_len = (None, None) if seq_lengths is None else seq_lengths
     return attention_reference(
         q,
         k,
@@ -72,5 +79,7 @@ def _reference_fp32(q, k, v, params):
         window_left=params.window_left,
         window_right=params.window_right,
         softcap=params.softcap,
+        query_seq_lengths=q_len,
+        key_value_seq_lengths=kv_len,
         compute_dtype=jnp.float32,
     )

@@ -47,6 +47,8 @@ def ring_attention(
     deterministic=False,
     return_lse=False,
     implementation=None,
+    query_seq_lengths=None,
+    key_value_seq_lengths=None,
 ):
     """Attention of a sequence sharded over `mesh_axis`; call it inside `shard_map`.
 
@@ -66,6 +68,8 @@ def ring_attention(
         order.
       window_size: must be (None, None); sliding windows are not supported over a ring.
       return_lse: also return the local rows' logsumexp over the whole sequence.
+      query_seq_lengths, key_value_seq_lengths: must be None; ragged batches are not
+        supported over a ring (each hop would need its block's share of every length).
 
     Returns:
       out [batch, seqlen_q_local, heads_q, head_dim_v] in the input dtype, and with return_lse
@@ -73,14 +77,22 @@ def ring_attention(
       Both are differentiable.
 
     Raises:
-      NotImplementedError for a sliding window; ValueError for causal blocks of unequal or odd
-      length; plus whatever `fa4_jax.attention` raises for its arguments.
+      NotImplementedError for a sliding window or sequence lengths; ValueError for causal
+      blocks of unequal or odd length; plus whatever `fa4_jax.attention` raises for its
+      arguments.
     """
     if tuple(window_size) != (None, None):
         raise NotImplementedError(
             f"ring_attention does not support sliding windows (window_size={window_size}); "
             f"use causal=True or gather the sequence and call fa4_jax.attention"
         )
+    for name, lengths in (("query_seq_lengths", query_seq_lengths),
+                          ("key_value_seq_lengths", key_value_seq_lengths)):
+        if lengths is not None:
+            raise NotImplementedError(
+                f"ring_attention does not support {name} (ragged batches); gather the sequence "
+                f"and call fa4_jax.attention with the lengths, or shard the batch instead"
+            )
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
     params = functools.partial(
         attention_params,

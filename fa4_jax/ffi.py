@@ -6,7 +6,7 @@ Contract used by `vjp.py` and `api.py`:
   and the default device is a CUDA device of a compiled arch. Never raises.
 - `unsupported_reason(q, k, v, params, kind="fwd") -> str | None`: None when a compiled variant
   of `kind` ("fwd" or "bwd") serves this call on the current default device, else a sentence
-  saying why not (names the missing variant).
+  saying why not (names the missing variant; a ragged call, `params.ragged`, has no kernel yet).
 - `forward(q, k, v, params) -> (out, lse)`: the `fa4_fwd_v1` custom call.
 - `backward(q, k, v, out, lse, d_out, d_lse, params) -> (dq, dk, dv)`: the `fa4_bwd_v1` custom
   call; its fp32 workspaces are extra results XLA allocates and this function drops.
@@ -99,6 +99,10 @@ def _variant(q, k, v, params, arch: str, kind: str, tuning: str = "default"):
 
 
 def unsupported_reason(q, k, v, params, kind: str = "fwd", tuning: str = "default") -> str | None:
+    if params.ragged:
+        # forward/backward pass no lengths operands yet: the kernels would attend the padding.
+        return ("ragged lengths (query_seq_lengths / key_value_seq_lengths, varlen_attention) "
+                "have no kernel yet")
     compiled, reason = _load()
     if reason is not None:
         return reason

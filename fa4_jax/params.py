@@ -22,6 +22,11 @@ class AttentionParams:
 
     A row with no visible key produces output 0 and lse -inf.
 
+    Ragged batch (`ragged=True`): the op also receives int32 arrays q_len, kv_len [batch] (array
+    operands, so their values may change without a retrace). In entry b only rows i < q_len[b]
+    and keys j < kv_len[b] exist, and offset = kv_len[b] - q_len[b]; other rows have output 0
+    and lse -inf, other keys get zero gradient.
+
     Attributes:
       softmax_scale: multiplies q·k before the softcap and the softmax.
       causal: bottom-right aligned causal mask.
@@ -29,6 +34,7 @@ class AttentionParams:
       softcap: if not None, scores become softcap * tanh(scores / softcap).
       deterministic: the backward pass must be bitwise reproducible.
       implementation: the resolved backend, "cute" or "reference".
+      ragged: per-batch valid lengths come with the call (see above).
     """
 
     softmax_scale: float
@@ -38,6 +44,7 @@ class AttentionParams:
     softcap: float | None = None
     deterministic: bool = False
     implementation: str = "reference"
+    ragged: bool = False
 
     @property
     def is_local(self) -> bool:

@@ -30,6 +30,8 @@ def attention_reference(
     window_left=None,
     window_right=None,
     softcap=None,
+    query_seq_lengths=None,
+    key_value_seq_lengths=None,
     compute_dtype=jnp.float32,
     chunk_size=DEFAULT_CHUNK_SIZE,
 ):
@@ -44,6 +46,12 @@ def attention_reference(
       causal, window_left, window_right: the masks of `fa4_jax.params.AttentionParams`,
         bottom-right aligned (offset = seqlen_k - seqlen_q).
       softcap: if not None, scores become softcap * tanh(scores / softcap) after the scale.
+      query_seq_lengths, key_value_seq_lengths: None, or integer arrays [batch] with values in
+        [0, seqlen_q] and [0, seqlen_k] (traced values are fine; both or neither): batch entry b
+        holds only its first query_seq_lengths[b] rows and key_value_seq_lengths[b] keys, and
+        the masks align bottom-right to those (offset = kv length - q length, per entry). Rows
+        past the length have out 0, lse -inf; keys past it get zero gradient. What the padding
+        holds (even inf or NaN) does not matter.
       compute_dtype: dtype of the matmul inputs and outputs, the scale/softcap arithmetic and
         the probabilities fed to the second matmul. float32 gives the oracle `ref`; the input
         dtype gives FlashAttention's `ref_lowp`. The running max, row sum and output
@@ -66,7 +74,15 @@ def attention_reference(
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size}")
     q_chunk = max(1, min(chunk_size, seqlen_q))
     kv_chunk = max(1, min(chunk_size, seqlen_k))
-    mask = _MaskSpec(seqlen_q, seqlen_k, causal, window_left, window_right)
+    if (query_seq_lengths is None) != (key_value_seq_lengths is None):
+        raise ValueError("give both query_seq_lengths and key_value_seq_lengths, or neither")
+    valid_q, valid_k = seqlen_q, seqlen_k
+    if query_seq_lengths is not None:
+        valid_q, valid_k = map(_as_tile_batch, (query_seq_lengths, key_value_seq_lengths))
+        query = _zero_padding(query, query_seq_lengths)
+        key = _zero_padding(key, key_value_seq_lengths)
+        value = _zero_padding(value, key_value_seq_lengths)
+    mask = _MaskSpec(valid_q, valid_k, causal, window_left, window_right)
 
     q_tiles = _tile_queries(query.astype(compute_dtype), q_chunk, heads_kv)
     k_tiles = _tile_keys(key.astype(compute_dtype), kv_chunk)
@@ -96,9 +112,16 @@ def attention_reference(
 
 
 class _MaskSpec:
-    """Static mask description; `visible` evaluates it on one tile of indices."""
+    """Mask description; `visible` evaluates it on one tile of indices.
+
+    seqlen_q and seqlen_k are static ints (the whole arrays), or, for a ragged batch, int32
+    arrays [batch, 1, 1, 1, 1] of each entry's valid lengths, shaped to broadcast against the
+    [batch, heads_kv, groups, q_chunk, kv_chunk] score tile.
+    """
 
     def __init__(self, seqlen_q, seqlen_k, causal, window_left, window_right):
+        self.ragged = not isinstance(seqlen_q, int)
+        self.seqlen_q = seqlen_q
         self.seqlen_k = seqlen_k
         self.offset = seqlen_k - seqlen_q
         self.causal = causal
@@ -106,12 +129,16 @@ class _MaskSpec:
         self.window_right = window_right
 
     def visible(self, q_index, k_index):
-        """Bool [q_chunk, kv_chunk]: which (row, key) pairs take part in the softmax."""
+        """Bool [q_chunk, kv_chunk], or [batch, 1, 1, q_chunk, kv_chunk] when ragged: which
+        (row, key) pairs take part in the softmax."""
         q_index = q_index[:, None]
         k_index = k_index[None, :]
         diagonal = q_index + self.offset
-        # Keys past seqlen_k are tile padding.
+        # Keys past seqlen_k are tile padding (or, ragged, past the entry's length).
         visible = k_index < self.seqlen_k
+        if self.ragged:
+            # Rows past the entry's length see no key, so they come out as masked rows do.
+            visible &= q_index < self.seqlen_q
         if self.causal:
             visible &= k_index <= diagonal
         if self.window_left is not None:
@@ -119,6 +146,22 @@ class _MaskSpec:
         if self.window_right is not None:
             visible &= k_index <= diagonal + self.window_right
         return visible
+
+
+def _zero_padding(x, lengths):
+    """x [batch, seq, ...] with the rows past each entry's length zeroed.
+
+    Masking the scores is not enough: padding holding inf or NaN would still reach the
+    output or the gradients through 0 * NaN in a matmul, and a truncated call never reads it.
+    """
+    row = jnp.arange(x.shape[1])[None, :, None, None]
+    valid = row < jnp.asarray(lengths).reshape(-1, 1, 1, 1)
+    return jnp.where(valid, x, jnp.zeros((), x.dtype))
+
+
+def _as_tile_batch(lengths):
+    """Valid lengths [batch] as int32 [batch, 1, 1, 1, 1], the score tile's batch axis."""
+    return jnp.asarray(lengths, jnp.int32).reshape(-1, 1, 1, 1, 1)
 
 
 def _pad_rows(x, chunk):

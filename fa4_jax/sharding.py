@@ -13,6 +13,9 @@ compiler with `jax.experimental.custom_partitioning`:
   `ReshardWarning` that names the operand, dimension and mesh axes (sequence sharding needs
   context parallelism: `fa4_jax.ring_attention` inside `shard_map`).
 
+A ragged batch's valid lengths (int32 [batch] each) are operands of their own ops, sharded
+with the batch: each device gets the lengths of its own batch entries.
+
 Grouped-query attention: query head i reads kv head i // groups, so the query heads factor as
 (kv_heads, groups), kv_heads major. Sharding heads over n devices gives each device
 heads_kv / n kv heads and their query heads; heads_kv must be a multiple of n (else a
@@ -46,21 +49,27 @@ class ReshardWarning(UserWarning):
     """
 
 
-def attention_forward(q, k, v, params: AttentionParams):
+def attention_forward(q, k, v, params: AttentionParams, seq_lengths=None):
     """(out, lse) = attention of q, k, v, partitioned over batch and heads.
 
     Shapes as `vjp.attention_op`: q [batch, seqlen_q, heads_q, head_dim], k [batch, seqlen_k,
     heads_kv, head_dim], v [batch, seqlen_k, heads_kv, head_dim_v] -> out [batch, seqlen_q,
-    heads_q, head_dim_v], lse [batch, heads_q, seqlen_q] float32.
+    heads_q, head_dim_v], lse [batch, heads_q, seqlen_q] float32. seq_lengths: None or
+    (q_len, kv_len), int32 [batch] each, partitioned with the batch.
     """
     _check_not_partially_manual()
-    return _vmappable(_FORWARD, params)(q, k, v)
+    if seq_lengths is None:
+        return _vmappable(_FORWARD, params)(q, k, v)
+    return _vmappable(_RAGGED_FORWARD, params)(q, k, v, *seq_lengths)
 
 
-def attention_backward(q, k, v, out, lse, d_out, d_lse, params: AttentionParams):
+def attention_backward(q, k, v, out, lse, d_out, d_lse, params: AttentionParams,
+                       seq_lengths=None):
     """(dq, dk, dv) of attention, partitioned like the forward; shapes as `backends.backward`."""
     _check_not_partially_manual()
-    return _vmappable(_BACKWARD, params)(q, k, v, out, lse, d_out, d_lse)
+    if seq_lengths is None:
+        return _vmappable(_BACKWARD, params)(q, k, v, out, lse, d_out, d_lse)
+    return _vmappable(_RAGGED_BACKWARD, params)(q, k, v, out, lse, d_out, d_lse, *seq_lengths)
 
 
 def _check_not_partially_manual():
@@ -84,7 +93,8 @@ def _check_not_partially_manual():
 # Each array's dimensions, by role: b batch, s query rows, t key rows, H query heads, h kv
 # heads, d head_dim of q/k, e head_dim of v. H is (h g) in the Shardy rule (see the docstring).
 # Under jax.vmap an array has several leading batch dimensions: roles b0, b1, ...
-_QUERY, _KEY, _VALUE, _OUT, _LSE = "bsHd", "bthd", "bthe", "bsHe", "bHs"
+# The valid lengths of a ragged batch are one number per batch entry: layout "b".
+_QUERY, _KEY, _VALUE, _OUT, _LSE, _LENGTHS = "bsHd", "bthd", "bthe", "bsHe", "bHs", "b"
 _DIMENSION_NAMES = {
     "b": "batch", "s": "seq", "t": "seq", "H": "heads", "h": "heads", "d": "head_dim",
     "e": "head_dim",
@@ -138,6 +148,17 @@ _BACKWARD_LAYOUT = _OpLayout(
         ("query", _QUERY), ("key", _KEY), ("value", _VALUE), ("out", _OUT), ("lse", _LSE),
         ("d_out", _OUT), ("d_lse", _LSE),
     ),
+    results=(("dq", _QUERY), ("dk", _KEY), ("dv", _VALUE)),
+)
+_RAGGED_OPERANDS = (("query_seq_lengths", _LENGTHS), ("key_value_seq_lengths", _LENGTHS))
+_RAGGED_FORWARD_LAYOUT = _OpLayout(
+    operands=(*zip(_FORWARD_LAYOUT.operand_names, _FORWARD_LAYOUT.operand_layouts),
+              *_RAGGED_OPERANDS),
+    results=(("out", _OUT), ("lse", _LSE)),
+)
+_RAGGED_BACKWARD_LAYOUT = _OpLayout(
+    operands=(*zip(_BACKWARD_LAYOUT.operand_names, _BACKWARD_LAYOUT.operand_layouts),
+              *_RAGGED_OPERANDS),
     results=(("dq", _QUERY), ("dk", _KEY), ("dv", _VALUE)),
 )
 
@@ -267,8 +288,28 @@ def _backward_on_device(q, k, v, out, lse, d_out, d_lse, params):
     return _on_folded_batch(backends.backward, (q, k, v, out, lse, d_out, d_lse), params)
 
 
+def _ragged_forward(q, k, v, q_len, kv_len, params):
+    return backends.forward(q, k, v, params, (q_len, kv_len))
+
+
+def _ragged_backward(q, k, v, out, lse, d_out, d_lse, q_len, kv_len, params):
+    return backends.backward(q, k, v, out, lse, d_out, d_lse, params, (q_len, kv_len))
+
+
+def _ragged_forward_on_device(q, k, v, q_len, kv_len, params):
+    return _on_folded_batch(_ragged_forward, (q, k, v, q_len, kv_len), params)
+
+
+def _ragged_backward_on_device(q, k, v, out, lse, d_out, d_lse, q_len, kv_len, params):
+    return _on_folded_batch(
+        _ragged_backward, (q, k, v, out, lse, d_out, d_lse, q_len, kv_len), params
+    )
+
+
 _FORWARD = _custom_partitioned(_forward_on_device, _FORWARD_LAYOUT)
 _BACKWARD = _custom_partitioned(_backward_on_device, _BACKWARD_LAYOUT)
+_RAGGED_FORWARD = _custom_partitioned(_ragged_forward_on_device, _RAGGED_FORWARD_LAYOUT)
+_RAGGED_BACKWARD = _custom_partitioned(_ragged_backward_on_device, _RAGGED_BACKWARD_LAYOUT)
 
 
 @functools.cache

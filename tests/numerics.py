@@ -83,16 +83,19 @@ def naive_attention_fp64(q, k, v, *, softmax_scale, softcap=None, **mask_options
     return out, lse
 
 
-def naive_attention_jax(q, k, v, *, softmax_scale, softcap=None, **mask_options):
-    """Dense softmax attention in jnp (fp32), differentiable: the gradient oracle."""
+def naive_attention_jax(q, k, v, *, softmax_scale, softcap=None, visible=None, **mask_options):
+    """Dense softmax attention in jnp (in the inputs' dtype), differentiable: the gradient
+    oracle. visible: a bool mask broadcasting to [batch, heads, seqlen_q, seqlen_k] instead
+    of the one of mask_options (e.g. per batch entry, [batch, 1, seqlen_q, seqlen_k])."""
     groups = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") * softmax_scale
     if softcap is not None:
         scores = softcap * jnp.tanh(scores / softcap)
-    visible = visible_mask(q.shape[1], k.shape[1], **mask_options)
+    if visible is None:
+        visible = visible_mask(q.shape[1], k.shape[1], **mask_options)
     scores = jnp.where(visible, scores, -jnp.inf)
-    empty = ~visible.any(axis=-1)[:, None]
+    empty = ~visible.any(axis=-1, keepdims=True)
     safe_scores = jnp.where(empty, 0.0, scores)
     lse = jax.nn.logsumexp(safe_scores, axis=-1, keepdims=True)
     probs = jnp.where(empty, 0.0, jnp.exp(safe_scores - lse))

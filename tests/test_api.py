@@ -149,6 +149,7 @@ def test_default_backend_falls_back_to_reference_and_logs_why(next_key, caplog):
 def test_public_surface():
     assert set(fa4_jax.__all__) == {
         "attention",
+        "varlen_attention",
         "dot_product_attention",
         "ring_attention",
         "to_zigzag_layout",
@@ -199,17 +200,63 @@ def test_dot_product_attention_accepts_unbatched_inputs(next_key):
     np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("name", ["bias", "mask", "query_seq_lengths", "key_value_seq_lengths"])
+@pytest.mark.parametrize("name", ["bias", "mask"])
 def test_dot_product_attention_unsupported_arguments(next_key, name):
     q, k, v = _qkv(next_key)
     arrays = {
         "bias": jnp.ones((2, 4, 16, 16)),
         "mask": jnp.ones((2, 4, 16, 16), bool),
-        "query_seq_lengths": jnp.full((2,), 16, jnp.int32),
-        "key_value_seq_lengths": jnp.full((2,), 16, jnp.int32),
     }
     with pytest.raises(NotImplementedError, match=name):
         fa4_jax.dot_product_attention(q, k, v, **{name: arrays[name]})
+
+
+# (T, S, is_causal, local_window_size, which lengths): where jax's semantics and fa4_jax's
+# agree. Masks need equal lengths per entry; without one, either length may come alone.
+JAX_LENGTH_PARITY = {
+    "query_only": (16, 12, False, None, "q"),
+    "key_only": (12, 16, False, None, "kv"),
+    "both_differ": (12, 16, False, None, "both"),
+    "causal_equal": (16, 16, True, None, "equal"),
+    "window_equal_q_longer": (16, 12, False, (3, 2), "equal"),
+}
+
+
+@pytest.mark.parametrize("case", JAX_LENGTH_PARITY.values(), ids=JAX_LENGTH_PARITY.keys())
+def test_dot_product_attention_lengths_match_jax_xla(next_key, case):
+    seqlen_q, seqlen_k, is_causal, window, which = case
+    q, k, v = _qkv(next_key, batch=3, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+    # Every row keeps at least one key: jax gives key-less rows the mean of all values.
+    q_len = jax.random.randint(next_key(), (3,), 0, seqlen_q + 1)
+    kv_len = jax.random.randint(next_key(), (3,), 1, seqlen_k + 1)
+    if which == "equal":
+        q_len = kv_len = jnp.minimum(kv_len, seqlen_q)
+    lengths = {
+        "q": dict(query_seq_lengths=q_len),
+        "kv": dict(key_value_seq_lengths=kv_len),
+    }.get(which, dict(query_seq_lengths=q_len, key_value_seq_lengths=kv_len))
+    kwargs = dict(is_causal=is_causal, local_window_size=window, return_residual=True)
+    out, residual = jax.jit(
+        lambda q, k, v, lengths: fa4_jax.dot_product_attention(q, k, v, **lengths, **kwargs)
+    )(q, k, v, lengths)
+    want, want_residual = jax.jit(
+        lambda q, k, v, lengths: jax.nn.dot_product_attention(
+            q, k, v, implementation="xla", **lengths, **kwargs)
+    )(q, k, v, lengths)
+    np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+    # jax's residual of a padded row is a large negative number, fa4_jax's -inf.
+    rows = np.asarray(lengths.get("query_seq_lengths", np.full(3, seqlen_q)))
+    valid = np.arange(seqlen_q)[None, :] < rows[:, None]
+    np.testing.assert_allclose(np.asarray(residual)[valid], np.asarray(want_residual)[valid],
+                               atol=2e-5, rtol=2e-5)
+    assert np.all(np.isneginf(np.asarray(residual)[~valid]))
+
+
+def test_dot_product_attention_mask_with_one_length_is_rejected(next_key):
+    q, k, v = _qkv(next_key)
+    with pytest.raises(NotImplementedError, match="pass both"):
+        fa4_jax.dot_product_attention(q, k, v, is_causal=True,
+                                      key_value_seq_lengths=jnp.array([3, 16], jnp.int32))
 
 
 def test_dot_product_attention_untranslatable_mask(next_key):

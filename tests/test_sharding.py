@@ -87,6 +87,49 @@ def test_batch_and_head_sharding_runs_locally_and_matches_unsharded(next_key, ca
     assert dq.sharding.is_equivalent_to(q_sharding, dq.ndim)
 
 
+# name: (mesh axis sizes, names, q spec, k/v spec, lengths spec)
+RAGGED_SHARDINGS = {
+    "batch": ((8,), ("data",), P("data"), P("data"), P("data")),
+    # The lengths arrive replicated: each device slices its batch entries' lengths.
+    "batch_and_heads": ((2, 4), ("data", "model"), P("data", None, "model"),
+                        P("data", None, "model"), P()),
+    "heads": ((4,), ("model",), P(None, None, "model"), P(None, None, "model"), P()),
+}
+
+
+@pytest.mark.parametrize("case", RAGGED_SHARDINGS.values(), ids=RAGGED_SHARDINGS.keys())
+def test_ragged_batch_sharding_runs_locally_and_matches_unsharded(next_key, case):
+    """The lengths travel with the batch: each device attends its entries with their own."""
+    axis_sizes, axis_names, q_spec, kv_spec, lengths_spec = case
+    mesh = cpu_mesh(axis_sizes, axis_names)
+    q, k, v, d_out, d_lse = _inputs(next_key)
+    q_len = jax.random.randint(next_key(), (8,), 0, 33)
+    kv_len = jax.random.randint(next_key(), (8,), 0, 33)
+
+    def ragged_step(q, k, v, d_out, d_lse, q_len, kv_len):
+        def attend(q, k, v):
+            return fa4_jax.attention(q, k, v, causal=True, return_lse=True,
+                                     query_seq_lengths=q_len, key_value_seq_lengths=kv_len)
+
+        return _forward_and_vjp(attend)(q, k, v, d_out, d_lse)
+
+    q_sharding, kv_sharding = NamedSharding(mesh, q_spec), NamedSharding(mesh, kv_spec)
+    lse_sharding = NamedSharding(mesh, P(q_spec[0], *q_spec[2:3]))
+    lengths_sharding = NamedSharding(mesh, lengths_spec)
+    sharded_step = jax.jit(ragged_step, in_shardings=(
+        q_sharding, kv_sharding, kv_sharding, q_sharding, lse_sharding, lengths_sharding,
+        lengths_sharding))
+    inputs = (q, k, v, d_out, d_lse, q_len, kv_len)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fa4_jax.ReshardWarning)
+        compiled = sharded_step.lower(*inputs).compile()
+    assert collectives_in(compiled.as_text()) == []
+    results = compiled(*inputs)
+    _assert_trees_close(results, jax.jit(ragged_step)(*inputs))
+    assert results[0].sharding.is_equivalent_to(q_sharding, q.ndim)
+
+
 def test_explicit_sharding_mesh(next_key):
     """jax.make_mesh's default (Explicit axes) partitions the same way as Auto axes."""
     mesh = cpu_mesh((2, 4), ("data", "model"), axis_type=AxisType.Explicit)

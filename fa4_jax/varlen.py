@@ -1,0 +1,147 @@
+"""Packed variable-length attention (FlashAttention's varlen form) on top of the ragged batch.
+
+Sequences of different lengths are concatenated along the token axis, with cumulative offsets
+`cu_seqlens` saying where each starts. Until the kernels read packed data directly, the packed
+tokens are gathered into a padded [n, max_seqlen, heads, dim] batch, attended as a ragged batch
+(`fa4_jax.attention` with sequence lengths), and gathered back: each step is differentiable,
+at the cost of one padded copy of q, k, v and out.
+"""
+from __future__ import annotations
+
+import numbers
+
+import jax.numpy as jnp
+
+from fa4_jax.api import attention
+
+
+def varlen_attention(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    *,
+    max_seqlen_q,
+    max_seqlen_k,
+    causal=False,
+    softmax_scale=None,
+    window_size=(None, None),
+    softcap=None,
+    deterministic=False,
+    return_lse=False,
+    implementation=None,
+):
+    """Attention of n packed sequences, each attending only within itself.
+
+    Sequence s holds query tokens cu_seqlens_q[s] : cu_seqlens_q[s + 1] and key/value tokens
+    cu_seqlens_k[s] : cu_seqlens_k[s + 1]; masks (causal, window) are bottom-right aligned per
+    sequence, as in `fa4_jax.attention` with each sequence its own call. Empty sequences are
+    allowed. Runs on the reference backend until the kernels support variable lengths, through
+    a padded copy of q, k, v and out ([n, max_seqlen, ...]); size max_seqlen_* accordingly.
+
+    Args:
+      q: [total_q, heads_q, head_dim].
+      k: [total_k, heads_kv, head_dim]; v: [total_k, heads_kv, head_dim_v]. Dtypes, head dims
+        and the GQA rule as `fa4_jax.attention`.
+      cu_seqlens_q, cu_seqlens_k: integer arrays [n + 1] (traced values are fine), the start
+        of each sequence and then the total: cu[0] = 0, nondecreasing, cu[n] = total_q
+        (total_k). Traced values cannot be checked: other values give unspecified
+        results (lengths are clamped to [0, max_seqlen], never read out of bounds).
+      max_seqlen_q, max_seqlen_k: static Python ints >= 1, at least every sequence's length
+        (query and key side). A sequence longer than its bound comes out as NaN rows.
+      causal, softmax_scale, window_size, softcap, deterministic, return_lse, implementation:
+        as `fa4_jax.attention`.
+
+    Returns:
+      out: [total_q, heads_q, head_dim_v] in q's dtype; and, when return_lse, lse
+      [heads_q, total_q] float32 (FlashAttention's varlen layout). A row that sees no key has
+      out 0 and lse -inf. Both are differentiable.
+
+    Raises:
+      TypeError / ValueError naming the offending argument, as `fa4_jax.attention`.
+    """
+    q, k, v = (jnp.asarray(x) for x in (q, k, v))
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 3:
+            raise ValueError(
+                f"{name} must have rank 3 [total_tokens, heads, head_dim], got shape {x.shape}"
+            )
+    if k.shape[0] != v.shape[0]:
+        raise ValueError(
+            f"k and v must have the same number of tokens, got {k.shape[0]} and {v.shape[0]}"
+        )
+    max_seqlen_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    cu_seqlens_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q)
+    cu_seqlens_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k)
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
+            f"shapes {cu_seqlens_q.shape} and {cu_seqlens_k.shape}"
+        )
+    lengths_q = jnp.diff(cu_seqlens_q)
+    lengths_k = jnp.diff(cu_seqlens_k)
+    out, lse = attention(
+        _pad(q, cu_seqlens_q, max_seqlen_q),
+        _pad(k, cu_seqlens_k, max_seqlen_k),
+        _pad(v, cu_seqlens_k, max_seqlen_k),
+        causal=causal,
+        softmax_scale=softmax_scale,
+        window_size=window_size,
+        softcap=softcap,
+        deterministic=deterministic,
+        return_lse=True,
+        implementation=implementation,
+        query_seq_lengths=lengths_q,
+        key_value_seq_lengths=lengths_k,
+    )
+    # A sequence longer than its bound lost tokens to the padding: say so with NaN rows.
+    too_long = (lengths_q > max_seqlen_q) | (lengths_k > max_seqlen_k)
+    sequence, position = _token_positions(cu_seqlens_q, q.shape[0])
+    too_long_row = too_long[sequence][:, None]
+    out = jnp.where(too_long_row[..., None], jnp.nan, out[sequence, position])
+    lse = jnp.where(too_long_row, jnp.nan, lse[sequence, :, position])
+    lse = lse.T  # [heads_q, total_q]
+    return (out, lse) if return_lse else out
+
+
+def _check_max_seqlen(name, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be a static Python int >= 1, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be a static Python int >= 1, got {value}")
+    return int(value)
+
+
+def _check_cu_seqlens(name, cu_seqlens):
+    cu_seqlens = jnp.asarray(cu_seqlens)
+    if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(
+            f"{name} must have shape [num_sequences + 1] with at least one sequence, got shape "
+            f"{cu_seqlens.shape}"
+        )
+    if not jnp.issubdtype(cu_seqlens.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array (int32), got dtype {cu_seqlens.dtype}")
+    return cu_seqlens.astype(jnp.int32)
+
+
+def _token_positions(cu_seqlens, total):
+    """(sequence, position within it) of each of the `total` packed tokens, int32 [total] each.
+
+    A token belongs to the sequence whose start is the last one <= the token (side="right"
+    skips empty sequences, which share their start with the next one).
+    """
+    token = jnp.arange(total, dtype=jnp.int32)
+    sequence = jnp.searchsorted(cu_seqlens[1:-1], token, side="right").astype(jnp.int32)
+    return sequence, token - cu_seqlens[sequence]
+
+
+def _pad(x, cu_seqlens, max_seqlen):
+    """Packed [total, heads, dim] -> padded [n, max_seqlen, heads, dim], zeros past each
+    sequence's end (rows the ragged op ignores, zero so they can never be NaN or inf)."""
+    position = jnp.arange(max_seqlen, dtype=jnp.int32)
+    token = cu_seqlens[:-1, None] + position  # [n, max_seqlen]
+    valid = token < cu_seqlens[1:, None]
+    rows = jnp.take(x, jnp.where(valid, token, 0), axis=0, mode="clip")
+    return jnp.where(valid[..., None, None], rows, jnp.zeros((), x.dtype))
