@@ -102,3 +102,35 @@ def naive_attention_jax(q, k, v, *, softmax_scale, softcap=None, visible=None, *
     out = jnp.einsum("bhqk,bkhd->bqhd", probs, v, precision="highest")
     lse = jnp.where(empty[..., 0], -jnp.inf, lse[..., 0])
     return out.astype(q.dtype), lse
+
+
+def dense_attention(q, k, v, *, compute_dtype, softmax_scale=None, softcap=None, causal=False,
+                    window_left=None, window_right=None):
+    """`attention_reference`'s (out, lse) with the same compute_dtype semantics, unchunked.
+
+    The score matrix is materialised ([batch, heads, seqlen_q, seqlen_k] float32), so it is for
+    test shapes only; in exchange XLA compiles its VJP in a fraction of the chunked scan's time,
+    which dominates the GPU tier's backward tests. Matmul inputs and outputs, the scale and the
+    softcap are in compute_dtype, the softmax statistics in float32, and the probabilities are
+    rounded to compute_dtype before the second matmul, as in the reference.
+    """
+    softmax_scale = 1 / np.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    groups = q.shape[2] // k.shape[2]
+    q, k, v = (x.astype(compute_dtype) for x in (q, k, v))
+    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest",
+                        preferred_element_type=compute_dtype)
+    scores = scores * jnp.asarray(softmax_scale, compute_dtype)
+    if softcap is not None:
+        cap = jnp.asarray(softcap, compute_dtype)
+        scores = cap * jnp.tanh(scores / cap)
+    visible = visible_mask(q.shape[1], k.shape[1], causal=causal, window_left=window_left,
+                           window_right=window_right)
+    scores = jnp.where(visible, scores.astype(jnp.float32), -jnp.inf)
+    empty = ~visible.any(axis=-1, keepdims=True)
+    safe_scores = jnp.where(empty, 0.0, scores)
+    lse = jax.nn.logsumexp(safe_scores, axis=-1, keepdims=True)
+    probs = jnp.where(empty, 0.0, jnp.exp(safe_scores - lse)).astype(compute_dtype)
+    out = jnp.einsum("bhqk,bkhd->bqhd", probs, v, precision="highest",
+                     preferred_element_type=compute_dtype)
+    return out, jnp.where(empty[..., 0], -jnp.inf, lse[..., 0])
