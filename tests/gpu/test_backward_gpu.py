@@ -51,12 +51,19 @@ def _require_kernels(q, k, v, **options):
         pytest.skip(f"no backward kernel: {reason}")
 
 
+# Gradients are taken under one jax.jit each: eager op-by-op dispatch compiles every primitive
+# for every new shape, which made a test cost ~10 s of compiling on the GPU.
+
+
 def _kernel_grads(q, k, v, d_out, d_lse, **options):
     def attend(q, k, v):
         return fa4_jax.attention(q, k, v, return_lse=True, implementation="cute", **options)
 
-    (out, lse), vjp = jax.vjp(attend, q, k, v)
-    return vjp((d_out, d_lse))
+    @jax.jit
+    def grads(q, k, v, d_out, d_lse):
+        return jax.vjp(attend, q, k, v)[1]((d_out, d_lse))
+
+    return grads(q, k, v, d_out, d_lse)
 
 
 def _reference_grads(q, k, v, d_out, d_lse, compute_dtype, **options):
@@ -67,8 +74,11 @@ def _reference_grads(q, k, v, d_out, d_lse, compute_dtype, **options):
                                    compute_dtype=compute_dtype, **mask)
         return out.astype(q.dtype), lse
 
-    _, vjp = jax.vjp(attend, q, k, v)
-    return vjp((d_out, d_lse))
+    @jax.jit
+    def grads(q, k, v, d_out, d_lse):
+        return jax.vjp(attend, q, k, v)[1]((d_out, d_lse))
+
+    return grads(q, k, v, d_out, d_lse)
 
 
 def _cotangents(next_key, q, v, seqlen_k, **options):
