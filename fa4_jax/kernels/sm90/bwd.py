@@ -70,6 +70,12 @@ class TileConfig:
     stages: int  # depth of the Q / dO rings
     dkv_from_registers: bool  # Pᵀ, dSᵀ feed the dV/dK WGMMAs from registers (else from smem)
     pds_stages: int  # dSᵀ (and Pᵀ) shared-memory buffers; 2 saves a barrier per query block
+    # Deterministic causal/local only: key blocks add into a query block's dQ in *decreasing*
+    # order (turn = n_block_hi(m) − 1 − n_block), and CTA x of the grid takes key block
+    # N − 1 − x so that launch order matches add order. A CTA's first query block (its diagonal)
+    # then has it as the first contributor, instead of waiting for every lower key block to walk
+    # down to it (a wavefront of ~n_block steps). False: increasing order (the original).
+    det_descending: bool = False
 
 
 # tile_m is 64 everywhere: the dQ GEMM gives each MMA warp group half of d with all tile_m rows,
@@ -425,8 +431,13 @@ class FlashAttentionBackwardSm90:
         sLSE = storage.sLSE.get_tensor(sRow_layout)
         sdPsum = storage.sdPsum.get_tensor(sRow_layout)
 
-        n_block, head_kv, batch = cute.arch.block_idx()
+        block_x, head_kv, batch = cute.arch.block_idx()
         seqlen_k = mK.shape[0]
+        n_block = block_x
+        if cutlass.const_expr(self._descending_turns()):
+            if deterministic != 0:
+                # Launch order = add order: the highest key block is dispatched first.
+                n_block = cute.ceil_div(seqlen_k, self.tile_n) - 1 - block_x
         group = num_heads // mK.shape[2]
         block_info = BlockInfo(self.tile_m, self.tile_n, self.causal, self.local)
         m_block_min, m_block_max = block_info.m_block_range(
@@ -699,7 +710,9 @@ class FlashAttentionBackwardSm90:
 
         Deterministic mode: the key blocks that visit a query block (n_block_range) add in
         increasing order; the semaphore counts those done. Key blocks wait only for lower ones,
-        which the grid launches first, so the chain cannot deadlock.
+        which the grid launches first, so the chain cannot deadlock. With det_descending
+        (causal/local) they add in decreasing order and the grid launches the highest key block
+        first (see `kernel`): again every wait is on a CTA dispatched earlier.
         """
         n_block_lo, n_block_hi = block_info.n_block_range(m_block, seqlen_q, seqlen_k, window_left, window_right)
         if n_block >= n_block_lo:
@@ -709,6 +722,8 @@ class FlashAttentionBackwardSm90:
                 if deterministic != 0:
                     semaphore = _elem_ptr(mSemaphore, (batch, head, m_block * (self.tile_m // BWD_SEMAPHORE_ROWS)))
                     turn = n_block - n_block_lo
+                    if cutlass.const_expr(self._descending_turns()):
+                        turn = n_block_hi - 1 - n_block
                     if self._is_first_mma_thread():
                         done = cute.arch.load(semaphore, Int32, sem="acquire", scope="gpu")
                         while done != turn:
@@ -722,6 +737,10 @@ class FlashAttentionBackwardSm90:
                         cute.arch.atomic_add(semaphore, Int32(1), sem="release", scope="gpu")
                 else:
                     self.red_add(blocks.acc_dq, tdQgdQ)
+
+    def _descending_turns(self) -> bool:
+        """Deterministic dQ adds go from the highest key block down (det_descending, masked)."""
+        return self.config.det_descending and (self.causal or self.local)
 
     @cute.jit
     def _is_first_mma_thread(self) -> cutlass.Boolean:
