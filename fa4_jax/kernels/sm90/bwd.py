@@ -218,6 +218,8 @@ class FlashAttentionBackwardSm90:
         assert self.tile_m % BWD_SEMAPHORE_ROWS == 0 and 128 % self.tile_m == 0
         assert self.stages % self.config.pds_stages == 0
         assert not self.config.dq_tma_reduce or self.config.dkv_from_registers, "no shared memory for sdQ"
+        # Each MMA warp group's half of sdQ must be whole 128-byte swizzle atoms (32 fp32): d64, d128.
+        assert not self.config.dq_tma_reduce or (head_dim // 2) % 32 == 0, "dq_tma_reduce: d64 or d128"
         # Columns of dK, dV and dQ one MMA warp group computes.
         wgs = len(self.mma_warp_groups)
         split_dkv = 1 if self.config.dkv_from_registers else wgs
