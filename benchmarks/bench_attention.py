@@ -4,7 +4,10 @@ Peers: fa4_jax (implementation="cute"), jax.nn.dot_product_attention with implem
 and "xla", and the Pallas Mosaic GPU kernel (jax.experimental.pallas.ops.gpu.attention_mgpu, fp16).
 fa4_jax's own rows: "fa4_jax_det" (deterministic=True; forward+backward only) and, with
 --fa4-tunings A,B, "fa4_jax:A" ... (the forward kernel under a named tuning of
-fa4_jax.aot.variants.TUNINGS, for ablations). Only the JAX peers count as "best peer".
+fa4_jax.aot.variants.TUNINGS, for ablations), and with --fa4-bwd-tunings A,B, "fa4_jax_bwd:A" and
+"fa4_jax_bwd_det:A" (forward+backward only: the default forward kernel, then the backward kernel
+under tuning A, default and deterministic mode; "default" names the untuned backward through the
+same path, the like-for-like baseline). Only the JAX peers count as "best peer".
 Grid (ANCHORS.md): batch·seqlen = 16384 tokens, heads = 2048 / head_dim, head dims 64/128/256,
 seqlen 1024/4096/16384, causal and not, forward and forward+backward.
 
@@ -235,8 +238,47 @@ PEERS = {
 PEER_LABELS = {"cudnn": "JAX cuDNN", "xla": "JAX XLA", "mgpu": "Pallas MGPU (fp16)",
                "fa4_jax_det": "fa4_jax (cute, deterministic)"}
 # The peers fa4_jax is measured against ("best peer"): what a JAX user has today.
+def fa4_jax_bwd_tuning_candidates(tuning: str, deterministic: bool):
+    """Forward+backward with the backward kernel under a named tuning: a custom_vjp whose forward
+    is the default forward kernel and whose backward calls ffi.backward(..., tuning=tuning)."""
+    def candidates(case: Case, settings: Settings) -> list[Candidate]:
+        _fa4_jax()
+        from fa4_jax import ffi
+        from fa4_jax.api import attention_params
+
+        if case.mode != "fwd_bwd":
+            raise Skip("backward tunings are timed forward+backward")
+
+        def attend(q, k, v):
+            params = attention_params(q, k, v, causal=case.causal, deterministic=deterministic,
+                                      implementation="cute")
+
+            @jax.custom_vjp
+            def attention(q, k, v):
+                return ffi.forward(q, k, v, params)[0]
+
+            def attention_fwd(q, k, v):
+                out, lse = ffi.forward(q, k, v, params)
+                return out, (q, k, v, out, lse)
+
+            def attention_bwd(residuals, d_out):
+                q, k, v, out, lse = residuals
+                d_lse = jnp.zeros(lse.shape, jnp.float32)
+                return ffi.backward(q, k, v, out, lse, d_out, d_lse, params, tuning=tuning)
+
+            attention.defvjp(attention_fwd, attention_bwd)
+            return attention(q, k, v)
+
+        config = {"tuning": tuning, "deterministic": deterministic}
+        return [Candidate(config, attend, DTYPES[settings.dtype])]
+
+    return candidates
+
+
 JAX_PEERS = ("cudnn", "xla", "mgpu")
 TUNING_PREFIX = "fa4_jax:"
+BWD_TUNING_PREFIX = "fa4_jax_bwd:"
+BWD_DET_TUNING_PREFIX = "fa4_jax_bwd_det:"
 # The ANCHORS.md column measured with the same peer: a drift check of the machine and the timer.
 ANCHOR_COLUMN = {"cudnn": "jax_cudnn", "xla": "jax_xla", "mgpu": "pallas_mgpu"}
 
@@ -250,12 +292,20 @@ def peer_label(peer: str, settings: Settings) -> str:
         return f"fa4_jax ({settings.fa4_implementation})"
     if peer.startswith(TUNING_PREFIX):
         return f"fa4_jax (tuning {peer[len(TUNING_PREFIX):]})"
+    if peer.startswith(BWD_TUNING_PREFIX):
+        return f"fa4_jax (backward tuning {peer[len(BWD_TUNING_PREFIX):]})"
+    if peer.startswith(BWD_DET_TUNING_PREFIX):
+        return f"fa4_jax (deterministic, backward tuning {peer[len(BWD_DET_TUNING_PREFIX):]})"
     return PEER_LABELS[peer]
 
 
 def peer_candidates(peer: str) -> Callable:
     if peer.startswith(TUNING_PREFIX):
         return fa4_jax_tuning_candidates(peer[len(TUNING_PREFIX):])
+    if peer.startswith(BWD_TUNING_PREFIX):
+        return fa4_jax_bwd_tuning_candidates(peer[len(BWD_TUNING_PREFIX):], deterministic=False)
+    if peer.startswith(BWD_DET_TUNING_PREFIX):
+        return fa4_jax_bwd_tuning_candidates(peer[len(BWD_DET_TUNING_PREFIX):], deterministic=True)
     return PEERS[peer]
 
 
@@ -610,6 +660,9 @@ def parse_args(argv):
                    help="fa4_jax,fa4_jax_det,cudnn,xla,mgpu")
     p.add_argument("--fa4-tunings", type=lambda text: tuple(text.split(",")), default=(),
                    help="forward ablation rows: names from fa4_jax.aot.variants.TUNINGS")
+    p.add_argument("--fa4-bwd-tunings", type=lambda text: tuple(text.split(",")), default=(),
+                   help="backward ablation rows (fwd_bwd; each default and deterministic): "
+                        "names from fa4_jax.aot.variants.TUNINGS, 'default' for the baseline")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
     p.add_argument("--tokens", type=int, help="batch·seqlen (16384)")
     p.add_argument("--hidden", type=int, help="heads·head_dim (2048)")
@@ -653,7 +706,9 @@ def main(argv=None) -> int:
         max_xla_seqlen=args.max_xla_seqlen, fa4_implementation=args.fa4_implementation)
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     cases = cases_in_priority_order(settings, args.modes, args.head_dims, args.seqlens, causals)
-    peers = list(args.peers) + [TUNING_PREFIX + name for name in args.fa4_tunings]
+    peers = list(args.peers) + [TUNING_PREFIX + name for name in args.fa4_tunings] + [
+        prefix + name for name in args.fa4_bwd_tunings
+        for prefix in (BWD_TUNING_PREFIX, BWD_DET_TUNING_PREFIX)]
     os.makedirs(args.out, exist_ok=True)
     json_path = os.path.join(args.out, "results.json")
     meta = dict(

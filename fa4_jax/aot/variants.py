@@ -34,12 +34,21 @@ TUNINGS: dict[str, dict] = {
     "lpt_single": {"scheduler": "lpt_single"},  # one CTA per tile, in LPT order
     "wg3": {"mma_warp_groups": 3, "tile_n": 96},  # FlashAttention-3's d64 shape: 192-row tiles
     "wg3_lpt": {"mma_warp_groups": 3, "tile_n": 96, "scheduler": "lpt"},
+    # Backward (kernels/sm90/bwd.py TileConfig). det_desc changes only deterministic masked
+    # calls; the benchmark times every backward tuning both ways (fa4_jax:NAME, fa4_jax_det:NAME).
+    "det_desc": {"det_descending": True},  # deterministic causal/local: dQ adds from the diagonal down
+    "dq_tma": {"dq_tma_reduce": True},  # dQ through shared memory + one TMA reduce-add per block
+    "dq_tma_desc": {"dq_tma_reduce": True, "det_descending": True},
 }
-# (head dim, tunings) of the forward ablations, bf16, masks none and causal.
+# (kind, head dim, tunings) of the ablations, bf16, masks none and causal. dq_tma needs 32 KB
+# more shared memory at d128, which d256 (1 KB spare) does not have.
 ABLATIONS = (
-    (128, ("tau0", "nopingpong", "poly25", "lpt", "lpt_single")),
-    (64, ("lpt", "lpt_single", "wg3", "wg3_lpt")),
-    (256, ("lpt", "lpt_single")),
+    ("fwd", 128, ("tau0", "nopingpong", "poly25", "lpt", "lpt_single")),
+    ("fwd", 64, ("lpt", "lpt_single", "wg3", "wg3_lpt")),
+    ("fwd", 256, ("lpt", "lpt_single")),
+    ("bwd", 64, ("det_desc", "dq_tma", "dq_tma_desc")),
+    ("bwd", 128, ("det_desc", "dq_tma", "dq_tma_desc")),
+    ("bwd", 256, ("det_desc",)),
 )
 
 
@@ -83,8 +92,8 @@ MENU: tuple[Variant, ...] = tuple(
     for dtype, (d, dv), mask, softcap in itertools.product(
         DTYPES, HEAD_DIMS[kind], MASKS, (False, True))
 ) + tuple(
-    Variant("sm_90a", "bf16", d, d, mask, False, "fwd", tuning)
-    for d, tunings in ABLATIONS for tuning in tunings for mask in ("none", "causal")
+    Variant("sm_90a", "bf16", d, d, mask, False, kind, tuning)
+    for kind, d, tunings in ABLATIONS for tuning in tunings for mask in ("none", "causal")
 )
 
 

@@ -260,3 +260,51 @@ def test_gradient_of_lse_alone(next_key):
     for name, grad, want, want_lowp in zip(("dq", "dk", "dv"), grads, ref, lowp):
         assert_close_by_rule(grad, want, want_lowp, name=name)
     assert np.all(np.asarray(grads[2], np.float32) == 0.0)  # lse does not depend on v
+
+
+def _backward_ablations():
+    from fa4_jax.aot import variants
+
+    return sorted({(v.head_dim, v.tuning) for v in variants.MENU if v.kind == "bwd" and v.tuning != "default"})
+
+
+# Many key and query blocks per head (the deterministic order), odd lengths, sq != sk, GQA.
+ABLATION_SHAPES = {
+    "gqa_2k": (2, 2048, 2048, 8, 2),
+    "odd_sq_gt_sk": (2, 1100, 700, 4, 4),
+    "odd_sq_lt_sk": (1, 333, 1500, 4, 1),
+}
+
+
+@pytest.mark.parametrize("shape", ABLATION_SHAPES.values(), ids=ABLATION_SHAPES.keys())
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim,tuning", _backward_ablations(),
+                         ids=[f"d{d}-{t}" for d, t in _backward_ablations()])
+def test_backward_ablation_tunings(next_key, head_dim, tuning, causal, deterministic, shape):
+    # The benchmark's backward ablation rows must be correct kernels (and, deterministic,
+    # bitwise repeatable), or their timings mean nothing.
+    batch, seqlen_q, seqlen_k, heads_q, heads_kv = shape
+    q, k, v = _qkv(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, jnp.bfloat16)
+    params = attention_params(q, k, v, causal=causal, deterministic=deterministic, implementation="cute")
+    reason = ffi.unsupported_reason(q, k, v, params, "bwd", tuning=tuning)
+    if reason is not None:
+        pytest.skip(reason)
+    d_out, d_lse, _ = _cotangents(next_key, q, v, seqlen_k, causal=causal)
+
+    @jax.jit
+    def grads(q, k, v, d_out, d_lse):
+        out, lse = ffi.forward(q, k, v, params)
+        return ffi.backward(q, k, v, out, lse, d_out, d_lse, params, tuning=tuning)
+
+    got = grads(q, k, v, d_out, d_lse)
+    ref = _reference_grads(q, k, v, d_out, d_lse, jnp.float32, causal=causal)
+    lowp = _reference_grads(q, k, v, d_out, d_lse, jnp.bfloat16, causal=causal)
+    for name, grad, want, want_lowp in zip(("dq", "dk", "dv"), got, ref, lowp):
+        assert np.isfinite(np.asarray(grad, np.float32)).all(), f"{name}: non-finite entries"
+        assert_close_by_rule(grad, want, want_lowp, name=f"{tuning} {name}")
+    if deterministic:
+        first = [np.asarray(g) for g in got]
+        for _ in range(5):
+            for name, want, again in zip(("dq", "dk", "dv"), first, grads(q, k, v, d_out, d_lse)):
+                np.testing.assert_array_equal(np.asarray(again), want, err_msg=f"{tuning} {name}")

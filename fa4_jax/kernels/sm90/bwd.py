@@ -70,6 +70,18 @@ class TileConfig:
     stages: int  # depth of the Q / dO rings
     dkv_from_registers: bool  # Pᵀ, dSᵀ feed the dV/dK WGMMAs from registers (else from smem)
     pds_stages: int  # dSᵀ (and Pᵀ) shared-memory buffers; 2 saves a barrier per query block
+    # Deterministic causal/local only: key blocks add into a query block's dQ in *decreasing*
+    # order (turn = n_block_hi(m) − 1 − n_block), and CTA x of the grid takes key block
+    # N − 1 − x so that launch order matches add order. A CTA's first query block (its diagonal)
+    # then has it as the first contributor, instead of waiting for every lower key block to walk
+    # down to it (a wavefront of ~n_block steps). False: increasing order (the original).
+    det_descending: bool = False
+    # dQ_partial goes registers -> a shared fp32 tile -> one TMA reduce-add
+    # (cp.reduce.async.bulk.tensor .add.f32) issued by a dQ-writer warp of the producer warp group
+    # (FlashAttention-3's scheme), instead of per-thread red.global.add.v2.f32 from the MMA warp
+    # groups; in deterministic mode that warp, not the MMA warps, waits for the turn. Needs
+    # tile_m·d·4 bytes more shared memory (d128: 32 KB), so only for dkv_from_registers shapes.
+    dq_tma_reduce: bool = False
 
 
 # tile_m is 64 everywhere: the dQ GEMM gives each MMA warp group half of d with all tile_m rows,
@@ -167,6 +179,7 @@ class _BlockOperands:
     scale_log2: Float32
     pipeline_q: pipeline.PipelineTmaAsync
     pipeline_do: pipeline.PipelineTmaAsync
+    sdQ: cute.Tensor = None  # dq_tma_reduce: the fp32 dQ_partial tile the writer warp reduces
 
 
 class FlashAttentionBackwardSm90:
@@ -181,6 +194,11 @@ class FlashAttentionBackwardSm90:
     pds_barrier_id = 1
     epilogue_barrier_id = 2
     dq_turn_barrier_id = 3
+    # dq_tma_reduce: the MMA warp groups have written sdQ (they arrive, the dQ writer syncs), and
+    # the writer's TMA has read it (the writer arrives, they sync).
+    dq_full_barrier_id = 4
+    dq_empty_barrier_id = 5
+    dq_writer_warp = 1  # of the producer warp group (warp 0 loads)
 
     def __init__(self, dtype, head_dim: int, head_dim_v: int, mask: str, has_softcap: bool, **tuning):
         if mask not in ("none", "causal", "local"):
@@ -199,6 +217,9 @@ class FlashAttentionBackwardSm90:
         self.num_threads = self.num_mma_threads + self.threads_per_warp_group
         assert self.tile_m % BWD_SEMAPHORE_ROWS == 0 and 128 % self.tile_m == 0
         assert self.stages % self.config.pds_stages == 0
+        assert not self.config.dq_tma_reduce or self.config.dkv_from_registers, "no shared memory for sdQ"
+        # Each MMA warp group's half of sdQ must be whole 128-byte swizzle atoms (32 fp32): d64, d128.
+        assert not self.config.dq_tma_reduce or (head_dim // 2) % 32 == 0, "dq_tma_reduce: d64 or d128"
         # Columns of dK, dV and dQ one MMA warp group computes.
         wgs = len(self.mma_warp_groups)
         split_dkv = 1 if self.config.dkv_from_registers else wgs
@@ -296,6 +317,16 @@ class FlashAttentionBackwardSm90:
         tma_atom_dv, tma_dv = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mdV_k, sV_layout, (self.tile_n, self.head_dim_v)
         )
+        tma_atom_dq, tma_dq, sdQ_layout, dq_elems = None, None, None, 0
+        if cutlass.const_expr(self.config.dq_tma_reduce):
+            # (sq_pad, d, heads, batch) view of the fp32 accumulator; the shared tile is
+            # 128-byte swizzled, so the TMA goes in 32-column boxes.
+            mdQaccum_k = _permute(mdQaccum, (2, 3, 1, 0))
+            sdQ_layout = _smem_layout(Float32, self.tile_m, self.head_dim)
+            tma_atom_dq, tma_dq = cpasync.make_tiled_tma_atom(
+                cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum_k, sdQ_layout, (self.tile_m, self.head_dim)
+            )
+            dq_elems = cute.cosize(sdQ_layout)
         row_bytes = self.tile_m * Float32.width // 8
         self.tma_bytes_q = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1])) + row_bytes
         self.tma_bytes_do = cute.size_in_bytes(self.dtype, cute.select(sdO_layout, mode=[0, 1])) + row_bytes
@@ -317,6 +348,7 @@ class FlashAttentionBackwardSm90:
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, dq_elems], 1024]
 
         self.shared_storage = SharedStorage
 
@@ -339,6 +371,7 @@ class FlashAttentionBackwardSm90:
             tma_atom_lse, tma_lse, tma_atom_dpsum, tma_dpsum, tma_atom_dk, tma_dk, tma_atom_dv, tma_dv,
             mdQaccum, mSemaphore, mQ_k.shape[0], mQ_k.shape[2],
             sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout, sRow_layout,
+            tma_atom_dq, tma_dq, sdQ_layout,
             softmax_scale, score_prescale, scale_log2, window_left, window_right, deterministic,
         ).launch(
             grid=grid,
@@ -383,6 +416,9 @@ class FlashAttentionBackwardSm90:
         sV_layout: cute.ComposedLayout,
         sPdS_layout: cute.ComposedLayout,
         sRow_layout: cute.Layout,
+        tma_atom_dq,
+        mdQaccum_tma,
+        sdQ_layout,
         softmax_scale: Float32,
         score_prescale: Float32,
         scale_log2: Float32,
@@ -423,10 +459,18 @@ class FlashAttentionBackwardSm90:
         if cutlass.const_expr(not self.config.dkv_from_registers):
             sP = storage.sP.get_tensor(sPdS_layout.outer, swizzle=sPdS_layout.inner)
         sLSE = storage.sLSE.get_tensor(sRow_layout)
+        sdQ = None
+        if cutlass.const_expr(self.config.dq_tma_reduce):
+            sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
         sdPsum = storage.sdPsum.get_tensor(sRow_layout)
 
-        n_block, head_kv, batch = cute.arch.block_idx()
+        block_x, head_kv, batch = cute.arch.block_idx()
         seqlen_k = mK.shape[0]
+        n_block = block_x
+        if cutlass.const_expr(self._descending_turns()):
+            if deterministic != 0:
+                # Launch order = add order: the highest key block is dispatched first.
+                n_block = cute.ceil_div(seqlen_k, self.tile_n) - 1 - block_x
         group = num_heads // mK.shape[2]
         block_info = BlockInfo(self.tile_m, self.tile_n, self.causal, self.local)
         m_block_min, m_block_max = block_info.m_block_range(
@@ -444,13 +488,20 @@ class FlashAttentionBackwardSm90:
                     pipeline_kv, pipeline_q, pipeline_do, n_block, head_kv, batch, group,
                     m_block_min, m_block_max,
                 )
+            if cutlass.const_expr(self.config.dq_tma_reduce):
+                if warp_idx == self.dq_writer_warp:
+                    self.dq_writer(
+                        tma_atom_dq, mdQaccum_tma, sdQ, mSemaphore, n_block, head_kv, batch, group,
+                        seqlen_q, seqlen_k, m_block_min, m_block_max, window_left, window_right,
+                        deterministic, block_info,
+                    )
         else:
             cute.arch.setmaxregister_increase(self.mma_registers)
             tidx, _, _ = cute.arch.thread_idx()
             self.mma(
                 tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, tidx - self.threads_per_warp_group,
                 sQ, sdO, sK, sV, sdS, sP, sLSE, sdPsum, pipeline_kv, pipeline_q, pipeline_do,
-                tma_atom_dk, mdK, tma_atom_dv, mdV, mdQaccum, mSemaphore,
+                tma_atom_dk, mdK, tma_atom_dv, mdV, mdQaccum, mSemaphore, sdQ,
                 n_block, head_kv, batch, group, seqlen_q, seqlen_k, m_block_min, m_block_max,
                 softmax_scale, score_prescale, scale_log2, window_left, window_right, deterministic,
                 block_info,
@@ -498,7 +549,7 @@ class FlashAttentionBackwardSm90:
     def mma(
         self, tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, tidx,
         sQ, sdO, sK, sV, sdS, sP, sLSE, sdPsum, pipeline_kv, pipeline_q, pipeline_do,
-        tma_atom_dk, mdK, tma_atom_dv, mdV, mdQaccum, mSemaphore,
+        tma_atom_dk, mdK, tma_atom_dv, mdV, mdQaccum, mSemaphore, sdQ,
         n_block, head_kv, batch, group, seqlen_q, seqlen_k, m_block_min, m_block_max,
         softmax_scale, score_prescale, scale_log2, window_left, window_right, deterministic, block_info,
     ):
@@ -568,6 +619,7 @@ class FlashAttentionBackwardSm90:
             scale_log2,
             pipeline_q,
             pipeline_do,
+            sdQ=sdQ,
         )
         mask = AttentionMask(self.tile_m, self.tile_n, self.causal, self.local)
         apply_mask = functools.partial(
@@ -699,29 +751,117 @@ class FlashAttentionBackwardSm90:
 
         Deterministic mode: the key blocks that visit a query block (n_block_range) add in
         increasing order; the semaphore counts those done. Key blocks wait only for lower ones,
-        which the grid launches first, so the chain cannot deadlock.
+        which the grid launches first, so the chain cannot deadlock. With det_descending
+        (causal/local) they add in decreasing order and the grid launches the highest key block
+        first (see `kernel`): again every wait is on a CTA dispatched earlier.
         """
         n_block_lo, n_block_hi = block_info.n_block_range(m_block, seqlen_q, seqlen_k, window_left, window_right)
         if n_block >= n_block_lo:
             if n_block < n_block_hi:
-                gdQ = cute.local_tile(gdQaccum, (self.tile_m, self.head_dim), (m_block, 0))
-                tdQgdQ = blocks.thr_mma_dq.partition_C(gdQ)
-                if deterministic != 0:
-                    semaphore = _elem_ptr(mSemaphore, (batch, head, m_block * (self.tile_m // BWD_SEMAPHORE_ROWS)))
-                    turn = n_block - n_block_lo
-                    if self._is_first_mma_thread():
-                        done = cute.arch.load(semaphore, Int32, sem="acquire", scope="gpu")
-                        while done != turn:
-                            done = cute.arch.load(semaphore, Int32, sem="acquire", scope="gpu")
-                    cute.arch.barrier(barrier_id=self.dq_turn_barrier_id, number_of_threads=self.num_mma_threads)
-                    self.red_add(blocks.acc_dq, tdQgdQ)
-                    # Every thread's adds are visible GPU-wide before the next key block's turn.
-                    cute.arch.fence_acq_rel_gpu()
-                    cute.arch.barrier(barrier_id=self.dq_turn_barrier_id, number_of_threads=self.num_mma_threads)
-                    if self._is_first_mma_thread():
-                        cute.arch.atomic_add(semaphore, Int32(1), sem="release", scope="gpu")
+                if cutlass.const_expr(self.config.dq_tma_reduce):
+                    # Wait until the writer's previous TMA has read sdQ, fill it, hand it over.
+                    cute.arch.barrier(barrier_id=self.dq_empty_barrier_id, number_of_threads=self._dq_sync_threads())
+                    tdQsdQ = blocks.thr_mma_dq.partition_C(blocks.sdQ)
+                    for i in cutlass.range_constexpr(cute.size(blocks.acc_dq)):
+                        tdQsdQ[i] = blocks.acc_dq[i]
+                    # Ordinary stores must be made visible to the TMA (async proxy).
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.barrier_arrive(barrier_id=self.dq_full_barrier_id, number_of_threads=self._dq_sync_threads())
                 else:
-                    self.red_add(blocks.acc_dq, tdQgdQ)
+                    self._accumulate_dq_red(blocks, gdQaccum, mSemaphore, m_block, n_block, n_block_lo,
+                                            n_block_hi, head, batch, deterministic)
+
+    @cute.jit
+    def _accumulate_dq_red(self, blocks, gdQaccum, mSemaphore, m_block, n_block, n_block_lo, n_block_hi,
+                           head, batch, deterministic):
+        """Per-thread red.global.add of the dQ_partial registers (in turn when deterministic)."""
+        gdQ = cute.local_tile(gdQaccum, (self.tile_m, self.head_dim), (m_block, 0))
+        tdQgdQ = blocks.thr_mma_dq.partition_C(gdQ)
+        if deterministic != 0:
+            semaphore = _elem_ptr(mSemaphore, (batch, head, m_block * (self.tile_m // BWD_SEMAPHORE_ROWS)))
+            turn = self._turn(n_block, n_block_lo, n_block_hi)
+            if self._is_first_mma_thread():
+                done = cute.arch.load(semaphore, Int32, sem="acquire", scope="gpu")
+                while done != turn:
+                    done = cute.arch.load(semaphore, Int32, sem="acquire", scope="gpu")
+            cute.arch.barrier(barrier_id=self.dq_turn_barrier_id, number_of_threads=self.num_mma_threads)
+            self.red_add(blocks.acc_dq, tdQgdQ)
+            # Every thread's adds are visible GPU-wide before the next key block's turn.
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.barrier(barrier_id=self.dq_turn_barrier_id, number_of_threads=self.num_mma_threads)
+            if self._is_first_mma_thread():
+                cute.arch.atomic_add(semaphore, Int32(1), sem="release", scope="gpu")
+        else:
+            self.red_add(blocks.acc_dq, tdQgdQ)
+
+    def _dq_sync_threads(self) -> int:
+        return self.num_mma_threads + 32
+
+    @cute.jit
+    def _turn(self, n_block, n_block_lo, n_block_hi) -> Int32:
+        """How many key blocks add into this query block's dQ before n_block (deterministic)."""
+        turn = n_block - n_block_lo
+        if cutlass.const_expr(self._descending_turns()):
+            turn = n_block_hi - 1 - n_block
+        return turn
+
+    @cute.jit
+    def dq_writer(
+        self, tma_atom_dq, mdQaccum, sdQ, mSemaphore, n_block, head_kv, batch, group, seqlen_q,
+        seqlen_k, m_block_min, m_block_max, window_left, window_right, deterministic, block_info,
+    ):
+        """dq_tma_reduce: one warp walks the MMA warp groups' query blocks and, for each that this
+        key block adds into, reduce-adds sdQ into mdQaccum with one TMA, in turn when
+        deterministic. sdQ is free again once the TMA has read it (or, deterministic, once the
+        add is complete and the turn is passed on)."""
+        no_cluster = cute.make_layout(1)
+        lane = cute.arch.lane_idx()
+        # sdQ starts empty; the MMA warp groups consume this arrival at their first hand-over
+        # (every later one follows a TMA; the last is consumed in their epilogue).
+        cute.arch.barrier_arrive(barrier_id=self.dq_empty_barrier_id, number_of_threads=self._dq_sync_threads())
+        for head_in_group in cutlass.range(group, unroll=1):
+            head = head_kv * group + head_in_group
+            gdQ = cute.local_tile(mdQaccum[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
+            tdQsdQ, tdQgdQ = cpasync.tma_partition(
+                tma_atom_dq, 0, no_cluster, cute.group_modes(sdQ, 0, 2), cute.group_modes(gdQ, 0, 2)
+            )
+            for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+                n_block_lo, n_block_hi = block_info.n_block_range(
+                    m_block, seqlen_q, seqlen_k, window_left, window_right
+                )
+                if n_block >= n_block_lo:
+                    if n_block < n_block_hi:
+                        semaphore = _elem_ptr(mSemaphore, (batch, head, m_block * (self.tile_m // BWD_SEMAPHORE_ROWS)))
+                        turn = self._turn(n_block, n_block_lo, n_block_hi)
+                        cute.arch.barrier(barrier_id=self.dq_full_barrier_id, number_of_threads=self._dq_sync_threads())
+                        if deterministic != 0:
+                            if lane == 0:
+                                done = cute.arch.load(semaphore, Int32, sem="acquire", scope="gpu")
+                                while done != turn:
+                                    done = cute.arch.load(semaphore, Int32, sem="acquire", scope="gpu")
+                            cute.arch.sync_warp()
+                            # The previous key block's adds (acquired above) precede this TMA.
+                            cute.arch.fence_proxy("async.global")
+                        # The whole warp: the TMA copy elects its issuing lane itself (elect.sync).
+                        cute.copy(tma_atom_dq, tdQsdQ, tdQgdQ[None, m_block])
+                        cute.arch.cp_async_bulk_commit_group()
+                        if deterministic != 0:
+                            # The add is complete in global memory before the turn is passed on
+                            # (as in the red.global path: every lane fences, then one releases).
+                            cute.arch.cp_async_bulk_wait_group(0, read=False)
+                            cute.arch.fence_proxy("async.global")
+                            cute.arch.fence_acq_rel_gpu()
+                            cute.arch.sync_warp()
+                            if lane == 0:
+                                cute.arch.atomic_add(semaphore, Int32(1), sem="release", scope="gpu")
+                        else:
+                            cute.arch.cp_async_bulk_wait_group(0, read=True)
+                        cute.arch.barrier_arrive(barrier_id=self.dq_empty_barrier_id, number_of_threads=self._dq_sync_threads())
+        cute.arch.cp_async_bulk_wait_group(0, read=False)
+
+    def _descending_turns(self) -> bool:
+        """Deterministic dQ adds go from the highest key block down (det_descending, masked)."""
+        return self.config.det_descending and (self.causal or self.local)
 
     @cute.jit
     def _is_first_mma_thread(self) -> cutlass.Boolean:
@@ -752,6 +892,10 @@ class FlashAttentionBackwardSm90:
         dk_out.store((blocks.acc_dk.load() * softmax_scale).to(self.dtype))
         dv_out = cute.make_rmem_tensor_like(blocks.acc_dv, self.dtype)
         dv_out.store(blocks.acc_dv.load().to(self.dtype))
+        if cutlass.const_expr(self.config.dq_tma_reduce):
+            # The dQ writer's last arrival (after its last TMA has read sdQ): every arrival on
+            # the barrier is matched before the CTA exits.
+            cute.arch.barrier(barrier_id=self.dq_empty_barrier_id, number_of_threads=self._dq_sync_threads())
         # Both warp groups' GEMMs reading K and V have retired (each waits for its own).
         cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.num_mma_threads)
         tdKsdK = thr_mma_dk.partition_C(sK)
