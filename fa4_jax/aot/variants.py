@@ -31,9 +31,8 @@ TUNINGS: dict[str, dict] = {
     "nopingpong": {"pingpong": False},
     "poly25": {"exp2_poly_share": 0.25},  # a quarter of the exponentials on the FMA pipes
     "lpt": {"scheduler": "lpt"},  # persistent CTAs, LPT tile order
-    "lpt_single": {"scheduler": "lpt_single"},  # one CTA per tile, in LPT order
-    "wg3": {"mma_warp_groups": 3, "tile_n": 96},  # FlashAttention-3's d64 shape: 192-row tiles
-    "wg3_lpt": {"mma_warp_groups": 3, "tile_n": 96, "scheduler": "lpt"},
+    "linear": {"scheduler": "linear"},  # one CTA per tile in grid order, masked calls too
+    "wg2": {"mma_warp_groups": 2, "tile_n": 128},  # d64 with 128-row tiles (forward v2's shape)
     # Backward (kernels/sm90/bwd.py TileConfig). det_desc changes only deterministic masked
     # calls; the benchmark times every backward tuning both ways (fa4_jax:NAME, fa4_jax_det:NAME).
     "det_desc": {"det_descending": True},  # deterministic causal/local: dQ adds from the diagonal down
@@ -43,9 +42,9 @@ TUNINGS: dict[str, dict] = {
 # (kind, head dim, tunings) of the ablations, bf16, masks none and causal. dq_tma needs 32 KB
 # more shared memory at d128, which d256 (1 KB spare) does not have.
 ABLATIONS = (
-    ("fwd", 128, ("tau0", "nopingpong", "poly25", "lpt", "lpt_single")),
-    ("fwd", 64, ("lpt", "lpt_single", "wg3", "wg3_lpt")),
-    ("fwd", 256, ("lpt", "lpt_single")),
+    ("fwd", 128, ("tau0", "nopingpong", "poly25", "lpt", "linear")),
+    ("fwd", 64, ("wg2", "linear")),
+    ("fwd", 256, ("lpt", "linear")),
     ("bwd", 64, ("det_desc", "dq_tma", "dq_tma_desc")),
     ("bwd", 128, ("det_desc", "dq_tma", "dq_tma_desc")),
     ("bwd", 256, ("det_desc",)),

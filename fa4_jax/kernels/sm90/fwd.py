@@ -50,7 +50,9 @@ class TileConfig:
     kv_stages: int
     pingpong: bool
     softmax: SoftmaxConfig
+    # Tile order without a mask, and with a causal/local one (the "scheduler" knob sets both).
     scheduler: str = "linear"
+    masked_scheduler: str = "lpt_single"
     # MMA warp groups of 64 query rows each: tile_m = 64 · mma_warp_groups.
     mma_warp_groups: int = 2
 
@@ -68,21 +70,26 @@ TUNING_KNOBS = ("pingpong", "rescale_threshold", "exp2_poly_share", "scheduler",
 MMA_REGISTERS = {2: 240, 3: 160}
 
 
-# 128 query rows = two MMA warp groups of 64. Shared memory bounds tile_n and the ring depth:
-# Q (tile_m·d) plus kv_stages·tile_n·(d + dv), 2 bytes each, under the 227 KB an sm_90 CTA may
-# use (`TileConfig.smem_bytes`; asserted at construction). Keyed by (head_dim, head_dim_v).
-# Measured on the H200 (docs/perf-log.md, forward v2): these tiles reach 0.86-0.95 (d64),
-# 0.95-1.06 (d128) and 1.09-1.15 (d256) of the best peer at s >= 4k. Ping-pong is off at d256,
-# whose 128-register O accumulator leaves no room for S and P of two blocks at once
-# (FlashAttention-3's choice too, not yet ablated here). The exp2 polynomial share is 0
-# everywhere: at d64 a 25% share cost 12-16% (353 vs 399 TF/s at s4k), the FMA pipe being the
-# busier unit on Hopper; rescale threshold 8 is FA4's value, not yet ablated here.
-# d96 and d192/dv128 are not measured yet. d96: the d64/d128 shape (O is 48 registers, S 64),
-# and its 48 KB K/V stage leaves room for three stages (168 KB). d192/dv128 (DeepSeek's shape):
-# the registers of d128 (O and S 64 each; Q·Kᵀ only has more k-steps), an 80 KB K/V stage, so
-# two stages (208 KB with Q's 48 KB).
+# 64 query rows per MMA warp group. Shared memory bounds tile_n and the ring depth: Q (tile_m·d)
+# plus kv_stages·tile_n·(d + dv), 2 bytes each, under the 227 KB an sm_90 CTA may use
+# (`TileConfig.smem_bytes`; asserted at construction). Keyed by (head_dim, head_dim_v). Each entry
+# is what the H200 ablations chose (docs/perf-log.md, forward v3; bf16, 16k tokens, TF/s):
+# - d64: three MMA warp groups (tile_m 192, FlashAttention-3's d64 shape) with tile_n 96, the
+#   widest block whose registers fit 160 per thread: 456/509 vs 392/430 TF/s for two groups at
+#   s4k/s16k, equal under a causal mask.
+# - d128: two groups, 128 x 128, ping-pong on; exp2 polynomial share 0 (a 25% share cost 16%:
+#   535 vs 638 at s4k) and rescale threshold 8 (threshold 0: 606 vs 638 at s4k).
+# - d256: 128 x 64, ping-pong off: the 128-register O accumulator leaves no room for S and P of
+#   two blocks at once (FlashAttention-3's choice too).
+# - masked calls (causal, local) visit tiles longest-first, one CTA per tile ("lpt_single"):
+#   d128 causal 526/604 vs 480/583 linear at s4k/s16k, d256 665/714 vs 606/645. The persistent
+#   "lpt" lost there (516/561) and without a mask (558 vs 638): a static stride balances the
+#   causal tail worse than the hardware's dynamic CTA dispatch.
+# - d96 and d192/dv128 are not measured yet. d96: the d128 shape (O is 48 registers, S 64), and
+#   its 48 KB K/V stage leaves room for three stages (168 KB). d192/dv128 (DeepSeek's shape): the
+#   registers of d128 (Q·Kᵀ only has more k-steps), an 80 KB K/V stage, so two stages (208 KB).
 TILE_CONFIGS = {
-    (64, 64): TileConfig(128, 128, 3, True, SoftmaxConfig(rescale_threshold=8.0, exp2_poly_share=0.0)),
+    (64, 64): TileConfig(192, 96, 3, True, SoftmaxConfig(rescale_threshold=8.0), mma_warp_groups=3),
     (96, 96): TileConfig(128, 128, 3, True, SoftmaxConfig(rescale_threshold=8.0)),
     (128, 128): TileConfig(128, 128, 2, True, SoftmaxConfig(rescale_threshold=8.0)),
     (192, 128): TileConfig(128, 128, 2, True, SoftmaxConfig(rescale_threshold=8.0)),
@@ -188,6 +195,8 @@ class FlashAttentionForwardSm90:
             softmax=dataclasses.replace(config.softmax, **softmax_tuning),
             **{k: tuning[k] for k in ("pingpong", "scheduler", "tile_n", "kv_stages") if k in tuning},
         )
+        if "scheduler" in tuning:
+            config = dataclasses.replace(config, masked_scheduler=tuning["scheduler"])
         if config.tile_n % 16 or not 16 <= config.tile_n <= 256:
             raise ValueError(f"{config}: tile_n must be a multiple of 16 (P·V's k16 blocks), at most 256")
         if "mma_warp_groups" in tuning:
@@ -203,7 +212,8 @@ class FlashAttentionForwardSm90:
             raise ValueError(f"{config} needs more than {SM90_SMEM_BYTES} bytes of shared memory")
         self.tile_m, self.tile_n, self.kv_stages = config.tile_m, config.tile_n, config.kv_stages
         self.scheduler = TileScheduler(
-            config.scheduler, self.tile_m, reverse_m=self.causal or self.local,
+            config.masked_scheduler if self.causal or self.local else config.scheduler,
+            self.tile_m, reverse_m=self.causal or self.local,
             kv_bytes_per_key=(head_dim + head_dim_v) * dtype.width // 8,
         )
         self.mma_warp_groups = tuple(range(1, config.mma_warp_groups + 1))
