@@ -1,14 +1,27 @@
 #!/usr/bin/env bash
 # One call on the H200 machine (built library carried, nothing built there): GPU tier, then the
 # benchmark, logs under $OUT. Usage: bash scripts/device_check.sh [benchmark args...]
+#
+# The GPU tier's time is XLA compiling each test's small programs, so it runs as GPU_SHARDS
+# pytest processes in parallel (`--shard K/N`), each allowed 1/GPU_SHARDS of the GPU memory.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-.device_out}
+shards=${GPU_SHARDS:-4}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$out/gpu.txt"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout "${GPU_TESTS_TIMEOUT:-300}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
-    ${GPU_TESTS:-tests} 2>&1 | tee "$out/gpu_tests.log" | tail -40
+  fraction=$(python3 -c "print(round(0.9 / $shards, 3))")
+  for ((k = 0; k < shards; k++)); do
+    XLA_PYTHON_CLIENT_MEM_FRACTION=$fraction timeout "${GPU_TESTS_TIMEOUT:-300}" \
+      python3 -m pytest -m gpu -q -rs -p no:cacheprovider --shard "$k/$shards" \
+      ${GPU_TESTS:-tests} > "$out/gpu_tests_$k.log" 2>&1 &
+  done
+  wait
+  for ((k = 0; k < shards; k++)); do
+    echo "shard $k/$shards: $(tail -1 "$out/gpu_tests_$k.log")"
+    grep -E "^(FAILED|ERROR)" "$out/gpu_tests_$k.log" | head -20
+  done | tee "$out/gpu_tests_summary.txt"
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   timeout "${BENCH_TIMEOUT:-420}" python3 -m benchmarks.bench_attention --out "$out/bench" "$@" \

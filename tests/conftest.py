@@ -45,7 +45,29 @@ def _has_gpu():
         return False
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--shard", default=None, metavar="K/N",
+        help="run only every N-th collected test, starting at the K-th (0-based): splits the GPU "
+             "tier over N processes that compile in parallel (scripts/device_check.sh)")
+
+
+def _keep_shard(config, items):
+    spec = config.getoption("--shard")
+    if spec is None:
+        return
+    try:
+        index, count = (int(x) for x in spec.split("/"))
+        assert 0 <= index < count
+    except (ValueError, AssertionError):
+        raise pytest.UsageError(f"--shard must be K/N with 0 <= K < N, got {spec!r}") from None
+    kept = [item for i, item in enumerate(items) if i % count == index]
+    config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+    items[:] = kept
+
+
 def pytest_collection_modifyitems(config, items):
+    _keep_shard(config, items)
     if _has_gpu():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (jax sees none)")

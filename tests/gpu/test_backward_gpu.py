@@ -7,6 +7,7 @@ cotangents for both), against the reference's semantics in fp32 and in the input
 (`tests.numerics.dense_attention`, which compiles much faster than the chunked reference) under
 DESIGN.md's numerics rule.
 """
+import functools
 import json
 import os
 import subprocess
@@ -51,22 +52,31 @@ def _require_kernels(q, k, v, **options):
         pytest.skip(f"no backward kernel: {reason}")
 
 
-# Gradients are taken under one jax.jit each: eager op-by-op dispatch compiles every primitive
-# for every new shape, which made a test cost ~10 s of compiling on the GPU.
+# Gradients are taken under one jax.jit per (function, options), cached: eager op-by-op dispatch
+# compiles every primitive for every new shape, which made a test cost ~10 s of compiling.
 
 
 def _kernel_grads(q, k, v, d_out, d_lse, **options):
+    return _kernel_grad_fn(tuple(sorted(options.items())))(q, k, v, d_out, d_lse)
+
+
+@functools.cache
+def _kernel_grad_fn(option_items):
+    options = dict(option_items)
+
     def attend(q, k, v):
         return fa4_jax.attention(q, k, v, return_lse=True, implementation="cute", **options)
 
-    @jax.jit
-    def grads(q, k, v, d_out, d_lse):
-        return jax.vjp(attend, q, k, v)[1]((d_out, d_lse))
-
-    return grads(q, k, v, d_out, d_lse)
+    return jax.jit(lambda q, k, v, d_out, d_lse: jax.vjp(attend, q, k, v)[1]((d_out, d_lse)))
 
 
 def _reference_grads(q, k, v, d_out, d_lse, compute_dtype, **options):
+    return _reference_grad_fn(compute_dtype, tuple(sorted(options.items())))(q, k, v, d_out, d_lse)
+
+
+@functools.cache
+def _reference_grad_fn(compute_dtype, option_items):
+    options = dict(option_items)
     mask = _mask_options(**options)
 
     def attend(q, k, v):
@@ -74,11 +84,7 @@ def _reference_grads(q, k, v, d_out, d_lse, compute_dtype, **options):
                                    compute_dtype=compute_dtype, **mask)
         return out.astype(q.dtype), lse
 
-    @jax.jit
-    def grads(q, k, v, d_out, d_lse):
-        return jax.vjp(attend, q, k, v)[1]((d_out, d_lse))
-
-    return grads(q, k, v, d_out, d_lse)
+    return jax.jit(lambda q, k, v, d_out, d_lse: jax.vjp(attend, q, k, v)[1]((d_out, d_lse)))
 
 
 def _cotangents(next_key, q, v, seqlen_k, **options):
