@@ -51,7 +51,6 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.tensor_utils import LayoutEnum
 
 from fa4_jax.aot.compile import BWD_SEMAPHORE_ROWS
 from fa4_jax.kernels.bwd_post import BackwardPostprocess
@@ -59,6 +58,7 @@ from fa4_jax.kernels.bwd_pre import BackwardPreprocess
 from fa4_jax.kernels.common.block_info import BlockInfo
 from fa4_jax.kernels.common.layouts import acc_as_operand_a, acc_rows_cols
 from fa4_jax.kernels.common.mask import AttentionMask
+from fa4_jax.kernels.sm90.operands import permute_modes, smem_layout, wgmma_gemm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,32 +109,6 @@ TILE_CONFIGS = {
 }
 
 LOG2_E = math.log2(math.e)
-
-
-def _swizzle_width(cols: int) -> int:
-    """Elements per row of the widest 2-byte swizzle atom (128, 64 or 32 bytes) that tiles cols."""
-    return next(w for w in (64, 32, 16, 8) if cols % w == 0)
-
-
-def _smem_layout(dtype, rows: int, cols: int, stages: int | None = None, split: int | None = None):
-    """Row-major, swizzled tile (cols contiguous), as TMA writes it and WGMMA reads it.
-
-    `split`: the column slice one warp group's WGMMA reads as an MN-major operand; the swizzle
-    atom is narrowed when the natural one cuts across slices (d96: 48 of 96, d192: 96 of 192).
-    """
-    major = cols
-    natural = _swizzle_width(cols)
-    if split is not None and split % natural != 0 and natural % split != 0:
-        major = split
-    atom = warpgroup.make_smem_layout_atom(
-        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, major), dtype
-    )
-    shape = (rows, cols) if stages is None else (rows, cols, stages)
-    return cute.tile_to_shape(atom, shape, order=tuple(range(len(shape))))
-
-
-def _permute(tensor: cute.Tensor, order) -> cute.Tensor:
-    return cute.make_tensor(tensor.iterator, cute.select(tensor.layout, mode=list(order)))
 
 
 def _elem_ptr(tensor: cute.Tensor, index):
@@ -288,18 +262,18 @@ class FlashAttentionBackwardSm90:
 
         # Kernel-side views put the sequence and feature modes first: (s, d, heads, batch), and
         # (s_pad, heads, batch) for the per-row workspaces.
-        mQ_k, mK_k, mV_k, mdO_k, mdK_k, mdV_k = [_permute(t, (1, 3, 2, 0)) for t in (mQ, mK, mV, mdO, mdK, mdV)]
-        mLSElog2_k, mdPsum_k = [_permute(t, (2, 1, 0)) for t in (mLSElog2, mdPsum)]
+        mQ_k, mK_k, mV_k, mdO_k, mdK_k, mdV_k = [permute_modes(t, (1, 3, 2, 0)) for t in (mQ, mK, mV, mdO, mdK, mdV)]
+        mLSElog2_k, mdPsum_k = [permute_modes(t, (2, 1, 0)) for t in (mLSElog2, mdPsum)]
 
         tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq = self._tiled_mmas()
 
         # Q, dO and K are also the MN-major B operands of dK, dV and dQ.
-        sQ_layout = _smem_layout(self.dtype, self.tile_m, self.head_dim, self.stages, split=self.dk_cols)
-        sdO_layout = _smem_layout(self.dtype, self.tile_m, self.head_dim_v, self.stages, split=self.dv_cols)
-        sK_layout = _smem_layout(self.dtype, self.tile_n, self.head_dim, split=self.dq_cols)
-        sV_layout = _smem_layout(self.dtype, self.tile_n, self.head_dim_v)
+        sQ_layout = smem_layout(self.dtype, self.tile_m, self.head_dim, self.stages, split=self.dk_cols)
+        sdO_layout = smem_layout(self.dtype, self.tile_m, self.head_dim_v, self.stages, split=self.dv_cols)
+        sK_layout = smem_layout(self.dtype, self.tile_n, self.head_dim, split=self.dq_cols)
+        sV_layout = smem_layout(self.dtype, self.tile_n, self.head_dim_v)
         # Pᵀ and dSᵀ: keys x queries, queries contiguous.
-        sPdS_layout = _smem_layout(self.dtype, self.tile_n, self.tile_m, self.config.pds_stages)
+        sPdS_layout = smem_layout(self.dtype, self.tile_n, self.tile_m, self.config.pds_stages)
         sRow_layout = cute.make_layout((self.tile_m, self.stages))
 
         def tma_load(tensor, layout, tile):
@@ -321,8 +295,8 @@ class FlashAttentionBackwardSm90:
         if cutlass.const_expr(self.config.dq_tma_reduce):
             # (sq_pad, d, heads, batch) view of the fp32 accumulator; the shared tile is
             # 128-byte swizzled, so the TMA goes in 32-column boxes.
-            mdQaccum_k = _permute(mdQaccum, (2, 3, 1, 0))
-            sdQ_layout = _smem_layout(Float32, self.tile_m, self.head_dim)
+            mdQaccum_k = permute_modes(mdQaccum, (2, 3, 1, 0))
+            sdQ_layout = smem_layout(Float32, self.tile_m, self.head_dim)
             tma_atom_dq, tma_dq = cpasync.make_tiled_tma_atom(
                 cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum_k, sdQ_layout, (self.tile_m, self.head_dim)
             )
@@ -566,10 +540,10 @@ class FlashAttentionBackwardSm90:
         thr_mma_dq = tiled_mma_dq.get_slice(tidx)
 
         # Transposed views: (d, queries, stage) of Q and dO, (queries, keys, stage) of dSᵀ, (d, keys) of K.
-        sQt = _permute(sQ, (1, 0, 2))
-        sdOt = _permute(sdO, (1, 0, 2))
-        sdSt = _permute(sdS, (1, 0, 2))
-        sKt = _permute(sK, (1, 0))
+        sQt = permute_modes(sQ, (1, 0, 2))
+        sdOt = permute_modes(sdO, (1, 0, 2))
+        sdSt = permute_modes(sdS, (1, 0, 2))
+        sKt = permute_modes(sK, (1, 0))
         # Pᵀ/dSᵀ registers -> shared memory with stmatrix: one address per 4 8x8 matrices, where
         # element-wise stores would keep ~20 more swizzled addresses live through the loop.
         store_pds = cute.make_tiled_copy_C(
@@ -659,10 +633,10 @@ class FlashAttentionBackwardSm90:
         # Consecutive query blocks alternate dSᵀ buffers (stages is a multiple of pds_stages).
         pds_index = stage % self.config.pds_stages
         blocks.pipeline_q.consumer_wait(state)
-        self.gemm(blocks.tiled_mma_sdp, blocks.acc_s, blocks.tSrK, blocks.tSrQ[None, None, None, stage],
+        wgmma_gemm(blocks.tiled_mma_sdp, blocks.acc_s, blocks.tSrK, blocks.tSrQ[None, None, None, stage],
                   zero_init=True, wait_group=-1)
         blocks.pipeline_do.consumer_wait(state)
-        self.gemm(blocks.tiled_mma_sdp, blocks.acc_dp, blocks.tdPrV, blocks.tdPrdO[None, None, None, stage],
+        wgmma_gemm(blocks.tiled_mma_sdp, blocks.acc_dp, blocks.tdPrV, blocks.tdPrdO[None, None, None, stage],
                   zero_init=True, wait_group=-1)
         scores = acc_rows_cols(blocks.acc_s)
         dp = acc_rows_cols(blocks.acc_dp)
@@ -702,7 +676,7 @@ class FlashAttentionBackwardSm90:
         if cutlass.const_expr(self.has_softcap):
             blocks.ds.store(blocks.acc_dp.load().to(self.dtype))
         if cutlass.const_expr(self.config.dkv_from_registers):
-            self.gemm(blocks.tiled_mma_dv, blocks.acc_dv, acc_as_operand_a(blocks.p),
+            wgmma_gemm(blocks.tiled_mma_dv, blocks.acc_dv, acc_as_operand_a(blocks.p),
                       blocks.tdVrdO[None, None, None, stage], zero_init=False, wait_group=-1)
         if cutlass.const_expr(not self.has_softcap):
             # dPᵀ is done (the dV GEMM, if issued, may still run).
@@ -713,7 +687,7 @@ class FlashAttentionBackwardSm90:
                     dp[r, c] = scores[r, c] * (dp[r, c] - d_value)
             blocks.ds.store(blocks.acc_dp.load().to(self.dtype))
         if cutlass.const_expr(self.config.dkv_from_registers):
-            self.gemm(blocks.tiled_mma_dk, blocks.acc_dk, acc_as_operand_a(blocks.ds),
+            wgmma_gemm(blocks.tiled_mma_dk, blocks.acc_dk, acc_as_operand_a(blocks.ds),
                       blocks.tdKrQ[None, None, None, stage], zero_init=False, wait_group=-1)
 
         # dSᵀ (and Pᵀ) to shared memory for the GEMMs that read all of it from both warp groups.
@@ -727,11 +701,11 @@ class FlashAttentionBackwardSm90:
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=self.pds_barrier_id, number_of_threads=self.num_mma_threads)
         if cutlass.const_expr(not self.config.dkv_from_registers):
-            self.gemm(blocks.tiled_mma_dv, blocks.acc_dv, blocks.tdVrP[None, None, None, pds_index],
+            wgmma_gemm(blocks.tiled_mma_dv, blocks.acc_dv, blocks.tdVrP[None, None, None, pds_index],
                       blocks.tdVrdO[None, None, None, stage], zero_init=False, wait_group=-1)
-            self.gemm(blocks.tiled_mma_dk, blocks.acc_dk, blocks.tdKrdS[None, None, None, pds_index],
+            wgmma_gemm(blocks.tiled_mma_dk, blocks.acc_dk, blocks.tdKrdS[None, None, None, pds_index],
                       blocks.tdKrQ[None, None, None, stage], zero_init=False, wait_group=-1)
-        self.gemm(blocks.tiled_mma_dq, blocks.acc_dq, blocks.tdQrdS[None, None, None, pds_index],
+        wgmma_gemm(blocks.tiled_mma_dq, blocks.acc_dq, blocks.tdQrdS[None, None, None, pds_index],
                   blocks.tdQrK, zero_init=True, wait_group=0)
         # Every GEMM reading this slot's Q and dO (and P, dS registers) has retired.
         blocks.pipeline_q.consumer_release(state)
@@ -922,18 +896,3 @@ class FlashAttentionBackwardSm90:
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
-    @cute.jit
-    def gemm(self, tiled_mma, acc, frag_a, frag_b, zero_init: cutlass.Constexpr[bool],
-             wait_group: cutlass.Constexpr[int]):
-        """acc (+)= A·B over the k blocks as one WGMMA batch; then wait until at most `wait_group`
-        batches are in flight (-1: don't wait)."""
-        warpgroup.fence()
-        # A fresh atom per GEMM: its ACCUMULATE field is mutated across the k loop.
-        atom = cute.make_mma_atom(tiled_mma.op)
-        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-        for k in cutlass.range_constexpr(cute.size(frag_a.shape[2])):
-            cute.gemm(atom, acc, frag_a[None, None, k], frag_b[None, None, k], acc)
-            atom.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
-        if cutlass.const_expr(wait_group >= 0):
-            warpgroup.wait_group(wait_group)

@@ -33,13 +33,14 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.tensor_utils import LayoutEnum
 
 from fa4_jax.kernels.common.block_info import BlockInfo
 from fa4_jax.kernels.common.layouts import acc_as_operand_a, acc_rows_cols, opaque_int32
 from fa4_jax.kernels.common.mask import AttentionMask
 from fa4_jax.kernels.common.softmax import OnlineSoftmax, SoftmaxConfig, scale_rows
 from fa4_jax.kernels.common.tile_scheduler import TileScheduler
+from fa4_jax.kernels.sm90.operands import permute_modes, smem_layout, wgmma_gemm
+
 
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
@@ -103,15 +104,6 @@ _SMEM_MARGIN = 4 * 1024
 LOG2_E = math.log2(math.e)
 
 
-def _smem_layout(dtype, rows: int, cols: int, stages: int | None = None):
-    """Row-major, 128-byte-swizzled tile (cols contiguous), as TMA writes it and WGMMA reads it."""
-    atom = warpgroup.make_smem_layout_atom(
-        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype
-    )
-    shape = (rows, cols) if stages is None else (rows, cols, stages)
-    return cute.tile_to_shape(atom, shape, order=tuple(range(len(shape))))
-
-
 @dataclasses.dataclass(frozen=True)
 class _BlockOperands:
     """What every key block of one MMA warp group touches: MMAs, fragments, softmax state, rings."""
@@ -153,10 +145,6 @@ class _Problem:
         if cutlass.const_expr(scheduler.kind != "linear"):
             sizes = tuple(opaque_int32(x) for x in sizes)
         return scheduler.tile(i, *sizes)
-
-
-def _permute(tensor: cute.Tensor, order) -> cute.Tensor:
-    return cute.make_tensor(tensor.iterator, cute.select(tensor.layout, mode=list(order)))
 
 
 class FlashAttentionForwardSm90:
@@ -237,8 +225,8 @@ class FlashAttentionForwardSm90:
     ):
         """mQ [b, sq, h, d], mK [b, sk, hk, d], mV [b, sk, hk, dv], mO [b, sq, h, dv], mLSE [b, h, sq]."""
         # Kernel-side views put the sequence and feature modes first: (s, d, heads, batch).
-        mQ, mK, mV, mO = [_permute(t, (1, 3, 2, 0)) for t in (mQ, mK, mV, mO)]
-        mLSE = _permute(mLSE, (2, 1, 0))
+        mQ, mK, mV, mO = [permute_modes(t, (1, 3, 2, 0)) for t in (mQ, mK, mV, mO)]
+        mLSE = permute_modes(mLSE, (2, 1, 0))
 
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
@@ -250,10 +238,10 @@ class FlashAttentionForwardSm90:
             warpgroup.OperandSource.RMEM,
         )
 
-        sQ_layout = _smem_layout(self.dtype, self.tile_m, self.head_dim)
-        sK_layout = _smem_layout(self.dtype, self.tile_n, self.head_dim, self.kv_stages)
-        sV_layout = _smem_layout(self.dtype, self.tile_n, self.head_dim_v, self.kv_stages)
-        sO_layout = _smem_layout(self.dtype, self.tile_m, self.head_dim_v)
+        sQ_layout = smem_layout(self.dtype, self.tile_m, self.head_dim)
+        sK_layout = smem_layout(self.dtype, self.tile_n, self.head_dim, self.kv_stages)
+        sV_layout = smem_layout(self.dtype, self.tile_n, self.head_dim_v, self.kv_stages)
+        sO_layout = smem_layout(self.dtype, self.tile_m, self.head_dim_v)
 
         tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mQ, sQ_layout, (self.tile_m, self.head_dim)
@@ -451,7 +439,7 @@ class FlashAttentionForwardSm90:
         tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
         tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
         # V viewed as (dv, tile_n): the P·V B operand, MN-major over the same swizzled tiles.
-        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(_permute(sV, (1, 0, 2))))
+        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(permute_modes(sV, (1, 0, 2))))
         acc_o = thr_mma_pv.make_fragment_C(thr_mma_pv.partition_shape_C((self.tile_m, self.head_dim_v)))
         acc_o_rc = acc_rows_cols(acc_o)
         score_identity = cute.make_identity_tensor((self.tile_m, self.tile_n))
@@ -528,7 +516,7 @@ class FlashAttentionForwardSm90:
     def mma_first_block(self, blocks, kv_state, n_block, apply_mask):
         """S for the first (highest) block and its softmax; its P·V joins the next block's GEMMs."""
         blocks.pipeline_k.consumer_wait(kv_state)
-        self.gemm(blocks.tiled_mma_qk, blocks.acc_s, blocks.tSrQ, blocks.tSrK[None, None, None, kv_state.index],
+        wgmma_gemm(blocks.tiled_mma_qk, blocks.acc_s, blocks.tSrQ, blocks.tSrK[None, None, None, kv_state.index],
                   zero_init=True, wait_group=0)
         blocks.pipeline_k.consumer_release(kv_state)
         self.softmax_block(blocks, n_block, apply_mask)
@@ -544,9 +532,9 @@ class FlashAttentionForwardSm90:
         blocks.pipeline_k.consumer_wait(kv_state)
         blocks.pipeline_v.consumer_wait(v_state)
         self.pingpong_wait(warp_group)
-        self.gemm(blocks.tiled_mma_qk, blocks.acc_s, blocks.tSrQ, blocks.tSrK[None, None, None, kv_state.index],
+        wgmma_gemm(blocks.tiled_mma_qk, blocks.acc_s, blocks.tSrQ, blocks.tSrK[None, None, None, kv_state.index],
                   zero_init=True, wait_group=-1)
-        self.gemm(blocks.tiled_mma_pv, blocks.acc_o, acc_as_operand_a(blocks.p),
+        wgmma_gemm(blocks.tiled_mma_pv, blocks.acc_o, acc_as_operand_a(blocks.p),
                   blocks.tOrVt[None, None, None, v_state.index], zero_init=False, wait_group=-1)
         self.pingpong_yield(warp_group)
         warpgroup.wait_group(1)
@@ -563,7 +551,7 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def mma_last_pv(self, blocks, kv_state):
         blocks.pipeline_v.consumer_wait(kv_state)
-        self.gemm(blocks.tiled_mma_pv, blocks.acc_o, acc_as_operand_a(blocks.p),
+        wgmma_gemm(blocks.tiled_mma_pv, blocks.acc_o, acc_as_operand_a(blocks.p),
                   blocks.tOrVt[None, None, None, kv_state.index], zero_init=False, wait_group=0)
         blocks.pipeline_v.consumer_release(kv_state)
 
@@ -610,22 +598,6 @@ class FlashAttentionForwardSm90:
                 barrier_id=self.pingpong_barrier_base + (warp_group + 1) % len(self.mma_warp_groups),
                 number_of_threads=2 * self.threads_per_warp_group,
             )
-
-    @cute.jit
-    def gemm(self, tiled_mma, acc, frag_a, frag_b, zero_init: cutlass.Constexpr[bool],
-             wait_group: cutlass.Constexpr[int]):
-        """acc (+)= A·B over the k blocks as one WGMMA batch; then wait until at most `wait_group`
-        batches are in flight (-1: don't wait)."""
-        warpgroup.fence()
-        # A fresh atom per GEMM: its ACCUMULATE field is mutated across the k loop.
-        atom = cute.make_mma_atom(tiled_mma.op)
-        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-        for k in cutlass.range_constexpr(cute.size(frag_a.shape[2])):
-            cute.gemm(atom, acc, frag_a[None, None, k], frag_b[None, None, k], acc)
-            atom.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
-        if cutlass.const_expr(wait_group >= 0):
-            warpgroup.wait_group(wait_group)
 
     @cute.jit
     def epilogue(self, tiled_mma_pv, thr_mma_pv, tidx, acc_o, lse, sO, tma_atom_o, mO, mLSE,

@@ -1,0 +1,52 @@
+"""What the Hopper forward and backward kernels both build: WGMMA shared-memory operand layouts,
+the GEMM issue of one WGMMA batch, and mode-permuted views of global tensors."""
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+
+def _swizzle_width(cols: int) -> int:
+    """Elements per row of the widest 2-byte swizzle atom (128, 64 or 32 bytes) that tiles cols."""
+    return next(w for w in (64, 32, 16, 8) if cols % w == 0)
+
+
+def smem_layout(dtype, rows: int, cols: int, stages: int | None = None, split: int | None = None):
+    """Row-major, swizzled tile (cols contiguous), as TMA writes it and WGMMA reads it.
+
+    `split`: the column slice one warp group's WGMMA reads as an MN-major operand; the swizzle
+    atom is narrowed when the natural one cuts across slices (d96: 48 of 96, d192: 96 of 192).
+    """
+    major = cols
+    if split is not None:
+        natural = _swizzle_width(cols)
+        if split % natural != 0 and natural % split != 0:
+            major = split
+    atom = warpgroup.make_smem_layout_atom(
+        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, major), dtype
+    )
+    shape = (rows, cols) if stages is None else (rows, cols, stages)
+    return cute.tile_to_shape(atom, shape, order=tuple(range(len(shape))))
+
+
+def permute_modes(tensor: cute.Tensor, order) -> cute.Tensor:
+    """The same memory with its modes reordered (a view; no data moves)."""
+    return cute.make_tensor(tensor.iterator, cute.select(tensor.layout, mode=list(order)))
+
+
+@cute.jit
+def wgmma_gemm(tiled_mma, acc, frag_a, frag_b, zero_init: cutlass.Constexpr[bool],
+               wait_group: cutlass.Constexpr[int]):
+    """acc (+)= A·B over the k blocks as one WGMMA batch; then wait until at most `wait_group`
+    batches are in flight (-1: don't wait)."""
+    warpgroup.fence()
+    # A fresh atom per GEMM: its ACCUMULATE field is mutated across the k loop.
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(frag_a.shape[2])):
+        cute.gemm(atom, acc, frag_a[None, None, k], frag_b[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    if cutlass.const_expr(wait_group >= 0):
+        warpgroup.wait_group(wait_group)
