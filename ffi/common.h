@@ -6,6 +6,7 @@
 #include <initializer_list>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include <cuda_runtime.h>
 
@@ -24,6 +25,20 @@ struct Attrs {
   float softcap;
   std::string_view tuning;  // "default" for users; ablation names come from the benchmark
 };
+
+// Binds the attributes of `Attrs` (all but `deterministic`, which only the backward takes), in
+// that order, after whatever `binding` already holds. XLA matches attributes by name, so both
+// handlers and both stages share this one list.
+template <typename Binding>
+auto BindAttrs(Binding&& binding) {
+  return std::forward<Binding>(binding)
+      .template Attr<float>("softmax_scale")
+      .template Attr<bool>("causal")
+      .template Attr<int32_t>("window_left")
+      .template Attr<int32_t>("window_right")
+      .template Attr<float>("softcap")
+      .template Attr<std::string_view>("tuning");
+}
 
 // Errors name the custom call target they come from.
 class Errors {

@@ -20,8 +20,8 @@ namespace {
 const Errors kErr("fa4_bwd_v1");
 
 ffi::Error Instantiate(float softmax_scale, bool causal, int32_t window_left,
-                       int32_t window_right, float softcap, bool deterministic,
-                       std::string_view tuning) {
+                       int32_t window_right, float softcap, std::string_view tuning,
+                       bool deterministic) {
   return LoadCandidates(kErr, Fa4Kind::kBwd,
                         {softmax_scale, causal, window_left, window_right, softcap, tuning});
 }
@@ -42,7 +42,7 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::A
                    ffi::Result<ffi::Buffer<ffi::F32>> lse_log2,
                    ffi::Result<ffi::Buffer<ffi::S32>> semaphore, float softmax_scale,
                    bool causal, int32_t window_left, int32_t window_right, float softcap,
-                   bool deterministic, std::string_view tuning) {
+                   std::string_view tuning, bool deterministic) {
   const Attrs a{softmax_scale, causal, window_left, window_right, softcap, tuning};
   if (ffi::Error e = CheckAttrs(kErr, a); e.failure()) return e;
   Fa4Args args;
@@ -117,37 +117,25 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::A
 }  // namespace fa4
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fa4BwdInstantiate, fa4::Instantiate,
-                              xla::ffi::Ffi::BindInstantiate()
-                                  .Attr<float>("softmax_scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<int32_t>("window_left")
-                                  .Attr<int32_t>("window_right")
-                                  .Attr<float>("softcap")
-                                  .Attr<bool>("deterministic")
-                                  .Attr<std::string_view>("tuning"));
+                              fa4::BindAttrs(xla::ffi::Ffi::BindInstantiate())
+                                  .Attr<bool>("deterministic"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fa4BwdExecute, fa4::Execute,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // q
-                                  .Arg<xla::ffi::AnyBuffer>()  // k
-                                  .Arg<xla::ffi::AnyBuffer>()  // v
-                                  .Arg<xla::ffi::AnyBuffer>()  // out
-                                  .Arg<xla::ffi::AnyBuffer>()  // d_out
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // lse
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // d_lse
-                                  .Ret<xla::ffi::AnyBuffer>()  // dq
-                                  .Ret<xla::ffi::AnyBuffer>()  // dk
-                                  .Ret<xla::ffi::AnyBuffer>()  // dv
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // dq_accum
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // dpsum
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // lse_log2
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // semaphore
-                                  .Attr<float>("softmax_scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<int32_t>("window_left")
-                                  .Attr<int32_t>("window_right")
-                                  .Attr<float>("softcap")
-                                  .Attr<bool>("deterministic")
-                                  .Attr<std::string_view>("tuning"));
+                              fa4::BindAttrs(xla::ffi::Ffi::Bind()
+                                                 .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                                 .Ctx<xla::ffi::DeviceOrdinal>()
+                                                 .Arg<xla::ffi::AnyBuffer>()  // q
+                                                 .Arg<xla::ffi::AnyBuffer>()  // k
+                                                 .Arg<xla::ffi::AnyBuffer>()  // v
+                                                 .Arg<xla::ffi::AnyBuffer>()  // out
+                                                 .Arg<xla::ffi::AnyBuffer>()  // d_out
+                                                 .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // lse
+                                                 .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // d_lse
+                                                 .Ret<xla::ffi::AnyBuffer>()  // dq
+                                                 .Ret<xla::ffi::AnyBuffer>()  // dk
+                                                 .Ret<xla::ffi::AnyBuffer>()  // dv
+                                                 .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // dq_accum
+                                                 .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // dpsum
+                                                 .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // lse_log2
+                                                 .Ret<xla::ffi::Buffer<xla::ffi::S32>>())  // semaphore
+                                  .Attr<bool>("deterministic"));

@@ -60,26 +60,14 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::A
 }  // namespace fa4
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fa4FwdInstantiate, fa4::Instantiate,
-                              xla::ffi::Ffi::BindInstantiate()
-                                  .Attr<float>("softmax_scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<int32_t>("window_left")
-                                  .Attr<int32_t>("window_right")
-                                  .Attr<float>("softcap")
-                                  .Attr<std::string_view>("tuning"));
+                              fa4::BindAttrs(xla::ffi::Ffi::BindInstantiate()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fa4FwdExecute, fa4::Execute,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Attr<float>("softmax_scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<int32_t>("window_left")
-                                  .Attr<int32_t>("window_right")
-                                  .Attr<float>("softcap")
-                                  .Attr<std::string_view>("tuning"));
+                              fa4::BindAttrs(xla::ffi::Ffi::Bind()
+                                                 .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                                 .Ctx<xla::ffi::DeviceOrdinal>()
+                                                 .Arg<xla::ffi::AnyBuffer>()  // q
+                                                 .Arg<xla::ffi::AnyBuffer>()  // k
+                                                 .Arg<xla::ffi::AnyBuffer>()  // v
+                                                 .Ret<xla::ffi::AnyBuffer>()  // out
+                                                 .Ret<xla::ffi::Buffer<xla::ffi::F32>>()));  // lse
