@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import fa4_jax
+from tests.gpu.cases import LOCAL_AND_SOFTCAP, mask_options, qkv
 from tests.numerics import (
     assert_close_by_rule,
     naive_attention_fp64,
@@ -24,20 +25,8 @@ pytestmark = pytest.mark.gpu
 _UNSERVED = "implementation='cute' cannot serve this call"
 
 
-def _qkv(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, head_dim_v=None):
-    q = jax.random.normal(next_key(), (batch, seqlen_q, heads_q, head_dim), dtype)
-    k = jax.random.normal(next_key(), (batch, seqlen_k, heads_kv, head_dim), dtype)
-    v = jax.random.normal(next_key(), (batch, seqlen_k, heads_kv, head_dim_v or head_dim), dtype)
-    return q, k, v
-
-
-def _mask_options(causal=False, window_size=(None, None), softcap=None):
-    del softcap  # not a mask
-    return dict(causal=causal, window_left=window_size[0], window_right=window_size[1])
-
-
 def _reference_options(**options):
-    return dict(_mask_options(**options), softcap=options.get("softcap"))
+    return dict(mask_options(**options), softcap=options.get("softcap"))
 
 
 def _cute(q, k, v, **options):
@@ -52,7 +41,7 @@ def _cute(q, k, v, **options):
 
 def _check_forward(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype,
                    head_dim_v=None, **options):
-    q, k, v = _qkv(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, head_dim_v)
+    q, k, v = qkv(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, head_dim_v)
     out, lse = _cute(q, k, v, **options)
     # One jit for both oracles: eager dispatch compiles each primitive per new shape.
     (ref, ref_lse), (lowp, lowp_lse) = jax.jit(
@@ -62,12 +51,12 @@ def _check_forward(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_
     assert_close_by_rule(lse, ref_lse, lowp_lse, factor=factor, name="lse")
     # Nothing left unwritten: every entry is finite; rows seeing no key are exactly 0 / -inf.
     assert np.isfinite(np.asarray(out, np.float32)).all()
-    visible = visible_mask(seqlen_q, seqlen_k, **_mask_options(**options)).any(axis=1)
+    visible = visible_mask(seqlen_q, seqlen_k, **mask_options(**options)).any(axis=1)
     assert np.all(np.asarray(out, np.float32)[:, ~visible] == 0.0)
     assert np.all(np.isneginf(np.asarray(lse)[:, :, ~visible]))
     assert np.isfinite(np.asarray(lse)[:, :, visible]).all()
     # Fresh inputs give fresh outputs (no stale buffer served twice).
-    other_out, _ = _cute(*(2 * x for x in _qkv(next_key, batch, seqlen_q, seqlen_k, heads_q,
+    other_out, _ = _cute(*(2 * x for x in qkv(next_key, batch, seqlen_q, seqlen_k, heads_q,
                                                   heads_kv, head_dim, dtype, head_dim_v)), **options)
     if visible.any():
         assert not np.array_equal(np.asarray(out), np.asarray(other_out))
@@ -110,15 +99,6 @@ def test_fully_masked_rows(next_key):
     _check_forward(next_key, 2, 300, 100, 4, 2, 128, jnp.bfloat16, causal=True)
 
 
-LOCAL_AND_SOFTCAP = {
-    "window_left_causal": dict(causal=True, window_size=(64, None)),
-    "window_both": dict(window_size=(100, 30)),
-    "window_right_only": dict(window_size=(None, 16)),
-    "softcap": dict(softcap=30.0),
-    "softcap_causal": dict(softcap=5.0, causal=True),
-}
-
-
 @pytest.mark.parametrize("options", LOCAL_AND_SOFTCAP.values(), ids=LOCAL_AND_SOFTCAP.keys())
 @pytest.mark.parametrize("head_dim", [64, 96, 128])
 def test_windows_and_softcap(next_key, head_dim, options):
@@ -126,7 +106,7 @@ def test_windows_and_softcap(next_key, head_dim, options):
 
 
 def test_jit_matches_eager(next_key):
-    q, k, v = _qkv(next_key, 1, 300, 300, 4, 2, 128, jnp.bfloat16)
+    q, k, v = qkv(next_key, 1, 300, 300, 4, 2, 128, jnp.bfloat16)
     eager = _cute(q, k, v, causal=True)
     jitted = jax.jit(lambda q, k, v: _cute(q, k, v, causal=True))(q, k, v)
     for a, b in zip(eager, jitted):
@@ -134,7 +114,7 @@ def test_jit_matches_eager(next_key):
 
 
 def test_vmap_over_an_extra_axis(next_key):
-    q, k, v = _qkv(next_key, 1, 200, 200, 4, 2, 128, jnp.bfloat16)
+    q, k, v = qkv(next_key, 1, 200, 200, 4, 2, 128, jnp.bfloat16)
     stacked = [jnp.stack([x, -x]) for x in (q, k, v)]
     out, _ = jax.jit(jax.vmap(lambda q, k, v: _cute(q, k, v, causal=True)))(*stacked)
     (ref, _), (lowp, _) = reference_pair(-q, -k, -v, causal=True)
@@ -142,7 +122,7 @@ def test_vmap_over_an_extra_axis(next_key):
 
 
 def test_grad_of_jit_on_the_kernel_path(next_key):
-    q, k, v = _qkv(next_key, 1, 257, 257, 4, 2, 128, jnp.bfloat16)
+    q, k, v = qkv(next_key, 1, 257, 257, 4, 2, 128, jnp.bfloat16)
     d_out = jax.random.normal(next_key(), q.shape, jnp.bfloat16)
 
     def loss(q, k, v):
@@ -157,7 +137,7 @@ def test_grad_of_jit_on_the_kernel_path(next_key):
 
 def test_reference_on_gpu_keeps_fp32_precision(next_key):
     # The oracle itself: fp32 matmuls must not drop to TF32 on the GPU.
-    q, k, v = _qkv(next_key, 1, 256, 256, 2, 2, 64, jnp.float32)
+    q, k, v = qkv(next_key, 1, 256, 256, 2, 2, 64, jnp.float32)
     out, lse = fa4_jax.attention(q, k, v, causal=True, return_lse=True, implementation="reference")
     want_out, want_lse = naive_attention_fp64(q, k, v, softmax_scale=1 / math.sqrt(64), causal=True)
     np.testing.assert_allclose(out, want_out, atol=1e-5, rtol=1e-5)
@@ -189,7 +169,7 @@ def test_ablation_tunings_compute_the_same_attention(next_key, head_dim, tuning,
     from fa4_jax.api import attention_params
 
     batch, seqlen_q, seqlen_k, heads_q, heads_kv = shape
-    q, k, v = _qkv(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, jnp.bfloat16)
+    q, k, v = qkv(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, jnp.bfloat16)
     params = attention_params(q, k, v, causal=causal, implementation="cute")
     reason = ffi.unsupported_reason(q, k, v, params, tuning=tuning)
     if reason is not None:

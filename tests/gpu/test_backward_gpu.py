@@ -22,23 +22,12 @@ import fa4_jax
 from fa4_jax import ffi
 from fa4_jax.api import attention_params
 from fa4_jax.reference import attention_reference
+from tests.gpu.cases import LOCAL_AND_SOFTCAP, mask_options, qkv
 from tests.numerics import assert_close_by_rule, dense_attention, visible_mask
 
 pytestmark = pytest.mark.gpu
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _qkv(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, head_dim_v=None):
-    head_dim_v = head_dim_v or head_dim
-    q = jax.random.normal(next_key(), (batch, seqlen_q, heads_q, head_dim), dtype)
-    k = jax.random.normal(next_key(), (batch, seqlen_k, heads_kv, head_dim), dtype)
-    v = jax.random.normal(next_key(), (batch, seqlen_k, heads_kv, head_dim_v), dtype)
-    return q, k, v
-
-
-def _mask_options(causal=False, window_size=(None, None), **_):
-    return dict(causal=causal, window_left=window_size[0], window_right=window_size[1])
 
 
 def _require_kernels(q, k, v, **options):
@@ -77,7 +66,7 @@ def _reference_grads(q, k, v, d_out, d_lse, compute_dtype, **options):
 @functools.cache
 def _reference_grad_fn(compute_dtype, option_items):
     options = dict(option_items)
-    mask = _mask_options(**options)
+    mask = mask_options(**options)
 
     def attend(q, k, v):
         out, lse = dense_attention(q, k, v, softcap=options.get("softcap"),
@@ -92,13 +81,13 @@ def _cotangents(next_key, q, v, seqlen_k, **options):
     batch, seqlen_q, heads_q, _ = q.shape
     d_out = jax.random.normal(next_key(), (batch, seqlen_q, heads_q, v.shape[-1]), q.dtype)
     d_lse = jax.random.normal(next_key(), (batch, heads_q, seqlen_q), jnp.float32)
-    visible = visible_mask(seqlen_q, seqlen_k, **_mask_options(**options)).any(axis=1)
+    visible = visible_mask(seqlen_q, seqlen_k, **mask_options(**options)).any(axis=1)
     return d_out, jnp.where(visible, d_lse, 0.0), visible
 
 
 def _check_backward(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype,
                     head_dim_v=None, **options):
-    q, k, v = _qkv(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype,
+    q, k, v = qkv(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype,
                    head_dim_v)
     _require_kernels(q, k, v, **options)
     d_out, d_lse, row_visible = _cotangents(next_key, q, v, seqlen_k, **options)
@@ -111,7 +100,7 @@ def _check_backward(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head
         assert np.isfinite(np.asarray(grad, np.float32)).all(), f"{name}: non-finite entries"
         assert_close_by_rule(grad, want, want_lowp, factor=factor, name=name)
     # Rows that see no key get dq = 0; keys no row sees get dk = dv = 0 (exactly: nothing added).
-    visible = visible_mask(seqlen_q, seqlen_k, **_mask_options(**options))
+    visible = visible_mask(seqlen_q, seqlen_k, **mask_options(**options))
     dq, dk, dv = (np.asarray(g, np.float32) for g in grads)
     assert np.all(dq[:, ~row_visible] == 0.0)
     col_visible = visible.any(axis=0)
@@ -155,15 +144,6 @@ def test_fully_masked_rows(next_key):
     _check_backward(next_key, 2, 300, 100, 4, 2, 128, jnp.bfloat16, causal=True)
 
 
-LOCAL_AND_SOFTCAP = {
-    "window_left_causal": dict(causal=True, window_size=(64, None)),
-    "window_both": dict(window_size=(100, 30)),
-    "window_right_only": dict(window_size=(None, 16)),
-    "softcap": dict(softcap=30.0),
-    "softcap_causal": dict(softcap=5.0, causal=True),
-}
-
-
 @pytest.mark.parametrize("options", LOCAL_AND_SOFTCAP.values(), ids=LOCAL_AND_SOFTCAP.keys())
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_windows_and_softcap(next_key, head_dim, options):
@@ -173,7 +153,7 @@ def test_windows_and_softcap(next_key, head_dim, options):
 def _deterministic_case(next_key):
     # Many key blocks add into every dQ tile and 4 q heads share each kv head: the orders the
     # fixed-order reduction has to pin down.
-    q, k, v = _qkv(next_key, 2, 2048, 2048, 8, 2, 128, jnp.bfloat16)
+    q, k, v = qkv(next_key, 2, 2048, 2048, 8, 2, 128, jnp.bfloat16)
     d_out = jax.random.normal(next_key(), q.shape, jnp.bfloat16)
     return q, k, v, d_out
 
@@ -234,7 +214,7 @@ def test_deterministic_mode_is_bitwise_equal_across_processes(seed):
 
 
 def test_grad_of_jit_equals_jit_of_grad(next_key):
-    q, k, v = _qkv(next_key, 1, 700, 700, 4, 2, 128, jnp.bfloat16)
+    q, k, v = qkv(next_key, 1, 700, 700, 4, 2, 128, jnp.bfloat16)
     _require_kernels(q, k, v, causal=True, deterministic=True)
     d_out = jax.random.normal(next_key(), q.shape, jnp.bfloat16)
 
@@ -250,7 +230,7 @@ def test_grad_of_jit_equals_jit_of_grad(next_key):
 
 def test_gradient_of_lse_alone(next_key):
     # d(sum lse)/dq has only the dLSE term: D = -dLSE and dP · 0.
-    q, k, v = _qkv(next_key, 1, 333, 333, 4, 2, 64, jnp.bfloat16)
+    q, k, v = qkv(next_key, 1, 333, 333, 4, 2, 64, jnp.bfloat16)
     _require_kernels(q, k, v, causal=True)
 
     def kernel_lse(q, k, v):
@@ -291,7 +271,7 @@ def test_backward_ablation_tunings(next_key, head_dim, tuning, causal, determini
     # The benchmark's backward ablation rows must be correct kernels (and, deterministic,
     # bitwise repeatable), or their timings mean nothing.
     batch, seqlen_q, seqlen_k, heads_q, heads_kv = shape
-    q, k, v = _qkv(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, jnp.bfloat16)
+    q, k, v = qkv(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, jnp.bfloat16)
     params = attention_params(q, k, v, causal=causal, deterministic=deterministic, implementation="cute")
     reason = ffi.unsupported_reason(q, k, v, params, "bwd", tuning=tuning)
     if reason is not None:

@@ -1,0 +1,25 @@
+"""Inputs and option sets shared by the GPU tier's forward and backward tests."""
+import jax
+
+
+def qkv(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, head_dim_v=None):
+    """Fresh standard-normal q [b, sq, hq, d], k [b, sk, hkv, d], v [b, sk, hkv, dv]."""
+    q = jax.random.normal(next_key(), (batch, seqlen_q, heads_q, head_dim), dtype)
+    k = jax.random.normal(next_key(), (batch, seqlen_k, heads_kv, head_dim), dtype)
+    v = jax.random.normal(next_key(), (batch, seqlen_k, heads_kv, head_dim_v or head_dim), dtype)
+    return q, k, v
+
+
+def mask_options(causal=False, window_size=(None, None), **_):
+    """`fa4_jax.attention` options -> the reference's mask keywords (softcap is not a mask)."""
+    return dict(causal=causal, window_left=window_size[0], window_right=window_size[1])
+
+
+# Sliding windows on each side and softcap, with and without causal: fa4_jax.attention options.
+LOCAL_AND_SOFTCAP = {
+    "window_left_causal": dict(causal=True, window_size=(64, None)),
+    "window_both": dict(window_size=(100, 30)),
+    "window_right_only": dict(window_size=(None, 16)),
+    "softcap": dict(softcap=30.0),
+    "softcap_causal": dict(softcap=5.0, causal=True),
+}
