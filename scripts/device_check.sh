@@ -11,16 +11,21 @@ shards=${GPU_SHARDS:-4}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$out/gpu.txt"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  # Per-shard logs outside $OUT (the device returns only a few files), joined at the end.
+  logs=$(mktemp -d)
   fraction=$(python3 -c "print(round(0.9 / $shards, 3))")
   for ((k = 0; k < shards; k++)); do
     XLA_PYTHON_CLIENT_MEM_FRACTION=$fraction timeout "${GPU_TESTS_TIMEOUT:-300}" \
-      python3 -m pytest -m gpu -q -rs -p no:cacheprovider --shard "$k/$shards" \
-      ${GPU_TESTS:-tests} > "$out/gpu_tests_$k.log" 2>&1 &
+      python3 -m pytest -m gpu -q -rs -p no:cacheprovider --durations=15 --shard "$k/$shards" \
+      ${GPU_TESTS:-tests} > "$logs/$k.log" 2>&1 &
   done
   wait
   for ((k = 0; k < shards; k++)); do
-    echo "shard $k/$shards: $(tail -1 "$out/gpu_tests_$k.log")"
-    grep -E "^(FAILED|ERROR)" "$out/gpu_tests_$k.log" | head -20
+    echo "===== shard $k/$shards"; cat "$logs/$k.log"
+  done > "$out/gpu_tests.log"
+  for ((k = 0; k < shards; k++)); do
+    echo "shard $k/$shards: $(tail -1 "$logs/$k.log")"
+    grep -E "^(FAILED|ERROR)" "$logs/$k.log" | head -20
   done | tee "$out/gpu_tests_summary.txt"
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then

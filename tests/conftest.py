@@ -26,7 +26,12 @@ import pytest  # noqa: E402
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device; run with -m gpu")
-    if not _selects_gpu_tier(config.option.markexpr):
+    if _selects_gpu_tier(config.option.markexpr):
+        # Every GPU test jits new shapes; XLA's autotuning of the oracles' dot fusions (timing
+        # Triton and cuBLAS candidates on the GPU) made a test cost ~30 s with 8 processes
+        # sharing the device. The oracles' speed does not matter.
+        _add_xla_flag("--xla_gpu_autotune_level=0")
+    else:
         # The CPU tier is dominated by XLA compiling many small programs; LLVM's optimisation
         # of the generated code costs more than it saves there (~2x faster suite). Still in
         # time: backends start at the first device query, after configuration.

@@ -33,21 +33,22 @@ TUNINGS: dict[str, dict] = {
     "lpt": {"scheduler": "lpt"},  # persistent CTAs, LPT tile order
     "linear": {"scheduler": "linear"},  # one CTA per tile in grid order, masked calls too
     "wg2": {"mma_warp_groups": 2, "tile_n": 128},  # d64 with 128-row tiles (forward v2's shape)
-    # Backward (kernels/sm90/bwd.py TileConfig). det_desc changes only deterministic masked
-    # calls; the benchmark times every backward tuning both ways (fa4_jax:NAME, fa4_jax_det:NAME).
-    "det_desc": {"det_descending": True},  # deterministic causal/local: dQ adds from the diagonal down
-    "dq_tma": {"dq_tma_reduce": True},  # dQ through shared memory + one TMA reduce-add per block
-    "dq_tma_desc": {"dq_tma_reduce": True, "det_descending": True},
+    # Backward (kernels/sm90/bwd.py TileConfig): the two choices that made backward v2, each
+    # turned back to v1's. det_asc changes only deterministic masked calls; the benchmark times
+    # every backward tuning both ways (fa4_jax_bwd:NAME, fa4_jax_bwd_det:NAME).
+    "det_asc": {"det_descending": False},  # deterministic causal/local: dQ adds in increasing order
+    "dq_atomic": {"dq_tma_reduce": False},  # dQ by per-thread red.global.add from the MMA warps
 }
-# (kind, head dim, tunings) of the ablations, bf16, masks none and causal. dq_tma needs 32 KB
-# more shared memory at d128, which d256 (1 KB spare) does not have.
+# (kind, head dim, tunings) of the ablations, bf16, masks none and causal. The TMA dQ reduce
+# (the backward default at d64/d128) needs 32 KB more shared memory at d128, which d256 (1 KB
+# spare) does not have, so d256 has no dq_atomic row.
 ABLATIONS = (
     ("fwd", 128, ("tau0", "nopingpong", "poly25", "lpt", "linear")),
     ("fwd", 64, ("wg2", "linear")),
     ("fwd", 256, ("lpt", "linear")),
-    ("bwd", 64, ("det_desc", "dq_tma", "dq_tma_desc")),
-    ("bwd", 128, ("det_desc", "dq_tma", "dq_tma_desc")),
-    ("bwd", 256, ("det_desc",)),
+    ("bwd", 64, ("det_asc", "dq_atomic")),
+    ("bwd", 128, ("det_asc", "dq_atomic")),
+    ("bwd", 256, ("det_asc",)),
 )
 
 

@@ -105,8 +105,8 @@ class BlockInfo:
     ) -> cutlass.Boolean:
         """Whether some (row, column) pair of the tile falls outside the causal/window band.
 
-        Sequence tails need no mask in the backward: padded rows carry lse = +inf (so P = 0) and
-        keys past seqlen_k are zero-filled by TMA and their dK/dV rows are never stored.
+        Sequence tails are not its concern: padded rows carry lse = +inf (so P = 0), and the
+        backward masks keys past seqlen_k separately (AttentionMask.apply_key_tail).
         """
         needed = cutlass.Boolean(False)
         offset = seqlen_k - seqlen_q

@@ -60,6 +60,27 @@ class AttentionMask:
                         scores[r, c] = -Float32.inf
 
     @cute.jit
+    def apply_key_tail(
+        self,
+        scores_t: cute.Tensor,
+        coords0: cute.Tensor,
+        thread_row: Int32,
+        n_block: Int32,
+        seqlen_k: Int32,
+        fill: cutlass.Constexpr[float] = -math.inf,
+    ):
+        """Rows of a transposed tile Sᵀ past seqlen_k (keys TMA zero-filled) become `fill`.
+
+        A zero-filled key scores exactly 0, so its P = exp2(−LSElog2) overflows to +inf for a row
+        whose lse is below about −88; inf · 0 in the dQ GEMM would then be NaN.
+        """
+        for r in cutlass.range_constexpr(cute.size(scores_t, mode=[0])):
+            key = n_block * self.tile_n + thread_row + coords0[r, 0][0]
+            if key >= seqlen_k:
+                for c in cutlass.range_constexpr(cute.size(scores_t, mode=[1])):
+                    scores_t[r, c] = Float32(fill)
+
+    @cute.jit
     def apply_transposed(
         self,
         scores_t: cute.Tensor,
@@ -77,9 +98,8 @@ class AttentionMask:
         """The causal/window rules on a transposed tile Sᵀ: rows are keys, columns are queries.
 
         Invisible entries become `fill` (−inf for scores; 0 for a tile that already holds P or dS).
-        Same register-coordinate scheme as `apply`. The sequence tails are not masked here (the
-        backward handles them through lse = +inf rows and zero-filled keys, see
-        BlockInfo.tile_needs_mask).
+        Same register-coordinate scheme as `apply`. The sequence tails are not masked here: padded
+        query rows have lse = +inf (P = 0), and keys past seqlen_k go through `apply_key_tail`.
         """
         offset = seqlen_k - seqlen_q
         for r in cutlass.range_constexpr(cute.size(scores_t, mode=[0])):
