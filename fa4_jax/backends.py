@@ -8,8 +8,8 @@ through the pure-JAX reference in float32 and takes its VJP, honouring the same 
 reference is deterministic anyway (no atomics).
 
 `seq_lengths` is None, or (q_len, kv_len): int32 [batch] valid lengths of a ragged batch
-(`params.ragged`; semantics in `AttentionParams`). Only the reference serves them until the
-kernels do: `ffi.unsupported_reason` says so, and `api` falls back before reaching here.
+(`params.ragged`; semantics in `AttentionParams`). Both backends take them: the kernels through
+their seq_used_q / seq_used_k operands (`ffi.forward`), the reference through its masks.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from fa4_jax.reference import attention_reference
 def forward(q, k, v, params: AttentionParams, seq_lengths=None):
     """(out, lse) of one device's inputs; shapes as `vjp.attention_op`."""
     if params.implementation == "cute":
-        return ffi.forward(q, k, v, params)
+        return ffi.forward(q, k, v, params, seq_lengths)
     return _reference_fp32(q, k, v, params, seq_lengths)
 
 
@@ -45,7 +45,7 @@ def backward(q, k, v, out, lse, d_out, d_lse, params: AttentionParams, seq_lengt
         entry (rows past q_len have block lse -inf, so weight 0 and zero gradient).
     """
     if params.implementation == "cute" and ffi.unsupported_reason(q, k, v, params, "bwd") is None:
-        return ffi.backward(q, k, v, out, lse, d_out, d_lse, params)
+        return ffi.backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths)
     return _reference_backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths)
 
 

@@ -6,10 +6,20 @@ Contract used by `vjp.py` and `api.py`:
   and the default device is a CUDA device of a compiled arch. Never raises.
 - `unsupported_reason(q, k, v, params, kind="fwd") -> str | None`: None when a compiled variant
   of `kind` ("fwd" or "bwd") serves this call on the current default device, else a sentence
-  saying why not (names the missing variant; a ragged call, `params.ragged`, has no kernel yet).
-- `forward(q, k, v, params) -> (out, lse)`: the `fa4_fwd_v1` custom call.
-- `backward(q, k, v, out, lse, d_out, d_lse, params) -> (dq, dk, dv)`: the `fa4_bwd_v1` custom
-  call; its fp32 workspaces are extra results XLA allocates and this function drops.
+  saying why not (names the missing variant). Ragged calls (`params.ragged`) take the same
+  variants as the others.
+- `forward(q, k, v, params, seq_lengths=None) -> (out, lse)`: the `fa4_fwd_v1` custom call.
+- `backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths=None) -> (dq, dk, dv)`: the
+  `fa4_bwd_v1` custom call; its fp32 workspaces are extra results XLA allocates and this
+  function drops.
+
+`seq_lengths` is None or (q_len, kv_len), int32 [batch] each, clamped to [0, seqlen] (a ragged
+batch, `backends.forward`). Both calls always pass the two length operands (`seq_used_q`,
+`seq_used_k`), full lengths when seq_lengths is None, so ragged and dense calls share one compiled
+variant. A ragged call first zeroes the padding of its inputs (rows of q and d_out at or past
+q_len, of k and v at or past kv_len): one extra elementwise pass over each, because a TMA tile
+load cannot stop at a per-entry length, so padding reaches the kernels' registers, and the
+masked P = 0 times a NaN or inf in V (or Q·Kᵀ of one in K) would still be NaN.
 
 The library is fa4_jax/_lib/libfa4_jax.so (FA4_JAX_LIBRARY overrides), built by
 `python -m fa4_jax.aot.build`; fa4_jax/_lib/variants.json lists the variants compiled into it.
@@ -99,10 +109,6 @@ def _variant(q, k, v, params, arch: str, kind: str, tuning: str = "default"):
 
 
 def unsupported_reason(q, k, v, params, kind: str = "fwd", tuning: str = "default") -> str | None:
-    if params.ragged:
-        # forward/backward pass no lengths operands yet: the kernels would attend the padding.
-        return ("ragged lengths (query_seq_lengths / key_value_seq_lengths, varlen_attention) "
-                "have no kernel yet")
     compiled, reason = _load()
     if reason is not None:
         return reason
@@ -135,14 +141,32 @@ def _static_attrs(params, tuning: str) -> dict:
                 tuning=tuning)
 
 
+def _seq_used(q, k, seq_lengths):
+    """The seq_used_q, seq_used_k operands: the ragged lengths, or constants of full ones."""
+    if seq_lengths is None:
+        b = q.shape[0]
+        return np.full((b,), q.shape[1], np.int32), np.full((b,), k.shape[1], np.int32)
+    return tuple(lengths.astype(np.int32) for lengths in seq_lengths)
+
+
+def _zero_padding(x, lengths):
+    """x [b, s, ...] with its rows at or past lengths[b] set to zero (see the module docstring)."""
+    import jax.numpy as jnp
+
+    valid = jnp.arange(x.shape[1], dtype=np.int32)[None, :] < lengths[:, None]
+    return jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 2)), x, jnp.zeros((), x.dtype))
+
+
 def _require(q, k, v, params, kind: str, tuning: str) -> None:
     reason = unsupported_reason(q, k, v, params, kind, tuning)
     if reason is not None:
         raise RuntimeError(f"fa4_jax {kind} kernel unavailable: {reason}")
 
 
-def forward(q, k, v, params, tuning: str = "default"):
+def forward(q, k, v, params, seq_lengths=None, tuning: str = "default"):
     """(out [b, sq, h, dv] in q's dtype, lse [b, h, sq] float32) from the compiled kernel.
+
+    seq_lengths: None, or (q_len, kv_len) of a ragged batch (module docstring).
 
     `tuning` names a kernel setting from `fa4_jax.aot.variants.TUNINGS` ("default" is what
     `fa4_jax.attention` runs; the others exist for the benchmark's ablations).
@@ -155,15 +179,20 @@ def forward(q, k, v, params, tuning: str = "default"):
     call = jax.ffi.ffi_call(
         FWD_TARGET,
         (jax.ShapeDtypeStruct((b, sq, h, dv), q.dtype), jax.ShapeDtypeStruct((b, h, sq), np.float32)))
-    return call(q, k, v, **_static_attrs(params, tuning))
+    seq_used_q, seq_used_k = _seq_used(q, k, seq_lengths)
+    if seq_lengths is not None:
+        q = _zero_padding(q, seq_used_q)
+        k, v = (_zero_padding(x, seq_used_k) for x in (k, v))
+    return call(q, k, v, seq_used_q, seq_used_k, **_static_attrs(params, tuning))
 
 
-def backward(q, k, v, out, lse, d_out, d_lse, params, tuning: str = "default"):
+def backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths=None, tuning: str = "default"):
     """(dq, dk, dv), each in its input's shape and dtype, from the compiled backward kernels.
 
     out and lse are the statistics the gradient is taken at (see `backends.backward`); d_lse is
     the cotangent of lse (zeros when only out is differentiated). `params.deterministic` selects
-    the fixed-order dQ accumulation. The fp32 workspaces (dQ accumulator [b, h, sq_pad, d],
+    the fixed-order dQ accumulation. seq_lengths: as for `forward`; rows of dq past q_len and
+    of dk, dv past kv_len come out zero. The fp32 workspaces (dQ accumulator [b, h, sq_pad, d],
     D and lse·log2(e) [b, h, sq_pad], semaphores [b, h, sq_pad / 64]) are results of the call,
     so XLA owns and reuses their memory.
     """
@@ -185,7 +214,12 @@ def backward(q, k, v, out, lse, d_out, d_lse, params, tuning: str = "default"):
         jax.ShapeDtypeStruct((b, h, sq_pad // BWD_SEMAPHORE_ROWS), np.int32),
     )
     call = jax.ffi.ffi_call(BWD_TARGET, results)
+    d_out = d_out.astype(q.dtype)
+    seq_used_q, seq_used_k = _seq_used(q, k, seq_lengths)
+    if seq_lengths is not None:
+        q, d_out = (_zero_padding(x, seq_used_q) for x in (q, d_out))
+        k, v = (_zero_padding(x, seq_used_k) for x in (k, v))
     dq, dk, dv, *_workspaces = call(
-        q, k, v, out.astype(q.dtype), d_out.astype(q.dtype), lse.astype(f32), d_lse.astype(f32),
-        deterministic=bool(params.deterministic), **_static_attrs(params, tuning))
+        q, k, v, out.astype(q.dtype), d_out, lse.astype(f32), d_lse.astype(f32), seq_used_q,
+        seq_used_k, deterministic=bool(params.deterministic), **_static_attrs(params, tuning))
     return dq, dk, dv

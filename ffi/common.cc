@@ -178,6 +178,18 @@ ffi::Error CheckQkv(const Errors& err, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::
   return ffi::Error::Success();
 }
 
+ffi::Error CheckSeqUsed(const Errors& err, ffi::Buffer<ffi::S32> seq_used_q,
+                        ffi::Buffer<ffi::S32> seq_used_k, Fa4Args* args) {
+  const int64_t b = args->b;
+  if (ffi::Error e = ExpectShape(err, "seq_used_q", seq_used_q.dimensions(), {b}); e.failure())
+    return e;
+  if (ffi::Error e = ExpectShape(err, "seq_used_k", seq_used_k.dimensions(), {b}); e.failure())
+    return e;
+  args->seq_used_q = seq_used_q.untyped_data();
+  args->seq_used_k = seq_used_k.untyped_data();
+  return ffi::Error::Success();
+}
+
 void KernelWindow(const Attrs& a, Fa4Args* args) {
   args->window_left = args->window_right = 0;
   if (std::strcmp(SelectMask(a), "local") != 0) return;

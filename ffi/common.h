@@ -75,6 +75,11 @@ ffi::Error ExpectShape(const Errors& err, const char* what, ffi::Span<const int6
 ffi::Error CheckQkv(const Errors& err, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                     Fa4Dtype* dtype, Fa4Args* args);
 
+// Checks seq_used_q and seq_used_k, int32 [b] each (every batch entry's valid query rows and
+// keys; the kernels clamp them to sq and sk), after CheckQkv, and fills args' pointers.
+ffi::Error CheckSeqUsed(const Errors& err, ffi::Buffer<ffi::S32> seq_used_q,
+                        ffi::Buffer<ffi::S32> seq_used_k, Fa4Args* args);
+
 // The window bounds the "local" kernels take: an unbounded side becomes max(sq, sk), which
 // covers every key while keeping the kernels' index arithmetic far from int32 overflow (so
 // wider windows are clamped to it too: the same keys are visible). Causal is a right bound of 0.

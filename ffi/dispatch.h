@@ -19,6 +19,9 @@ struct Fa4Args {
   void* v = nullptr;
   void* out = nullptr;
   void* lse = nullptr;
+  // int32 [b] each: the valid query rows and keys of every batch entry (full when not ragged)
+  void* seq_used_q = nullptr;
+  void* seq_used_k = nullptr;
   // backward only
   void* d_out = nullptr;
   void* d_lse = nullptr;

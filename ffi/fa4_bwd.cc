@@ -1,7 +1,9 @@
 // XLA FFI handler for the custom call target `fa4_bwd_v1`: FlashAttention backward.
 //
 //   inputs  q [b, sq, h, d], k [b, sk, hk, d], v [b, sk, hk, dv], out [b, sq, h, dv],
-//           d_out [b, sq, h, dv] (one dtype, bf16 or f16), lse [b, h, sq] f32, d_lse [b, h, sq] f32
+//           d_out [b, sq, h, dv] (one dtype, bf16 or f16), lse [b, h, sq] f32, d_lse [b, h, sq] f32,
+//           seq_used_q s32 [b], seq_used_k s32 [b] (as for fa4_fwd_v1: rows past seq_used_q get
+//           dq 0, keys past seq_used_k get dk = dv = 0)
 //   results dq [b, sq, h, d], dk [b, sk, hk, d], dv [b, sk, hk, dv] (q's dtype), then the
 //           workspaces (fa4_jax/aot/compile.py): dq_accum f32 [b, h, sq_pad, d],
 //           dpsum f32 [b, h, sq_pad], lse_log2 f32 [b, h, sq_pad], semaphore s32 [b, h, m_blocks]
@@ -36,6 +38,7 @@ ffi::Error Zero(cudaStream_t stream, void* data, size_t bytes) {
 ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
                    ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer d_out,
                    ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> d_lse,
+                   ffi::Buffer<ffi::S32> seq_used_q, ffi::Buffer<ffi::S32> seq_used_k,
                    ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                    ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::F32>> dq_accum,
                    ffi::Result<ffi::Buffer<ffi::F32>> dpsum,
@@ -48,6 +51,7 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::A
   Fa4Args args;
   Fa4Dtype dtype;
   if (ffi::Error e = CheckQkv(kErr, q, k, v, &dtype, &args); e.failure()) return e;
+  if (ffi::Error e = CheckSeqUsed(kErr, seq_used_q, seq_used_k, &args); e.failure()) return e;
   for (const ffi::DataType t : {out.element_type(), d_out.element_type(), dq->element_type(),
                                 dk->element_type(), dv->element_type()})
     if (t != q.element_type())
@@ -131,6 +135,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Fa4BwdExecute, fa4::Execute,
                                                  .Arg<xla::ffi::AnyBuffer>()  // d_out
                                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // lse
                                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // d_lse
+                                                 .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seq_used_q
+                                                 .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seq_used_k
                                                  .Ret<xla::ffi::AnyBuffer>()  // dq
                                                  .Ret<xla::ffi::AnyBuffer>()  // dk
                                                  .Ret<xla::ffi::AnyBuffer>()  // dv

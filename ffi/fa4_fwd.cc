@@ -1,6 +1,8 @@
 // XLA FFI handler for the custom call target `fa4_fwd_v1`: FlashAttention forward.
 //
-//   inputs  q [b, sq, h, d], k [b, sk, hk, d], v [b, sk, hk, dv]   (bf16 or f16, all the same)
+//   inputs  q [b, sq, h, d], k [b, sk, hk, d], v [b, sk, hk, dv]   (bf16 or f16, all the same),
+//           seq_used_q s32 [b], seq_used_k s32 [b]: each batch entry's valid query rows and keys
+//           (full lengths unless the batch is ragged; rows past seq_used_q get out 0, lse -inf)
 //   results out [b, sq, h, dv] (q's dtype), lse [b, h, sq] (f32)
 //   attrs   softmax_scale f32, causal bool, window_left/window_right i32 (-1 = unbounded),
 //           softcap f32 (0 = none), tuning string ("default")
@@ -25,7 +27,8 @@ ffi::Error Instantiate(float softmax_scale, bool causal, int32_t window_left,
 }
 
 ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                   ffi::AnyBuffer v, ffi::Result<ffi::AnyBuffer> out,
+                   ffi::AnyBuffer v, ffi::Buffer<ffi::S32> seq_used_q,
+                   ffi::Buffer<ffi::S32> seq_used_k, ffi::Result<ffi::AnyBuffer> out,
                    ffi::Result<ffi::Buffer<ffi::F32>> lse, float softmax_scale, bool causal,
                    int32_t window_left, int32_t window_right, float softcap,
                    std::string_view tuning) {
@@ -34,6 +37,7 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::A
   Fa4Args args;
   Fa4Dtype dtype;
   if (ffi::Error e = CheckQkv(kErr, q, k, v, &dtype, &args); e.failure()) return e;
+  if (ffi::Error e = CheckSeqUsed(kErr, seq_used_q, seq_used_k, &args); e.failure()) return e;
   if (out->element_type() != q.element_type())
     return kErr.Invalid("out must have q's dtype");
   const int64_t b = args.b, sq = args.seqlen_q, h = args.heads, d = q.dimensions()[3],
@@ -69,5 +73,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Fa4FwdExecute, fa4::Execute,
                                                  .Arg<xla::ffi::AnyBuffer>()  // q
                                                  .Arg<xla::ffi::AnyBuffer>()  // k
                                                  .Arg<xla::ffi::AnyBuffer>()  // v
+                                                 .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seq_used_q
+                                                 .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seq_used_k
                                                  .Ret<xla::ffi::AnyBuffer>()  // out
                                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()));  // lse

@@ -17,7 +17,8 @@ _ARGS_FIELD = {"b": "b", "sq": "seqlen_q", "sk": "seqlen_k", "h": "heads", "hk":
                "sq_pad": "seqlen_q_pad", "m_blocks": "semaphore_blocks"}
 _PTR_FIELD = {"mQ": "q", "mK": "k", "mV": "v", "mO": "out", "mLSE": "lse", "mdO": "d_out",
               "mdLSE": "d_lse", "mdQ": "dq", "mdK": "dk", "mdV": "dv", "mdQaccum": "dq_accum",
-              "mdPsum": "dpsum", "mLSElog2": "lse_log2", "mSemaphore": "semaphore"}
+              "mdPsum": "dpsum", "mLSElog2": "lse_log2", "mSemaphore": "semaphore",
+              "mSeqUsedQ": "seq_used_q", "mSeqUsedK": "seq_used_k"}
 _KIND = {"fwd": "Fa4Kind::kFwd", "bwd": "Fa4Kind::kBwd"}
 _DTYPE = {"bf16": "Fa4Dtype::kBF16", "fp16": "Fa4Dtype::kF16"}
 assert set(_ARGS_FIELD) == set(DYNAMIC_DIMS)

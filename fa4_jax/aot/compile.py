@@ -38,6 +38,9 @@ BWD_SEMAPHORE_ROWS = 64
 # (dQ = softmax_scale · dQaccum, written to mdQ by the last pass), mdPsum holds
 # D = rowsum(dO ∘ O) - dLSE, mLSElog2 holds lse · log2(e), and mSemaphore orders the dQ
 # accumulation in deterministic mode.
+# mSeqUsedQ / mSeqUsedK: each batch entry's valid query rows and keys (FlashAttention's
+# seqused_q / seqused_k; the ragged batch). Every call passes them, full lengths when the batch is
+# not ragged, so one compiled variant serves both; the kernels clamp them to sq / sk.
 TENSORS = {
     "fwd": (
         ("mQ", "io", ("b", "sq", "h", "d")),
@@ -45,6 +48,8 @@ TENSORS = {
         ("mV", "io", ("b", "sk", "hk", "dv")),
         ("mO", "io", ("b", "sq", "h", "dv")),
         ("mLSE", "f32", ("b", "h", "sq")),
+        ("mSeqUsedQ", "i32", ("b",)),
+        ("mSeqUsedK", "i32", ("b",)),
     ),
     "bwd": (
         ("mQ", "io", ("b", "sq", "h", "d")),
@@ -61,6 +66,8 @@ TENSORS = {
         ("mdPsum", "f32", ("b", "h", "sq_pad")),
         ("mLSElog2", "f32", ("b", "h", "sq_pad")),
         ("mSemaphore", "i32", ("b", "h", "m_blocks")),
+        ("mSeqUsedQ", "i32", ("b",)),
+        ("mSeqUsedK", "i32", ("b",)),
     ),
 }
 DYNAMIC_DIMS = ("b", "sq", "sk", "h", "hk", "sq_pad", "m_blocks")

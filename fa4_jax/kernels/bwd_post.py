@@ -2,7 +2,8 @@
 
 mdQaccum [b, h, sq_pad, d] (fp32, row-major, filled by the main kernel's atomic adds) ->
 mdQ [b, sq, h, d]. Each thread converts `chunk` contiguous elements per step (32-byte loads,
-16-byte stores); rows >= seqlen_q are padding and are not written.
+16-byte stores); rows >= seqlen_q are padding and are not written. Rows past the batch entry's
+valid query rows (mSeqUsedQ [b]: a ragged batch's padding) are written as 0.
 """
 import cutlass
 import cutlass.cute as cute
@@ -23,19 +24,20 @@ class BackwardPostprocess:
         self.steps = self.rows_per_block * self.chunks_per_row // self.threads
 
     @cute.jit
-    def __call__(self, mdQaccum, mdQ, softmax_scale: Float32, stream):
+    def __call__(self, mdQaccum, mdQ, mSeqUsedQ, softmax_scale: Float32, stream):
         sq_pad, heads, batch = mdQaccum.shape[2], mdQaccum.shape[1], mdQaccum.shape[0]
-        self.kernel(mdQaccum, mdQ, softmax_scale).launch(
+        self.kernel(mdQaccum, mdQ, mSeqUsedQ, softmax_scale).launch(
             grid=(cute.ceil_div(sq_pad, self.rows_per_block), heads, batch),
             block=[self.threads, 1, 1],
             stream=stream,
         )
 
     @cute.kernel
-    def kernel(self, mdQaccum, mdQ, softmax_scale: Float32):
+    def kernel(self, mdQaccum, mdQ, mSeqUsedQ, softmax_scale: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         row_block, head, batch = cute.arch.block_idx()
         seqlen_q = mdQ.shape[1]
+        seq_used_q = mSeqUsedQ[batch]
         accum = mdQaccum[batch, head, None, None]
         out = mdQ[batch, None, head, None]
         for step in cutlass.range_constexpr(self.steps):
@@ -43,5 +45,9 @@ class BackwardPostprocess:
             row = row_block * self.rows_per_block + index // self.chunks_per_row
             col_chunk = index % self.chunks_per_row
             if row < seqlen_q:
-                values = cute.local_tile(accum, (1, self.chunk), (row, col_chunk)).load()
-                cute.local_tile(out, (1, self.chunk), (row, col_chunk)).store((values * softmax_scale).to(self.dtype))
+                result = cute.make_rmem_tensor(self.chunk, self.dtype)
+                result.fill(0.0)
+                if row < seq_used_q:
+                    values = cute.local_tile(accum, (1, self.chunk), (row, col_chunk)).load()
+                    result.store((values * softmax_scale).to(self.dtype))
+                cute.local_tile(out, (1, self.chunk), (row, col_chunk)).store(result.load())

@@ -5,6 +5,8 @@ For every padded query row r < sq_pad of every (batch, head):
   mLSElog2[b, h, r] = lse[r] · log2(e), or +inf for padded rows and for rows with lse = −inf
                       (no visible key), so the main kernel's P = exp2(s·scale_log2 − LSElog2) is 0
                       there instead of NaN.
+Rows past the batch entry's valid query rows (mSeqUsedQ [b], clamped to sq: a ragged batch's
+padding) are padded rows too.
 `lanes_per_row` adjacent lanes share a row, each reducing a contiguous chunk of dv elements, so
 the loads are wide and a warp covers several rows.
 """
@@ -31,22 +33,22 @@ class BackwardPreprocess:
         self.rows_per_block = self.threads // self.lanes_per_row
 
     @cute.jit
-    def __call__(self, mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2, stream):
-        """mO/mdO [b, sq, h, dv]; mLSE/mdLSE [b, h, sq]; mdPsum/mLSElog2 [b, h, sq_pad]."""
+    def __call__(self, mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2, mSeqUsedQ, stream):
+        """mO/mdO [b, sq, h, dv]; mLSE/mdLSE [b, h, sq]; mdPsum/mLSElog2 [b, h, sq_pad]; mSeqUsedQ [b]."""
         sq_pad, heads, batch = mdPsum.shape[2], mdPsum.shape[1], mdPsum.shape[0]
-        self.kernel(mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2).launch(
+        self.kernel(mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2, mSeqUsedQ).launch(
             grid=(cute.ceil_div(sq_pad, self.rows_per_block), heads, batch),
             block=[self.threads, 1, 1],
             stream=stream,
         )
 
     @cute.kernel
-    def kernel(self, mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2):
+    def kernel(self, mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2, mSeqUsedQ):
         tidx, _, _ = cute.arch.thread_idx()
         row_block, head, batch = cute.arch.block_idx()
         lane_in_row = tidx % self.lanes_per_row
         row = row_block * self.rows_per_block + tidx // self.lanes_per_row
-        seqlen_q = mO.shape[1]
+        seqlen_q = cutlass.min(mSeqUsedQ[batch], mO.shape[1])
 
         partial_sum = Float32(0.0)
         if row < seqlen_q:

@@ -2,7 +2,8 @@
 
 Mask geometry (DESIGN.md): query row i sees key column j when
 `i + offset - window_left <= j <= i + offset + window_right`, offset = seqlen_k - seqlen_q
-(bottom-right alignment), and j < seqlen_k. A causal mask is window_right = 0 with no left bound.
+(bottom-right alignment), and j < seqlen_k. seqlen_q and seqlen_k are one batch entry's valid
+lengths (a ragged batch's, else the buffers'); tiles past them visit nothing. A causal mask is window_right = 0 with no left bound.
 Kernels walk key blocks from the highest to the lowest, so the first block visited carries the
 sequence tail and the diagonal, and the row maximum is seeded by real scores.
 
@@ -50,6 +51,8 @@ class BlockInfo:
         if cutlass.const_expr(self.local):
             first_col = m_block * self.tile_m + offset - window_left
             n_block_min = cutlass.max(first_col, 0) // self.tile_n
+        if m_block * self.tile_m >= seqlen_q:  # a tile of padding rows
+            n_block_max = n_block_min
         return n_block_min, n_block_max
 
     @cute.jit
@@ -96,6 +99,8 @@ class BlockInfo:
             # block's last key; none if that is < 0.
             last_row = (n_block + 1) * self.tile_n - 1 - offset + window_left
             m_block_max = cutlass.min(m_block_max, cutlass.max(last_row + self.tile_m, 0) // self.tile_m)
+        if n_block * self.tile_n >= seqlen_k:  # a block of padding keys
+            m_block_max = m_block_min
         return m_block_min, m_block_max
 
     @cute.jit

@@ -37,9 +37,17 @@ the group inside the CTA). Warp-role table:
   buffers once every GEMM has retired), then TMA stores, which drop rows past seqlen_k.
 
 Sequence tails: query rows past seqlen_q have LSElog2 = +inf (P = 0) and zero Q and dO rows, so
-they need no mask. Keys past seqlen_k are zero-filled, score 0 and would get P = exp2(−LSElog2),
-which overflows for a row with lse below about −88 (inf · 0 = NaN in dQ); the CTA of the last,
-partial key block masks them (AttentionMask.apply_key_tail). Their dK/dV rows are never stored.
+they need no mask. Keys past seqlen_k are zero, score 0 and would get P = exp2(−LSElog2), which
+overflows for a row with lse below about −88 (inf · 0 = NaN in dQ); the CTA of the partial key
+block masks them (AttentionMask.apply_key_tail). Their dK/dV rows are never stored.
+
+Ragged batches (mSeqUsedQ, mSeqUsedK: each entry's valid query rows and keys; full lengths
+otherwise): seqlen_q and seqlen_k above are the entry's, clamped to the buffers, and the padding
+past them is zero (ffi.backward zeroes Q, K, V and dO there): padded rows get LSElog2 = +inf and
+D = 0 from the preprocess, so P = dS = 0 and their dQ rows stay 0 (the postprocess writes 0 there
+anyway); padded keys are loaded (a TMA box cannot stop at a per-entry length) and masked like the
+tail above, and their dK/dV registers are cleared before the store; key blocks wholly past the
+length visit no query block and store zeros.
 """
 import dataclasses
 import functools
@@ -254,6 +262,8 @@ class FlashAttentionBackwardSm90:
         mdPsum: cute.Tensor,
         mLSElog2: cute.Tensor,
         mSemaphore: cute.Tensor,
+        mSeqUsedQ: cute.Tensor,
+        mSeqUsedK: cute.Tensor,
         softmax_scale: Float32,
         softcap: Float32,
         window_left: Int32,
@@ -262,7 +272,7 @@ class FlashAttentionBackwardSm90:
         stream: cuda.CUstream,
     ):
         """Tensors as fa4_jax.aot.compile.TENSORS["bwd"] (JAX row-major layouts)."""
-        self.preprocess(mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2, stream)
+        self.preprocess(mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2, mSeqUsedQ, stream)
 
         # Kernel-side views put the sequence and feature modes first: (s, d, heads, batch), and
         # (s_pad, heads, batch) for the per-row workspaces.
@@ -347,7 +357,7 @@ class FlashAttentionBackwardSm90:
             tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq,
             tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
             tma_atom_lse, tma_lse, tma_atom_dpsum, tma_dpsum, tma_atom_dk, tma_dk, tma_atom_dv, tma_dv,
-            mdQaccum, mSemaphore, mQ_k.shape[0], mQ_k.shape[2],
+            mdQaccum, mSemaphore, mSeqUsedQ, mSeqUsedK, mQ_k.shape[0], mQ_k.shape[2],
             sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout, sRow_layout,
             tma_atom_dq, tma_dq, sdQ_layout,
             softmax_scale, score_prescale, scale_log2, window_left, window_right, deterministic,
@@ -359,7 +369,7 @@ class FlashAttentionBackwardSm90:
             min_blocks_per_mp=1,
         )
 
-        self.postprocess(mdQaccum, mdQ, softmax_scale, stream)
+        self.postprocess(mdQaccum, mdQ, mSeqUsedQ, softmax_scale, stream)
 
     @cute.kernel
     def kernel(
@@ -386,6 +396,8 @@ class FlashAttentionBackwardSm90:
         mdV: cute.Tensor,
         mdQaccum: cute.Tensor,
         mSemaphore: cute.Tensor,
+        mSeqUsedQ: cute.Tensor,
+        mSeqUsedK: cute.Tensor,
         seqlen_q: Int32,
         num_heads: Int32,
         sQ_layout: cute.ComposedLayout,
@@ -449,6 +461,10 @@ class FlashAttentionBackwardSm90:
             if deterministic != 0:
                 # Launch order = add order: the highest key block is dispatched first.
                 n_block = cute.ceil_div(seqlen_k, self.tile_n) - 1 - block_x
+        # From here on the entry's own lengths (a ragged batch's; else the buffers'): the grid
+        # above stays on the buffers' sizes.
+        seqlen_q = cutlass.min(mSeqUsedQ[batch], seqlen_q)
+        seqlen_k = cutlass.min(mSeqUsedK[batch], seqlen_k)
         group = num_heads // mK.shape[2]
         block_info = BlockInfo(self.tile_m, self.tile_n, self.causal, self.local)
         m_block_min, m_block_max = block_info.m_block_range(
@@ -632,7 +648,7 @@ class FlashAttentionBackwardSm90:
 
         self.epilogue(
             blocks, thr_mma_dk, thr_mma_dv, sK, sV, tma_atom_dk, mdK, tma_atom_dv, mdV,
-            n_block, head_kv, batch, softmax_scale,
+            n_block, head_kv, batch, seqlen_k, softmax_scale,
         )
 
     @cute.jit
@@ -874,8 +890,11 @@ class FlashAttentionBackwardSm90:
 
     @cute.jit
     def epilogue(self, blocks, thr_mma_dk, thr_mma_dv, sK, sV, tma_atom_dk, mdK, tma_atom_dv, mdV,
-                 n_block, head_kv, batch, softmax_scale):
+                 n_block, head_kv, batch, seqlen_k, softmax_scale):
         """dK·softmax_scale and dV: registers -> K's and V's shared buffers -> TMA stores."""
+        if (n_block + 1) * self.tile_n > seqlen_k:
+            self.clear_keys_past(thr_mma_dk, blocks.acc_dk, self.head_dim, n_block, seqlen_k)
+            self.clear_keys_past(thr_mma_dv, blocks.acc_dv, self.head_dim_v, n_block, seqlen_k)
         dk_out = cute.make_rmem_tensor_like(blocks.acc_dk, self.dtype)
         dk_out.store((blocks.acc_dk.load() * softmax_scale).to(self.dtype))
         dv_out = cute.make_rmem_tensor_like(blocks.acc_dv, self.dtype)
@@ -910,3 +929,11 @@ class FlashAttentionBackwardSm90:
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
+    @cute.jit
+    def clear_keys_past(self, thr_mma, acc, cols: cutlass.Constexpr[int], n_block, seqlen_k):
+        """acc rows of keys at or past seqlen_k to 0. Rows past the buffer are never stored;
+        a ragged entry's padding keys are, and their zeroed K still gave them P ≠ 0."""
+        keys = thr_mma.partition_C(cute.make_identity_tensor((self.tile_n, cols)))
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            if n_block * self.tile_n + keys[i][0] >= seqlen_k:
+                acc[i] = Float32(0.0)

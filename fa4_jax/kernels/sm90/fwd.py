@@ -126,13 +126,22 @@ class _BlockOperands:
 
 @dataclasses.dataclass(frozen=True)
 class _Problem:
-    """The runtime sizes every role needs to walk the tile schedule."""
+    """The runtime sizes every role needs to walk the tile schedule, and each batch entry's
+    valid lengths (mSeqUsedQ, mSeqUsedK [b]: a ragged batch's, else the full ones)."""
 
     seqlen_q: Int32
     seqlen_k: Int32
     num_heads: Int32
     num_heads_kv: Int32
     batch: Int32
+    seq_used_q: cute.Tensor
+    seq_used_k: cute.Tensor
+
+    def seqlens(self, batch: Int32):
+        """(query rows, keys) of entry `batch` that exist: its lengths, clamped to the buffers.
+        The tile schedule stays on the buffers' sizes; these bound the blocks, masks and rows."""
+        return (cutlass.min(self.seq_used_q[batch], self.seqlen_q),
+                cutlass.min(self.seq_used_k[batch], self.seqlen_k))
 
     def tile_count(self, scheduler: TileScheduler) -> Int32:
         return scheduler.tile_count(self.seqlen_q, self.num_heads, self.batch)
@@ -217,13 +226,20 @@ class FlashAttentionForwardSm90:
         mV: cute.Tensor,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
+        mSeqUsedQ: cute.Tensor,
+        mSeqUsedK: cute.Tensor,
         softmax_scale: Float32,
         softcap: Float32,
         window_left: Int32,
         window_right: Int32,
         stream: cuda.CUstream,
     ):
-        """mQ [b, sq, h, d], mK [b, sk, hk, d], mV [b, sk, hk, dv], mO [b, sq, h, dv], mLSE [b, h, sq]."""
+        """mQ [b, sq, h, d], mK [b, sk, hk, d], mV [b, sk, hk, dv], mO [b, sq, h, dv], mLSE [b, h, sq],
+        mSeqUsedQ / mSeqUsedK [b] int32: each entry's valid query rows and keys.
+
+        Rows past an entry's valid ones get O = 0 and LSE = −inf; keys past its valid ones are
+        masked like the sequence tail. Padding must hold finite values (ffi.forward zeroes it):
+        the tile loads read it, and a masked P = 0 times a NaN of V is still NaN."""
         # Kernel-side views put the sequence and feature modes first: (s, d, heads, batch).
         mQ, mK, mV, mO = [permute_modes(t, (1, 3, 2, 0)) for t in (mQ, mK, mV, mO)]
         mLSE = permute_modes(mLSE, (2, 1, 0))
@@ -287,7 +303,7 @@ class FlashAttentionForwardSm90:
         self.kernel(
             tiled_mma_qk, tiled_mma_pv,
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o,
-            mLSE, sQ_layout, sK_layout, sV_layout, sO_layout,
+            mLSE, mSeqUsedQ, mSeqUsedK, sQ_layout, sK_layout, sV_layout, sO_layout,
             score_prescale, scale_log2, window_left, window_right,
         ).launch(
             grid=grid,
@@ -311,6 +327,8 @@ class FlashAttentionForwardSm90:
         tma_atom_o: cute.CopyAtom,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
+        mSeqUsedQ: cute.Tensor,
+        mSeqUsedK: cute.Tensor,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -351,7 +369,7 @@ class FlashAttentionForwardSm90:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
 
-        problem = _Problem(mQ.shape[0], mK.shape[0], mQ.shape[2], mK.shape[2], mQ.shape[3])
+        problem = _Problem(mQ.shape[0], mK.shape[0], mQ.shape[2], mK.shape[2], mQ.shape[3], mSeqUsedQ, mSeqUsedK)
         block_info = BlockInfo(self.tile_m, self.tile_n, self.causal, self.local)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
@@ -388,8 +406,9 @@ class FlashAttentionForwardSm90:
         for tile_i in cutlass.range(problem.tile_count(self.scheduler), unroll=1):
             m_block, head, batch = problem.tile(self.scheduler, tile_i)
             head_kv = head // (problem.num_heads // problem.num_heads_kv)
+            seqlen_q, seqlen_k = problem.seqlens(batch)
             n_block_min, n_block_max = block_info.n_block_range(
-                m_block, problem.seqlen_q, problem.seqlen_k, window_left, window_right
+                m_block, seqlen_q, seqlen_k, window_left, window_right
             )
             gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
             gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
@@ -456,7 +475,6 @@ class FlashAttentionForwardSm90:
             softmax, row_scale, pipeline_k, pipeline_v, score_prescale,
         )
         step = functools.partial(self.mma_overlapped_block, blocks, warp_group)
-        seqlen_q, seqlen_k = problem.seqlen_q, problem.seqlen_k
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
@@ -465,6 +483,7 @@ class FlashAttentionForwardSm90:
         self.pingpong_init(warp_group)
         for tile_i in cutlass.range(problem.tile_count(self.scheduler), unroll=1):
             m_block, head, batch = problem.tile(self.scheduler, tile_i)
+            seqlen_q, seqlen_k = problem.seqlens(batch)
             n_block_min, n_block_max = block_info.n_block_range(
                 m_block, seqlen_q, seqlen_k, window_left, window_right
             )
@@ -505,12 +524,24 @@ class FlashAttentionForwardSm90:
 
             lse = cute.make_rmem_tensor_like(softmax.row_max, Float32)
             softmax.finalize(row_scale, lse)
-            scale_rows(acc_o_rc, row_scale)
             # Decoded again rather than held in registers across the main loop.
             m_block, head, batch = problem.tile(self.scheduler, tile_i)
+            seqlen_q, _ = problem.seqlens(batch)
+            self.clear_rows_past(thr_mma_pv, row_scale, lse, m_block, seqlen_q)
+            scale_rows(acc_o_rc, row_scale)
             self.epilogue(tiled_mma_pv, thr_mma_pv, tidx, acc_o, lse, sO, tma_atom_o, mO, mLSE,
-                          m_block, head, batch, seqlen_q, pipeline_q, q_state)
+                          m_block, head, batch, problem.seqlen_q, pipeline_q, q_state)
             q_state.advance()
+
+    @cute.jit
+    def clear_rows_past(self, thr_mma_pv, row_scale, lse, m_block, seqlen_q):
+        """Rows at or past seqlen_q (a ragged entry's padding, computed from its zeroed Q like
+        any other row) come out as O = 0 and LSE = −inf: XLA does not zero results."""
+        o_coords = acc_rows_cols(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
+        for r in cutlass.range_constexpr(cute.size(lse)):
+            if m_block * self.tile_m + o_coords[r, 0][0] >= seqlen_q:
+                row_scale[r] = Float32(0.0)
+                lse[r] = -Float32.inf
 
     @cute.jit
     def mma_first_block(self, blocks, kv_state, n_block, apply_mask):
@@ -602,7 +633,8 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def epilogue(self, tiled_mma_pv, thr_mma_pv, tidx, acc_o, lse, sO, tma_atom_o, mO, mLSE,
                  m_block, head, batch, seqlen_q, pipeline_q, q_state):
-        # LSE: the lane holding column 0 of a row writes it; rows past seqlen_q are padding.
+        # LSE: the lane holding column 0 of a row writes it; rows past the buffer's seqlen_q
+        # are the tile's overhang.
         o_coords = acc_rows_cols(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
         gLSE = mLSE[None, head, batch]
         if o_coords[0, 0][1] == 0:
