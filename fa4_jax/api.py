@@ -74,9 +74,10 @@ def attention(
         its lengths: masks (causal, window) are bottom-right aligned to the valid lengths
         (offset = key_value_seq_lengths[b] - query_seq_lengths[b]); padded rows have out 0 and
         lse -inf and padded keys get zero gradient. Either may be given alone (the other means
-        the full length). Values are clamped to [0, seqlen_q] and [0, seqlen_k]. Ragged calls
-        run on the reference backend until the kernels support lengths (implementation="cute"
-        raises). For packed sequences see `varlen_attention`.
+        the full length). Values are clamped to [0, seqlen_q] and [0, seqlen_k]. The kernels
+        serve ragged calls (they read each entry's lengths); the padding may hold anything,
+        NaN included: it is zeroed before the kernels see it, one extra pass over q, k, v (and
+        d_out in the backward). For packed sequences see `varlen_attention`.
 
     Returns:
       out: [batch, seqlen_q, heads_q, head_dim_v] in the input dtype; and, when return_lse,
@@ -198,8 +199,8 @@ def dot_product_attention(
         (padded self-attention), so with a mask both are required (NotImplementedError
         otherwise) and entries of unequal lengths follow fa4_jax's rule. Without a mask,
         either length may come alone, as in jax. Lengths may be any integer dtype (jax:
-        int32) and are clamped to [0, T] and [0, S]. Ragged calls run on the reference
-        backend until the kernels support lengths.
+        int32) and are clamped to [0, T] and [0, S]. Ragged calls run on the kernels like
+        any other (their padding is zeroed first, see `fa4_jax.ffi`).
       - A query row that sees no key gives 0 here (jax: the mean of all values), padded rows
         included (jax: 0 as well).
       - implementation is None, "cute" or "reference" (see `attention`); "xla" and "cudnn"

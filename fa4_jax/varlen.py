@@ -37,8 +37,8 @@ def varlen_attention(
     Sequence s holds query tokens cu_seqlens_q[s] : cu_seqlens_q[s + 1] and key/value tokens
     cu_seqlens_k[s] : cu_seqlens_k[s + 1]; masks (causal, window) are bottom-right aligned per
     sequence, as in `fa4_jax.attention` with each sequence its own call. Empty sequences are
-    allowed. Runs on the reference backend until the kernels support variable lengths, through
-    a padded copy of q, k, v and out ([n, max_seqlen, ...]); size max_seqlen_* accordingly.
+    allowed. Runs as a ragged batch (kernels or reference, as `fa4_jax.attention` chooses) on a
+    padded copy of q, k, v and out ([n, max_seqlen, ...]); size max_seqlen_* accordingly.
 
     Args:
       q: [total_q, heads_q, head_dim].

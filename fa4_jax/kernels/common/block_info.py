@@ -111,7 +111,8 @@ class BlockInfo:
         """Whether some (row, column) pair of the tile falls outside the causal/window band.
 
         Sequence tails are not its concern: padded rows carry lse = +inf (so P = 0), and the
-        backward masks keys past seqlen_k separately (AttentionMask.apply_key_tail).
+        backward masks keys past seqlen_k (the buffer's, or a ragged entry's) separately
+        (AttentionMask.apply_key_tail).
         """
         needed = cutlass.Boolean(False)
         offset = seqlen_k - seqlen_q
