@@ -495,7 +495,7 @@ class FlashAttentionBackwardSm90:
             self.mma(
                 tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, tidx - self.threads_per_warp_group,
                 sQ, sdO, sK, sV, sdS, sP, sLSE, sdPsum, pipeline_kv, pipeline_q, pipeline_do,
-                tma_atom_dk, mdK, tma_atom_dv, mdV, mdQaccum, mSemaphore, sdQ,
+                tma_atom_dk, mdK, tma_atom_dv, mdV, mdQaccum, mSemaphore, mSeqUsedK, sdQ,
                 n_block, head_kv, batch, group, seqlen_q, seqlen_k, m_block_min, m_block_max,
                 softmax_scale, score_prescale, scale_log2, window_left, window_right, deterministic,
                 block_info,
@@ -543,7 +543,7 @@ class FlashAttentionBackwardSm90:
     def mma(
         self, tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, tidx,
         sQ, sdO, sK, sV, sdS, sP, sLSE, sdPsum, pipeline_kv, pipeline_q, pipeline_do,
-        tma_atom_dk, mdK, tma_atom_dv, mdV, mdQaccum, mSemaphore, sdQ,
+        tma_atom_dk, mdK, tma_atom_dv, mdV, mdQaccum, mSemaphore, mSeqUsedK, sdQ,
         n_block, head_kv, batch, group, seqlen_q, seqlen_k, m_block_min, m_block_max,
         softmax_scale, score_prescale, scale_log2, window_left, window_right, deterministic, block_info,
     ):
@@ -647,8 +647,8 @@ class FlashAttentionBackwardSm90:
                 state.advance()
 
         self.epilogue(
-            blocks, thr_mma_dk, thr_mma_dv, sK, sV, tma_atom_dk, mdK, tma_atom_dv, mdV,
-            n_block, head_kv, batch, seqlen_k, softmax_scale,
+            blocks, thr_mma_dk, thr_mma_dv, sK, sV, tma_atom_dk, mdK, tma_atom_dv, mdV, mSeqUsedK,
+            n_block, head_kv, batch, softmax_scale,
         )
 
     @cute.jit
@@ -759,31 +759,28 @@ class FlashAttentionBackwardSm90:
         (causal/local) they add in decreasing order and the grid launches the highest key block
         first (see `kernel`): again every wait is on a CTA dispatched earlier.
         """
-        n_block_lo, n_block_hi = block_info.n_block_range(m_block, seqlen_q, seqlen_k, window_left, window_right)
-        if n_block >= n_block_lo:
-            if n_block < n_block_hi:
-                if cutlass.const_expr(self.config.dq_tma_reduce):
-                    # Wait until the writer's previous TMA has read sdQ, fill it, hand it over.
-                    cute.arch.barrier(barrier_id=self.dq_empty_barrier_id, number_of_threads=self._dq_sync_threads())
-                    tdQsdQ = blocks.thr_mma_dq.partition_C(blocks.sdQ)
-                    for i in cutlass.range_constexpr(cute.size(blocks.acc_dq)):
-                        tdQsdQ[i] = blocks.acc_dq[i]
-                    # Ordinary stores must be made visible to the TMA (async proxy).
-                    cute.arch.fence_view_async_shared()
-                    cute.arch.barrier_arrive(barrier_id=self.dq_full_barrier_id, number_of_threads=self._dq_sync_threads())
-                else:
-                    self._accumulate_dq_red(blocks, gdQaccum, mSemaphore, m_block, n_block, n_block_lo,
-                                            n_block_hi, head, batch, deterministic)
+        adds, turn = self._dq_turn(block_info, m_block, n_block, seqlen_q, seqlen_k, window_left, window_right)
+        if adds:
+            if cutlass.const_expr(self.config.dq_tma_reduce):
+                # Wait until the writer's previous TMA has read sdQ, fill it, hand it over.
+                cute.arch.barrier(barrier_id=self.dq_empty_barrier_id, number_of_threads=self._dq_sync_threads())
+                tdQsdQ = blocks.thr_mma_dq.partition_C(blocks.sdQ)
+                for i in cutlass.range_constexpr(cute.size(blocks.acc_dq)):
+                    tdQsdQ[i] = blocks.acc_dq[i]
+                # Ordinary stores must be made visible to the TMA (async proxy).
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier_arrive(barrier_id=self.dq_full_barrier_id, number_of_threads=self._dq_sync_threads())
+            else:
+                self._accumulate_dq_red(blocks, gdQaccum, mSemaphore, m_block, turn, head, batch,
+                                        deterministic)
 
     @cute.jit
-    def _accumulate_dq_red(self, blocks, gdQaccum, mSemaphore, m_block, n_block, n_block_lo, n_block_hi,
-                           head, batch, deterministic):
+    def _accumulate_dq_red(self, blocks, gdQaccum, mSemaphore, m_block, turn, head, batch, deterministic):
         """Per-thread red.global.add of the dQ_partial registers (in turn when deterministic)."""
         gdQ = cute.local_tile(gdQaccum, (self.tile_m, self.head_dim), (m_block, 0))
         tdQgdQ = blocks.thr_mma_dq.partition_C(gdQ)
         if deterministic != 0:
             semaphore = _elem_ptr(mSemaphore, (batch, head, m_block * (self.tile_m // BWD_SEMAPHORE_ROWS)))
-            turn = self._turn(n_block, n_block_lo, n_block_hi)
             if self._is_first_mma_thread():
                 done = cute.arch.load(semaphore, Int32, sem="acquire", scope="gpu")
                 while done != turn:
@@ -802,12 +799,28 @@ class FlashAttentionBackwardSm90:
         return self.num_mma_threads + 32
 
     @cute.jit
-    def _turn(self, n_block, n_block_lo, n_block_hi) -> Int32:
-        """How many key blocks add into this query block's dQ before n_block (deterministic)."""
-        turn = n_block - n_block_lo
-        if cutlass.const_expr(self._descending_turns()):
-            turn = n_block_hi - 1 - n_block
-        return turn
+    def _dq_turn(self, block_info, m_block, n_block, seqlen_q, seqlen_k, window_left, window_right):
+        """(whether key block n_block adds into query block m_block's dQ, how many key blocks
+        add into it before n_block: its turn in deterministic mode).
+
+        The adding key blocks are the query block's n_block_range. Without a mask that is every
+        block of the entry's keys, each query block this CTA visits takes its add, and the turns
+        count from 0 (a block of padding keys visits no query block: BlockInfo.m_block_range), so
+        the entry's lengths are not read in the main loop: held through it, they made d128 with
+        softcap spill.
+        """
+        adds = cutlass.Boolean(True)
+        turn = n_block
+        if cutlass.const_expr(block_info.has_right_bound):
+            n_block_lo, n_block_hi = block_info.n_block_range(m_block, seqlen_q, seqlen_k, window_left, window_right)
+            adds = cutlass.Boolean(False)
+            if n_block >= n_block_lo:
+                if n_block < n_block_hi:
+                    adds = cutlass.Boolean(True)
+            turn = n_block - n_block_lo
+            if cutlass.const_expr(self._descending_turns()):
+                turn = n_block_hi - 1 - n_block
+        return adds, turn
 
     @cute.jit
     def dq_writer(
@@ -830,37 +843,33 @@ class FlashAttentionBackwardSm90:
                 tma_atom_dq, 0, no_cluster, cute.group_modes(sdQ, 0, 2), cute.group_modes(gdQ, 0, 2)
             )
             for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
-                n_block_lo, n_block_hi = block_info.n_block_range(
-                    m_block, seqlen_q, seqlen_k, window_left, window_right
-                )
-                if n_block >= n_block_lo:
-                    if n_block < n_block_hi:
-                        semaphore = _elem_ptr(mSemaphore, (batch, head, m_block * (self.tile_m // BWD_SEMAPHORE_ROWS)))
-                        turn = self._turn(n_block, n_block_lo, n_block_hi)
-                        cute.arch.barrier(barrier_id=self.dq_full_barrier_id, number_of_threads=self._dq_sync_threads())
-                        if deterministic != 0:
-                            if lane == 0:
+                adds, turn = self._dq_turn(block_info, m_block, n_block, seqlen_q, seqlen_k, window_left, window_right)
+                if adds:
+                    semaphore = _elem_ptr(mSemaphore, (batch, head, m_block * (self.tile_m // BWD_SEMAPHORE_ROWS)))
+                    cute.arch.barrier(barrier_id=self.dq_full_barrier_id, number_of_threads=self._dq_sync_threads())
+                    if deterministic != 0:
+                        if lane == 0:
+                            done = cute.arch.load(semaphore, Int32, sem="acquire", scope="gpu")
+                            while done != turn:
                                 done = cute.arch.load(semaphore, Int32, sem="acquire", scope="gpu")
-                                while done != turn:
-                                    done = cute.arch.load(semaphore, Int32, sem="acquire", scope="gpu")
-                            cute.arch.sync_warp()
-                            # The previous key block's adds (acquired above) precede this TMA.
-                            cute.arch.fence_proxy("async.global")
-                        # The whole warp: the TMA copy elects its issuing lane itself (elect.sync).
-                        cute.copy(tma_atom_dq, tdQsdQ, tdQgdQ[None, m_block])
-                        cute.arch.cp_async_bulk_commit_group()
-                        if deterministic != 0:
-                            # The add is complete in global memory before the turn is passed on
-                            # (as in the red.global path: every lane fences, then one releases).
-                            cute.arch.cp_async_bulk_wait_group(0, read=False)
-                            cute.arch.fence_proxy("async.global")
-                            cute.arch.fence_acq_rel_gpu()
-                            cute.arch.sync_warp()
-                            if lane == 0:
-                                cute.arch.atomic_add(semaphore, Int32(1), sem="release", scope="gpu")
-                        else:
-                            cute.arch.cp_async_bulk_wait_group(0, read=True)
-                        cute.arch.barrier_arrive(barrier_id=self.dq_empty_barrier_id, number_of_threads=self._dq_sync_threads())
+                        cute.arch.sync_warp()
+                        # The previous key block's adds (acquired above) precede this TMA.
+                        cute.arch.fence_proxy("async.global")
+                    # The whole warp: the TMA copy elects its issuing lane itself (elect.sync).
+                    cute.copy(tma_atom_dq, tdQsdQ, tdQgdQ[None, m_block])
+                    cute.arch.cp_async_bulk_commit_group()
+                    if deterministic != 0:
+                        # The add is complete in global memory before the turn is passed on
+                        # (as in the red.global path: every lane fences, then one releases).
+                        cute.arch.cp_async_bulk_wait_group(0, read=False)
+                        cute.arch.fence_proxy("async.global")
+                        cute.arch.fence_acq_rel_gpu()
+                        cute.arch.sync_warp()
+                        if lane == 0:
+                            cute.arch.atomic_add(semaphore, Int32(1), sem="release", scope="gpu")
+                    else:
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                    cute.arch.barrier_arrive(barrier_id=self.dq_empty_barrier_id, number_of_threads=self._dq_sync_threads())
         cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     def _descending_turns(self) -> bool:
@@ -890,8 +899,10 @@ class FlashAttentionBackwardSm90:
 
     @cute.jit
     def epilogue(self, blocks, thr_mma_dk, thr_mma_dv, sK, sV, tma_atom_dk, mdK, tma_atom_dv, mdV,
-                 n_block, head_kv, batch, seqlen_k, softmax_scale):
+                 mSeqUsedK, n_block, head_kv, batch, softmax_scale):
         """dK·softmax_scale and dV: registers -> K's and V's shared buffers -> TMA stores."""
+        # The entry's key count, read again rather than held through the main loop.
+        seqlen_k = cutlass.min(mSeqUsedK[batch], mdK.shape[0])
         if (n_block + 1) * self.tile_n > seqlen_k:
             self.clear_keys_past(thr_mma_dk, blocks.acc_dk, self.head_dim, n_block, seqlen_k)
             self.clear_keys_past(thr_mma_dv, blocks.acc_dv, self.head_dim_v, n_block, seqlen_k)

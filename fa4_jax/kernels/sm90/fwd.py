@@ -21,6 +21,12 @@ longest-first order, its pipelines carrying from tile to tile. Warp-role table:
 Key blocks are visited from the highest to the lowest so the first block carries the sequence
 tail and the causal diagonal; the tail mask, the causal/window masks and the unmasked middle run
 in separate loops (block_info.py) so the common case does no per-element mask work.
+
+Ragged batches: each tile reads its batch entry's valid lengths (mSeqUsedQ, mSeqUsedK; the full
+ones otherwise) and they, not the buffers' sizes, bound its key blocks, masks and offset, so the
+padding keys are masked like a sequence tail; rows past the entry's length come out 0 with
+LSE −inf. The tile schedule stays on the buffers' sizes: a tile wholly past the length visits no
+key block and only writes those zeros.
 """
 import dataclasses
 import functools
