@@ -108,8 +108,8 @@ _BROKEN_KERNEL = """
             pass
 
         @cute.jit
-        def __call__(self, mQ, mK, mV, mO, mLSE, softmax_scale, softcap, window_left,
-                     window_right, stream):
+        def __call__(self, mQ, mK, mV, mO, mLSE, mSeqUsedQ, mSeqUsedK, softmax_scale, softcap,
+                     window_left, window_right, stream):
             this_name_is_not_defined(mQ)
 """
 
