@@ -142,10 +142,16 @@ def _static_attrs(params, tuning: str) -> dict:
 
 
 def _seq_used(q, k, seq_lengths):
-    """The seq_used_q, seq_used_k operands: the ragged lengths, or constants of full ones."""
+    """The seq_used_q, seq_used_k operands: the ragged lengths, or full ones.
+
+    Full lengths are built by jnp (a broadcast in the jaxpr), not numpy: a numpy array would be
+    a closed-over constant, which custom_partitioning (sharding.py) rejects.
+    """
+    import jax.numpy as jnp
+
     if seq_lengths is None:
         b = q.shape[0]
-        return np.full((b,), q.shape[1], np.int32), np.full((b,), k.shape[1], np.int32)
+        return jnp.full((b,), q.shape[1], jnp.int32), jnp.full((b,), k.shape[1], jnp.int32)
     return tuple(lengths.astype(np.int32) for lengths in seq_lengths)
 
 

@@ -16,7 +16,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   fraction=$(python3 -c "print(round(0.9 / $shards, 3))")
   for ((k = 0; k < shards; k++)); do
     XLA_PYTHON_CLIENT_MEM_FRACTION=$fraction timeout "${GPU_TESTS_TIMEOUT:-300}" \
-      python3 -m pytest -m gpu -q -rs -p no:cacheprovider --durations=15 --shard "$k/$shards" \
+      python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider --durations=15 --shard "$k/$shards" \
       ${GPU_TESTS:-tests} > "$logs/$k.log" 2>&1 &
   done
   wait

@@ -193,6 +193,17 @@ def test_lengths_do_not_make_the_kernels_decline(next_key):
                 == ffi.unsupported_reason(q, k, v, dense, kind))
 
 
+def test_dense_calls_pass_full_lengths_as_traced_values(next_key):
+    # The kernels' length operands are built inside the op that sharding.py wraps in
+    # custom_partitioning, which rejects closed-over constants (a numpy array would be one).
+    q, k, v, _, _ = _inputs(next_key, 2, 2, jnp.bfloat16, batch=3)
+    jaxpr = jax.make_jaxpr(lambda q, k: ffi._seq_used(q, k, None))(q, k)
+    assert not jaxpr.consts
+    seq_used_q, seq_used_k = jax.jit(lambda q, k: ffi._seq_used(q, k, None))(q, k)
+    np.testing.assert_array_equal(seq_used_q, [q.shape[1]] * 3)
+    np.testing.assert_array_equal(seq_used_k, [k.shape[1]] * 3)
+
+
 def test_ring_attention_rejects_lengths(next_key):
     q, k, v, _, _ = _inputs(next_key, 2, 2, jnp.float32, batch=2)
     with pytest.raises(NotImplementedError, match="ring_attention does not support "

@@ -230,7 +230,9 @@ print(json.dumps([hashlib.sha256(np.asarray(g).tobytes()).hexdigest() for g in g
 
 
 def test_deterministic_mode_is_bitwise_equal_across_processes(seed):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+    # No preallocation: the parent (and, in a sharded tier run, its sibling processes) already
+    # hold their share of the GPU's memory.
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONPATH=os.pathsep.join(
         p for p in (_REPO, os.environ.get("PYTHONPATH")) if p))
     digests = []
     for _ in range(2):

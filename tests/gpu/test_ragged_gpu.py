@@ -169,8 +169,13 @@ def test_gqa_and_mqa(next_key, heads_q, heads_kv, dtype):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_nan_in_the_padding_reaches_no_output(next_key, causal):
-    """ffi.forward/backward zero the padding: poisoned padding gives the clean call's bits."""
-    q, k, v, d_out, d_lse, q_len, kv_len, clean = _check(next_key, 2, 2, 128, causal=causal)
+    """ffi.forward/backward zero the padding: poisoned padding gives the clean call's bits.
+
+    Deterministic mode: the default mode's dQ reduce-adds land in any order, so two clean
+    calls can differ in the last bit too.
+    """
+    q, k, v, d_out, d_lse, q_len, kv_len, clean = _check(next_key, 2, 2, 128, causal=causal,
+                                                         deterministic=True)
     q_pad, kv_pad = _padding(q_len, kv_len)
 
     def poisoned(x, pad, value):
@@ -178,7 +183,7 @@ def test_nan_in_the_padding_reaches_no_output(next_key, causal):
 
     dirty = _kernel(poisoned(q, q_pad, jnp.nan), poisoned(k, kv_pad, jnp.inf),
                     poisoned(v, kv_pad, jnp.nan), poisoned(d_out, q_pad, jnp.nan), d_lse, q_len,
-                    kv_len, causal=causal)
+                    kv_len, causal=causal, deterministic=True)
     for name, want, got in zip(("out", "lse", "dq", "dk", "dv"), clean, dirty):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want),
                                       err_msg=f"{name}: the padding's contents leaked")
@@ -186,13 +191,14 @@ def test_nan_in_the_padding_reaches_no_output(next_key, causal):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_full_lengths_give_the_dense_calls_bits(next_key, causal):
-    """A ragged call whose lengths are all full runs the same kernels on the same values."""
+    """A ragged call whose lengths are all full runs the same kernels on the same values
+    (deterministic mode, so that dQ's order of additions is fixed too)."""
     q, k, v, d_out, d_lse = _inputs(next_key, 2, 4, 2, 128, jnp.bfloat16)
     q_len = jnp.full((2,), SEQLEN_Q, jnp.int32)
     kv_len = jnp.full((2,), SEQLEN_K, jnp.int32)
     _require_kernels(q, k, v, causal=causal)
-    ragged = _kernel(q, k, v, d_out, d_lse, q_len, kv_len, causal=causal)
-    dense = _kernel(q, k, v, d_out, d_lse, None, None, causal=causal)
+    ragged = _kernel(q, k, v, d_out, d_lse, q_len, kv_len, causal=causal, deterministic=True)
+    dense = _kernel(q, k, v, d_out, d_lse, None, None, causal=causal, deterministic=True)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), ragged, dense):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 

@@ -46,8 +46,8 @@ otherwise): seqlen_q and seqlen_k above are the entry's, clamped to the buffers,
 past them is zero (ffi.backward zeroes Q, K, V and dO there): padded rows get LSElog2 = +inf and
 D = 0 from the preprocess, so P = dS = 0 and their dQ rows stay 0 (the postprocess writes 0 there
 anyway); padded keys are loaded (a TMA box cannot stop at a per-entry length) and masked like the
-tail above, and their dK/dV registers are cleared before the store; key blocks wholly past the
-length visit no query block and store zeros.
+tail above, so their dK/dV rows are exact zeros; key blocks wholly past the length visit no query
+block and store zeros.
 """
 import dataclasses
 import functools
@@ -621,11 +621,11 @@ class FlashAttentionBackwardSm90:
             thread_col=blocks.thread_origin[1], n_block=n_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
             window_left=window_left, window_right=window_right,
         )
-        mask_key_tail = functools.partial(
-            mask.apply_key_tail, coords0=blocks.score_coords0, thread_row=blocks.thread_origin[0],
-            n_block=n_block, seqlen_k=seqlen_k,
-        )
         key_tail = (n_block + 1) * self.tile_n > seqlen_k
+        mask_key_tail = functools.partial(
+            self.mask_key_tail, mask=mask, blocks=blocks, n_block=n_block, mSeqUsedK=mSeqUsedK,
+            batch=batch, key_buffer=mdK.shape[0],
+        )
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipeline_kv.consumer_wait(kv_state)
@@ -647,9 +647,20 @@ class FlashAttentionBackwardSm90:
                 state.advance()
 
         self.epilogue(
-            blocks, thr_mma_dk, thr_mma_dv, sK, sV, tma_atom_dk, mdK, tma_atom_dv, mdV, mSeqUsedK,
+            blocks, thr_mma_dk, thr_mma_dv, sK, sV, tma_atom_dk, mdK, tma_atom_dv, mdV,
             n_block, head_kv, batch, softmax_scale,
         )
+
+    @cute.jit
+    def mask_key_tail(self, tile, mask, blocks, n_block, mSeqUsedK, batch, key_buffer,
+                      fill: cutlass.Constexpr[float] = -math.inf):
+        """Rows of keys past the entry's length in a transposed tile (keys × queries) to `fill`.
+
+        The length is loaded again on each use rather than held through the main loop: held,
+        it made d128 with softcap spill.
+        """
+        seqlen_k = cutlass.min(mSeqUsedK[batch], key_buffer)
+        mask.apply_key_tail(tile, blocks.score_coords0, blocks.thread_origin[0], n_block, seqlen_k, fill=fill)
 
     @cute.jit
     def query_block(self, blocks, state, m_block, needs_mask, apply_mask, key_tail, mask_key_tail):
@@ -899,13 +910,8 @@ class FlashAttentionBackwardSm90:
 
     @cute.jit
     def epilogue(self, blocks, thr_mma_dk, thr_mma_dv, sK, sV, tma_atom_dk, mdK, tma_atom_dv, mdV,
-                 mSeqUsedK, n_block, head_kv, batch, softmax_scale):
+                 n_block, head_kv, batch, softmax_scale):
         """dK·softmax_scale and dV: registers -> K's and V's shared buffers -> TMA stores."""
-        # The entry's key count, read again rather than held through the main loop.
-        seqlen_k = cutlass.min(mSeqUsedK[batch], mdK.shape[0])
-        if (n_block + 1) * self.tile_n > seqlen_k:
-            self.clear_keys_past(thr_mma_dk, blocks.acc_dk, self.head_dim, n_block, seqlen_k)
-            self.clear_keys_past(thr_mma_dv, blocks.acc_dv, self.head_dim_v, n_block, seqlen_k)
         dk_out = cute.make_rmem_tensor_like(blocks.acc_dk, self.dtype)
         dk_out.store((blocks.acc_dk.load() * softmax_scale).to(self.dtype))
         dv_out = cute.make_rmem_tensor_like(blocks.acc_dv, self.dtype)
@@ -939,12 +945,3 @@ class FlashAttentionBackwardSm90:
             cute.copy(tma_atom_dv, tdVsdV_tma, tdVgdV)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-    @cute.jit
-    def clear_keys_past(self, thr_mma, acc, cols: cutlass.Constexpr[int], n_block, seqlen_k):
-        """acc rows of keys at or past seqlen_k to 0. Rows past the buffer are never stored;
-        a ragged entry's padding keys are, and their zeroed K still gave them P ≠ 0."""
-        keys = thr_mma.partition_C(cute.make_identity_tensor((self.tile_n, cols)))
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            if n_block * self.tile_n + keys[i][0] >= seqlen_k:
-                acc[i] = Float32(0.0)
