@@ -234,7 +234,8 @@ def train(name: str, model: Decoder, config: DemoConfig, sampler: BatchSampler, 
             timed_from = time.perf_counter()
             continue
         elapsed = time.perf_counter() - timed_from
-        progress.set_postfix(loss=f"{losses[-1]:.4f}",
+        # refresh=False: set_postfix would otherwise redraw on every step, past mininterval.
+        progress.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False,
                              tok_s=f"{step * tokens_per_step / elapsed:,.0f}")
     progress.close()
     steps_timed = config.steps - 1

@@ -4,7 +4,7 @@ One `__call__` launches three kernels on the stream, in order:
 
 1. `BackwardPreprocess` (kernels/bwd_pre.py): D = rowsum(dO ∘ O) − dLSE → mdPsum, and
    lse·log2(e) → mLSElog2 (+inf for padded rows and rows with no visible key, so their P is 0).
-2. The main kernel below: dK and dV of one key block, and dS·K atomically added into mdQaccum.
+2. The main kernel below: dK and dV of one key block, and dS·K added into mdQaccum.
 3. `BackwardPostprocess` (kernels/bwd_post.py): dQ = softmax_scale · mdQaccum → mdQ.
 
 Main kernel: one CTA per (key block of tile_n keys, kv head, batch); it walks the q heads of its
@@ -21,9 +21,11 @@ the group inside the CTA). Warp-role table:
     window mask first, only on tiles that cross the band: BlockInfo.tile_needs_mask);
     dV += Pᵀ·dO issued, then dSᵀ = Pᵀ∘(dPᵀ − D) while it runs; dK += dSᵀ·Q;
     dSᵀ to shared memory (stmatrix), a named barrier, then dQ_partial = dS·K (WGMMA, dS read as
-    an M-major view of dSᵀ); dQ_partial added into mdQaccum with `red.global.add.v2.f32`; in
-    deterministic mode in increasing key-block order per (batch, head, query block), each CTA
-    waiting on mSemaphore for its turn.
+    an M-major view of dSᵀ); dQ_partial added into mdQaccum: at d64/d128 (`dq_tma_reduce`)
+    through a shared fp32 tile and one TMA reduce-add issued by a dQ-writer warp of warp group
+    0, otherwise by per-thread `red.global.add.v2.f32`. In deterministic mode the adds into a
+    (batch, head, query block) go in a fixed key-block order (decreasing under a causal/local
+    mask: `det_descending`), each waiting on mSemaphore for its turn.
     With softcap, Sᵀ and dPᵀ are both awaited and one pass computes t = tanh(Sᵀ·scale/softcap),
     Pᵀ and dSᵀ = Pᵀ∘(dPᵀ − D)∘(1 − t²); the mask then zeroes Pᵀ and dSᵀ (masking the scores
     to −inf first would leave no t for the derivative).
