@@ -62,16 +62,23 @@ class TileConfig:
     masked_scheduler: str = "lpt_single"
     # MMA warp groups of 64 query rows each: tile_m = 64 · mma_warp_groups.
     mma_warp_groups: int = 2
+    # O staged in its own shared buffer instead of Q's. Q's buffer then frees once the tile's
+    # last Q·Kᵀ GEMM retires, so a persistent CTA loads the next tile's Q during the last P·V
+    # and the epilogue; with O in Q's buffer that load waits for the O store (the ~6.6 µs per
+    # tile fixed cost at s = 1k, docs/perf-log.md, is what this tries to shrink). Costs
+    # tile_m·dv·2 bytes of shared memory (d128: 32 KB; d256 has no room).
+    separate_o: bool = False
 
     def smem_bytes(self, head_dim: int, head_dim_v: int, elem_bytes: int = 2) -> int:
-        """Q (whose buffer O reuses) plus the K/V ring, as laid out by SharedStorage."""
-        q_o = self.tile_m * max(head_dim, head_dim_v)
+        """Q and O (one buffer unless separate_o) plus the K/V ring, as laid out by SharedStorage."""
+        q_o = (self.tile_m * (head_dim + head_dim_v) if self.separate_o
+               else self.tile_m * max(head_dim, head_dim_v))
         return elem_bytes * (q_o + self.kv_stages * self.tile_n * (head_dim + head_dim_v))
 
 
 # Constructor overrides of a TileConfig, for ablation variants compiled side by side.
 TUNING_KNOBS = ("pingpong", "rescale_threshold", "exp2_poly_share", "scheduler", "mma_warp_groups",
-                "tile_n", "kv_stages")
+                "tile_n", "kv_stages", "separate_o")
 # setmaxnreg budget of each MMA thread by MMA warp-group count: the 64K registers of an SM less
 # the producer group's 128 · 24, shared by the MMA threads, rounded down to a multiple of 8.
 MMA_REGISTERS = {2: 240, 3: 160}
@@ -177,7 +184,7 @@ class FlashAttentionForwardSm90:
         """`tuning` overrides the tile table's settings (TUNING_KNOBS): pingpong (bool),
         rescale_threshold (float, log2 units; 0 = rescale whenever the maximum grows),
         exp2_poly_share (float in [0, 1]), scheduler ("linear", "lpt", "lpt_single") and
-        mma_warp_groups (2 or 3; tile_m = 64 per group), tile_n and kv_stages."""
+        mma_warp_groups (2 or 3; tile_m = 64 per group), tile_n, kv_stages and separate_o."""
         if mask not in ("none", "causal", "local"):
             raise ValueError(f"mask must be 'none', 'causal' or 'local', got {mask!r}")
         if (head_dim, head_dim_v) not in TILE_CONFIGS:
@@ -196,7 +203,8 @@ class FlashAttentionForwardSm90:
         config = dataclasses.replace(
             config,
             softmax=dataclasses.replace(config.softmax, **softmax_tuning),
-            **{k: tuning[k] for k in ("pingpong", "scheduler", "tile_n", "kv_stages") if k in tuning},
+            **{k: tuning[k] for k in ("pingpong", "scheduler", "tile_n", "kv_stages", "separate_o")
+               if k in tuning},
         )
         if "scheduler" in tuning:
             config = dataclasses.replace(config, masked_scheduler=tuning["scheduler"])
@@ -223,6 +231,35 @@ class FlashAttentionForwardSm90:
         self.mma_registers = MMA_REGISTERS[config.mma_warp_groups]
         self.num_mma_threads = len(self.mma_warp_groups) * self.threads_per_warp_group
         self.num_threads = self.num_mma_threads + self.threads_per_warp_group
+
+    def _shared_storage(self, sQ_layout, sK_layout, sV_layout, sO_layout):
+        """The CTA's shared memory: barriers, Q (which O reuses unless separate_o), the K/V ring."""
+        kv_stages, dtype = self.kv_stages, self.dtype
+        q_elems = max(cute.cosize(sQ_layout), cute.cosize(sO_layout))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * kv_stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * kv_stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[dtype, q_elems], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sV_layout)], 1024]
+
+        if not self.config.separate_o:
+            return SharedStorage
+
+        @cute.struct
+        class SharedStorageSeparateO:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * kv_stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * kv_stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sV_layout)], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sO_layout)], 1024]
+
+        return SharedStorageSeparateO
 
     @cute.jit
     def __call__(
@@ -283,18 +320,7 @@ class FlashAttentionForwardSm90:
         self.tma_bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
         self.tma_bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
 
-        q_o_elems = max(cute.cosize(sQ_layout), cute.cosize(sO_layout))
-
-        @cute.struct
-        class SharedStorage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
-            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, q_o_elems], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
-
-        self.shared_storage = SharedStorage
+        self.shared_storage = self._shared_storage(sQ_layout, sK_layout, sV_layout, sO_layout)
 
         # With softcap the scores become tanh(s·scale/softcap), and softcap·log2(e) carries them
         # into the exp2 domain; without it, scale·log2(e) does.
@@ -314,7 +340,7 @@ class FlashAttentionForwardSm90:
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
-            smem=SharedStorage.size_in_bytes(),
+            smem=self.shared_storage.size_in_bytes(),
             stream=stream,
             min_blocks_per_mp=1,
         )
@@ -353,12 +379,13 @@ class FlashAttentionForwardSm90:
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         # Consumers release a stage once per warp (the pipeline elects one lane per warp).
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
-        # Q's buffer is released by the one warp that stores O from it (the buffer doubles as O's
-        # staging area), once its TMA store has read it: the next tile's Q may then overwrite it.
+        # Q's buffer is released by the one thread that stores O from it (the buffer doubles as
+        # O's staging area), once its TMA store has read it: the next tile's Q may then overwrite
+        # it. With separate_o every MMA warp releases it after its last Q·Kᵀ GEMM.
+        q_consumers = consumers if self.config.separate_o else pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         pipeline_q = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=producer,
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            tx_count=self.tma_bytes_q, defer_sync=True,
+            consumer_group=q_consumers, tx_count=self.tma_bytes_q, defer_sync=True,
         )
         pipeline_k = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.kv_stages, producer_group=producer,
@@ -371,7 +398,8 @@ class FlashAttentionForwardSm90:
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        o_storage = storage.sO if self.config.separate_o else storage.sQ
+        sO = o_storage.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
 
@@ -425,7 +453,8 @@ class FlashAttentionForwardSm90:
 
             n_blocks = n_block_max - n_block_min
             # The first K goes out before Q: Q's buffer frees only once the previous tile's O has
-            # been stored from it, and the K load need not wait for that.
+            # been stored from it (or, with separate_o, its last Q·Kᵀ GEMM retired), and the K
+            # load need not wait for that.
             if n_blocks > 0:
                 pipeline_k.producer_acquire(kv_state)
                 cute.copy(tma_atom_k, tKgK[None, n_block_max - 1], tKsK[None, kv_state.index],
@@ -524,9 +553,15 @@ class FlashAttentionForwardSm90:
                     for _ in cutlass.range(n_block + 1 - n_block_min, unroll=1):
                         kv_state = masked(kv_state, n_block)
                         n_block -= 1
+                # Every Q·Kᵀ GEMM of the tile has retired (each block waits for its own).
+                if cutlass.const_expr(self.config.separate_o):
+                    pipeline_q.consumer_release(q_state)
                 self.mma_last_pv(blocks, kv_state)
                 # kv_state held the last block's slot; the next tile starts at the one after it.
                 kv_state.advance()
+            if cutlass.const_expr(self.config.separate_o):
+                if n_block_max <= n_block_min:
+                    pipeline_q.consumer_release(q_state)
 
             lse = cute.make_rmem_tensor_like(softmax.row_max, Float32)
             softmax.finalize(row_scale, lse)
@@ -538,6 +573,10 @@ class FlashAttentionForwardSm90:
             self.epilogue(tiled_mma_pv, thr_mma_pv, tidx, acc_o, lse, sO, tma_atom_o, mO, mLSE,
                           m_block, head, batch, problem.seqlen_q, pipeline_q, q_state)
             q_state.advance()
+        if cutlass.const_expr(self.config.separate_o):
+            # The last tile's O store must have read sO before the CTA's shared memory goes.
+            if tidx == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def clear_rows_past(self, thr_mma_pv, row_scale, lse, m_block, seqlen_q):
@@ -652,7 +691,12 @@ class FlashAttentionForwardSm90:
         # O: registers -> shared memory (Q's buffer: every WGMMA reading it has completed) -> TMA.
         o_out = cute.make_rmem_tensor_like(acc_o, self.dtype)
         o_out.store(acc_o.load().to(self.dtype))
-        # Both warp groups must be done reading Q before O overwrites it (layouts differ if dv != d).
+        if cutlass.const_expr(self.config.separate_o):
+            # The previous tile's O store must have read sO before it is overwritten.
+            if tidx == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        # Both warp groups must be done reading Q (or, with separate_o, the previous store done
+        # reading sO) before O overwrites it (layouts differ if dv != d).
         cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.num_mma_threads)
         # The thread's slice is rebuilt from an opaque index so its swizzled addresses are
         # computed here, not hoisted out of a persistent kernel's tile loop (see opaque_int32).
@@ -671,6 +715,7 @@ class FlashAttentionForwardSm90:
             )
             cute.copy(tma_atom_o, tOsO_tma, tOgO_tma)
             cute.arch.cp_async_bulk_commit_group()
-            # Once the store has read O out of Q's buffer, the producer may load the next Q there.
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-            pipeline_q.consumer_release(q_state)
+            if cutlass.const_expr(not self.config.separate_o):
+                # Once the store has read O out of Q's buffer, the producer may load the next Q.
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                pipeline_q.consumer_release(q_state)
