@@ -23,8 +23,9 @@ and on any machine, on the CPU with tiny shapes, to test the harness itself:
 Timer (the one ANCHORS.md used for its JAX peers): a jit'd step is called `calls` times in a Python
 loop, dispatches queued asynchronously and rotating between two input sets, then the last result is
 blocked on; the wall time over `calls` is one sample, and the figure is the median of `repeats`
-samples. The first two calls are warm-up and are excluded; the first call's time minus a warm call's
-is reported as compile time. Dispatch is counted, so short calls (1k tokens) read a few percent low
+samples. The first two calls and then --warmup-s (0.3 s) of calls are warm-up and are excluded (the
+GPU's clocks drop while the next peer compiles); the first call's time minus a warm call's is
+reported as compile time. Dispatch is counted, so short calls (1k tokens) read a few percent low
 against CUDA-event timing, exactly as in ANCHORS.md.
 
 FLOPs: forward 4·b·h·sq·sk·d, halved when causal; forward+backward counts 3.5× the forward.
@@ -57,13 +58,13 @@ INPUT_SETS = 2  # rotate between two input sets so no call finds its inputs alre
 PRESETS = {
     "h200": dict(
         tokens=16384, hidden=2048, head_dims=(64, 128, 256), seqlens=(1024, 4096, 16384),
-        calls=20, repeats=5, max_xla_seqlen=4096, fa4_implementation="cute",
+        calls=20, repeats=5, warmup_s=0.3, max_xla_seqlen=4096, fa4_implementation="cute",
     ),
     # max_xla_seqlen is below the largest seqlen so that the skip path runs too; fa4_jax uses its
     # pure-JAX reference backend because the "cute" kernels need a GPU.
     "dry_run": dict(
         tokens=512, hidden=256, head_dims=(64, 128), seqlens=(128, 256),
-        calls=3, repeats=2, max_xla_seqlen=128, fa4_implementation="reference",
+        calls=3, repeats=2, warmup_s=0.0, max_xla_seqlen=128, fa4_implementation="reference",
     ),
 }
 
@@ -85,6 +86,7 @@ class Settings:
     repeats: int
     max_call_s: float
     max_case_s: float
+    warmup_s: float
     max_xla_seqlen: int
     fa4_implementation: str
 
@@ -355,6 +357,16 @@ def time_step(step: Callable, input_sets: list[tuple], settings: Settings) -> Ti
                       f"one call took {warm_s:.3g} s > --max-call-s: timed once, not looped")
     # Keep the whole case under max_case_s: long calls get shorter loops, never fewer repeats.
     calls = max(1, min(settings.calls, int(settings.max_case_s / (settings.repeats * warm_s))))
+    # The GPU idles while the next peer compiles and its clocks drop; a 1k case's whole timing
+    # (5 × 20 calls of ~0.3 ms) is shorter than the ramp back, which read as ±9% between two
+    # identical kernels (docs/perf-log.md, separate_o). Keep it busy for warmup_s first.
+    warm_until = time.perf_counter() + settings.warmup_s
+    i = 0
+    while time.perf_counter() < warm_until:
+        result = step(*input_sets[i % len(input_sets)])
+        i += 1
+        if i % calls == 0:
+            jax.block_until_ready(result)
     samples_ms = []
     for _ in range(settings.repeats):
         start = time.perf_counter()
@@ -673,6 +685,9 @@ def parse_args(argv):
                         "that extrapolate above it are skipped")
     p.add_argument("--max-case-s", type=float, default=5.0,
                    help="shorten the loop so one (case, peer) spends at most this timing")
+    p.add_argument("--warmup-s", type=float,
+                   help="keep the GPU busy with a case's own calls this long before timing it "
+                        "(clocks drop while the next peer compiles; 0.3)")
     p.add_argument("--max-xla-seqlen", type=int, help="XLA is skipped above this seqlen (4096)")
     p.add_argument("--fa4-implementation", help='fa4_jax implementation= ("cute")')
     p.add_argument("--time-budget-s", type=float, default=420.0,
@@ -703,7 +718,8 @@ def main(argv=None) -> int:
     settings = Settings(
         tokens=args.tokens, hidden=args.hidden, dtype=args.dtype, calls=args.calls,
         repeats=args.repeats, max_call_s=args.max_call_s, max_case_s=args.max_case_s,
-        max_xla_seqlen=args.max_xla_seqlen, fa4_implementation=args.fa4_implementation)
+        warmup_s=args.warmup_s, max_xla_seqlen=args.max_xla_seqlen,
+        fa4_implementation=args.fa4_implementation)
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     cases = cases_in_priority_order(settings, args.modes, args.head_dims, args.seqlens, causals)
     peers = list(args.peers) + [TUNING_PREFIX + name for name in args.fa4_tunings] + [
@@ -716,7 +732,8 @@ def main(argv=None) -> int:
         jax=jax.__version__, argv=sys.argv[1:], settings=dataclasses.asdict(settings),
         timer=(f"jit'd step dispatched {settings.calls}x in a Python loop over {INPUT_SETS} input "
                f"sets, block_until_ready on the last; median of {settings.repeats}; two warm-up "
-               "calls excluded; compile_s = first call - warm call"),
+               f"calls and {settings.warmup_s} s of calls excluded; compile_s = first call - "
+               "warm call"),
         flops=f"fwd 4*b*h*s*s*d, halved causal; fwd_bwd {FWD_BWD_FLOP_FACTOR}x fwd",
         started_unix=time.time())
     print(f"{len(cases)} cases x {len(peers)} peers on {meta['device']} ({meta['backend']}), "
