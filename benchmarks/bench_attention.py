@@ -357,9 +357,9 @@ def time_step(step: Callable, input_sets: list[tuple], settings: Settings) -> Ti
                       f"one call took {warm_s:.3g} s > --max-call-s: timed once, not looped")
     # Keep the whole case under max_case_s: long calls get shorter loops, never fewer repeats.
     calls = max(1, min(settings.calls, int(settings.max_case_s / (settings.repeats * warm_s))))
-    # The GPU idles while the next peer compiles and its clocks drop; a 1k case's whole timing
-    # (5 × 20 calls of ~0.3 ms) is shorter than the ramp back, which read as ±9% between two
-    # identical kernels (docs/perf-log.md, separate_o). Keep it busy for warmup_s first.
+    # The GPU idles while the next peer compiles and its clocks may drop; a 1k case's whole
+    # timing (5 × 20 calls of ~0.3 ms) is shorter than a ramp back, the suspected cause of two
+    # identical kernels reading 9% apart (docs/perf-log.md, separate_o). Keep it busy first.
     warm_until = time.perf_counter() + settings.warmup_s
     i = 0
     while time.perf_counter() < warm_until:
