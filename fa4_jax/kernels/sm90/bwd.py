@@ -69,7 +69,9 @@ from fa4_jax.kernels.bwd_pre import BackwardPreprocess
 from fa4_jax.kernels.common.block_info import BlockInfo
 from fa4_jax.kernels.common.layouts import acc_as_operand_a, acc_rows_cols
 from fa4_jax.kernels.common.mask import AttentionMask
-from fa4_jax.kernels.sm90.operands import permute_modes, smem_layout, wgmma_gemm
+from fa4_jax.kernels.sm90.operands import (
+    permute_modes, smem_layout, swizzled_tensor, tma_pipeline, wgmma_gemm,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -425,35 +427,24 @@ class FlashAttentionBackwardSm90:
                 cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
-        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        # Consumers release a stage once per warp (the pipeline elects one lane per warp).
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
-        pipeline_kv = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, producer_group=producer,
-            consumer_group=consumers, tx_count=self.tma_bytes_kv, defer_sync=True,
-        )
-        pipeline_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.stages, producer_group=producer,
-            consumer_group=consumers, tx_count=self.tma_bytes_q, defer_sync=True,
-        )
-        pipeline_do = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.stages, producer_group=producer,
-            consumer_group=consumers, tx_count=self.tma_bytes_do, defer_sync=True,
-        )
+        mma_warps = self.num_mma_threads // 32
+        pipeline_kv = tma_pipeline(storage.mbar_kv, 1, mma_warps, self.tma_bytes_kv)
+        pipeline_q = tma_pipeline(storage.mbar_q, self.stages, mma_warps, self.tma_bytes_q)
+        pipeline_do = tma_pipeline(storage.mbar_do, self.stages, mma_warps, self.tma_bytes_do)
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
 
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sdS = storage.sdS.get_tensor(sPdS_layout.outer, swizzle=sPdS_layout.inner)
+        sQ = swizzled_tensor(storage.sQ, sQ_layout)
+        sdO = swizzled_tensor(storage.sdO, sdO_layout)
+        sK = swizzled_tensor(storage.sK, sK_layout)
+        sV = swizzled_tensor(storage.sV, sV_layout)
+        sdS = swizzled_tensor(storage.sdS, sPdS_layout)
         sP = None
         if cutlass.const_expr(not self.config.dkv_from_registers):
-            sP = storage.sP.get_tensor(sPdS_layout.outer, swizzle=sPdS_layout.inner)
+            sP = swizzled_tensor(storage.sP, sPdS_layout)
         sLSE = storage.sLSE.get_tensor(sRow_layout)
         sdQ = None
         if cutlass.const_expr(self.config.dq_tma_reduce):
-            sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
+            sdQ = swizzled_tensor(storage.sdQ, sdQ_layout)
         sdPsum = storage.sdPsum.get_tensor(sRow_layout)
 
         block_x, head_kv, batch = cute.arch.block_idx()

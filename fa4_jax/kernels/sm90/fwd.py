@@ -45,7 +45,9 @@ from fa4_jax.kernels.common.layouts import acc_as_operand_a, acc_rows_cols, opaq
 from fa4_jax.kernels.common.mask import AttentionMask
 from fa4_jax.kernels.common.softmax import OnlineSoftmax, SoftmaxConfig, scale_rows
 from fa4_jax.kernels.common.tile_scheduler import TileScheduler
-from fa4_jax.kernels.sm90.operands import permute_modes, smem_layout, wgmma_gemm
+from fa4_jax.kernels.sm90.operands import (
+    permute_modes, smem_layout, swizzled_tensor, tma_pipeline, wgmma_gemm,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -376,32 +378,20 @@ class FlashAttentionForwardSm90:
                 cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
-        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        # Consumers release a stage once per warp (the pipeline elects one lane per warp).
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+        mma_warps = self.num_mma_threads // 32
         # Q's buffer is released by the one thread that stores O from it (the buffer doubles as
         # O's staging area), once its TMA store has read it: the next tile's Q may then overwrite
         # it. With separate_o every MMA warp releases it after its last Q·Kᵀ GEMM.
-        q_consumers = consumers if self.config.separate_o else pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        pipeline_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=producer,
-            consumer_group=q_consumers, tx_count=self.tma_bytes_q, defer_sync=True,
-        )
-        pipeline_k = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.kv_stages, producer_group=producer,
-            consumer_group=consumers, tx_count=self.tma_bytes_k, defer_sync=True,
-        )
-        pipeline_v = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.kv_stages, producer_group=producer,
-            consumer_group=consumers, tx_count=self.tma_bytes_v, defer_sync=True,
-        )
+        q_arrivals = mma_warps if self.config.separate_o else 1
+        pipeline_q = tma_pipeline(storage.mbar_q, 1, q_arrivals, self.tma_bytes_q)
+        pipeline_k = tma_pipeline(storage.mbar_k, self.kv_stages, mma_warps, self.tma_bytes_k)
+        pipeline_v = tma_pipeline(storage.mbar_v, self.kv_stages, mma_warps, self.tma_bytes_v)
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
 
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        o_storage = storage.sO if self.config.separate_o else storage.sQ
-        sO = o_storage.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sQ = swizzled_tensor(storage.sQ, sQ_layout)
+        sO = swizzled_tensor(storage.sO if self.config.separate_o else storage.sQ, sO_layout)
+        sK = swizzled_tensor(storage.sK, sK_layout)
+        sV = swizzled_tensor(storage.sV, sV_layout)
 
         problem = _Problem(mQ.shape[0], mK.shape[0], mQ.shape[2], mK.shape[2], mQ.shape[3], mSeqUsedQ, mSeqUsedK)
         block_info = BlockInfo(self.tile_m, self.tile_n, self.causal, self.local)

@@ -1,7 +1,9 @@
 """What the Hopper forward and backward kernels both build: WGMMA shared-memory operand layouts,
-the GEMM issue of one WGMMA batch, and mode-permuted views of global tensors."""
+the GEMM issue of one WGMMA batch, mode-permuted views of global tensors, and the TMA-filled
+shared-memory rings."""
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.tensor_utils import LayoutEnum
@@ -50,3 +52,24 @@ def wgmma_gemm(tiled_mma, acc, frag_a, frag_b, zero_init: cutlass.Constexpr[bool
     warpgroup.commit_group()
     if cutlass.const_expr(wait_group >= 0):
         warpgroup.wait_group(wait_group)
+
+
+def tma_pipeline(barriers, num_stages: int, consumer_arrivals: int, tx_count: int):
+    """A ring of num_stages shared buffers that one producer thread fills by TMA.
+
+    `barriers` is the ring's mbarrier storage (2 per stage); a stage frees after
+    `consumer_arrivals` arrivals: the number of consumer warps (the pipeline elects one lane per
+    warp), or 1 for a buffer that one thread releases. Barrier initialisation is deferred to the
+    kernel's one `pipeline_init_arrive` / `pipeline_init_wait` pair.
+    """
+    return pipeline.PipelineTmaAsync.create(
+        barrier_storage=barriers.data_ptr(), num_stages=num_stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_arrivals),
+        tx_count=tx_count, defer_sync=True,
+    )
+
+
+def swizzled_tensor(storage_field, layout):
+    """A shared-memory struct field viewed through a swizzled (composed) layout."""
+    return storage_field.get_tensor(layout.outer, swizzle=layout.inner)
