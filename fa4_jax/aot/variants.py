@@ -40,6 +40,9 @@ TUNINGS: dict[str, dict] = {
     # every backward tuning both ways (fa4_jax_bwd:NAME, fa4_jax_bwd_det:NAME).
     "det_asc": {"det_descending": False},  # deterministic causal/local: dQ adds in increasing order
     "dq_atomic": {"dq_tma_reduce": False},  # dQ by per-thread red.global.add from the MMA warps
+    # d256: the TMA dQ reduce, paid for with single-buffered Q/dO (and dSᵀ/Pᵀ) rings: its 64 KB
+    # sdQ does not fit beside the default two stages.
+    "dq_tma_1stage": {"dq_tma_reduce": True, "stages": 1, "pds_stages": 1},
 }
 # (kind, head dim, tunings) of the ablations, bf16, masks none and causal. The TMA dQ reduce
 # (the backward default at d64/d128) needs 32 KB more shared memory at d128, which d256 (1 KB
@@ -50,7 +53,7 @@ ABLATIONS = (
     ("fwd", 256, ("lpt", "linear")),
     ("bwd", 64, ("det_asc", "dq_atomic")),
     ("bwd", 128, ("det_asc", "dq_atomic")),
-    ("bwd", 256, ("det_asc",)),
+    ("bwd", 256, ("det_asc", "dq_tma_1stage")),
 )
 
 

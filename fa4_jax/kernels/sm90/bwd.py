@@ -94,8 +94,9 @@ class TileConfig:
     # (cp.reduce.async.bulk.tensor .add.f32) issued by a dQ-writer warp of the producer warp group
     # (FlashAttention-3's scheme), instead of per-thread red.global.add.v2.f32 from the MMA warp
     # groups; in deterministic mode that warp, not the MMA warps, waits for the turn. Needs
-    # tile_m·d·4 bytes more shared memory (d128: 32 KB), so only for dkv_from_registers shapes,
-    # and whole 128-byte swizzle atoms per warp group's half of d (d64, d128; not d96).
+    # tile_m·d·4 bytes more shared memory (d128: 32 KB; d256: 64 KB, which fits only with
+    # single-buffered Q/dO and dSᵀ/Pᵀ: the `dq_tma_1stage` ablation), and whole 128-byte swizzle
+    # atoms per warp group's half of d (d64, d128, d256; not d96, d192).
     # Measured at d128 4k/16k: 521/555 TF/s fwd+bwd vs 443/468 with red.global (backward v1).
     dq_tma_reduce: bool = False
 
@@ -107,7 +108,8 @@ class TileConfig:
 #   d96:  2·(2·64·192 + 128·192 + 2·128·64)   = 128 KB
 #   d128: 2·(2·64·256 + 128·256 + 2·128·64)   = 160 KB
 #   d192/dv128: 2·(2·64·320 + 64·320 + 2·2·64·64) = 152 KB
-#   d256: 2·(2·64·512 + 64·512 + 2·2·64·64)   = 224 KB (+1.5 KB of LSE/D slices and barriers)
+#   d256: 2·(2·64·512 + 64·512 + 2·2·64·64)   = 224 KB (+1.5 KB of LSE/D slices and barriers);
+#         one stage and one dSᵀ/Pᵀ buffer: 144 KB, + 64 KB of fp32 sdQ = 208 KB
 # Registers per MMA thread (240 budget): with dkv_from_registers a warp group holds dK and dV of
 # 64 keys (d128: 64 + 64 fp32), Sᵀ and dPᵀ (32 + 32) and their 16-bit copies: unconstrained,
 # ptxas would take 236-240 at d128 (250-255 with softcap) and fits all of them in 240 without
@@ -125,6 +127,7 @@ TILE_CONFIGS = {
 }
 
 LOG2_E = math.log2(math.e)
+SM90_SMEM_BYTES = 227 * 1024  # the most dynamic shared memory an sm_90 CTA may use
 
 
 def _elem_ptr(tensor: cute.Tensor, index):
@@ -207,9 +210,8 @@ class FlashAttentionBackwardSm90:
         self.num_threads = self.num_mma_threads + self.threads_per_warp_group
         assert self.tile_m % BWD_SEMAPHORE_ROWS == 0 and 128 % self.tile_m == 0
         assert self.stages % self.config.pds_stages == 0
-        assert not self.config.dq_tma_reduce or self.config.dkv_from_registers, "no shared memory for sdQ"
-        # Each MMA warp group's half of sdQ must be whole 128-byte swizzle atoms (32 fp32): d64, d128.
-        assert not self.config.dq_tma_reduce or (head_dim // 2) % 32 == 0, "dq_tma_reduce: d64 or d128"
+        # Each MMA warp group's half of sdQ must be whole 128-byte swizzle atoms (32 fp32).
+        assert not self.config.dq_tma_reduce or (head_dim // 2) % 32 == 0, "dq_tma_reduce: d64, d128 or d256"
         # Columns of dK, dV and dQ one MMA warp group computes.
         wgs = len(self.mma_warp_groups)
         split_dkv = 1 if self.config.dkv_from_registers else wgs
@@ -342,6 +344,9 @@ class FlashAttentionBackwardSm90:
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, dq_elems], 1024]
 
+        # sdQ fits beside two-stage Q/dO rings only at d <= 128 (dkv_from_registers shapes).
+        assert SharedStorage.size_in_bytes() <= SM90_SMEM_BYTES, (
+            f"{self.config} needs {SharedStorage.size_in_bytes()} bytes of shared memory")
         self.shared_storage = SharedStorage
 
         # With softcap the scores become tanh(s·scale/softcap), and softcap·log2(e) carries them
