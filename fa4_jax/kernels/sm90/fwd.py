@@ -44,7 +44,7 @@ from fa4_jax.kernels.common.block_info import BlockInfo
 from fa4_jax.kernels.common.layouts import acc_as_operand_a, acc_rows_cols, opaque_int32
 from fa4_jax.kernels.common.mask import AttentionMask
 from fa4_jax.kernels.common.softmax import OnlineSoftmax, SoftmaxConfig, scale_rows
-from fa4_jax.kernels.common.tile_scheduler import TileScheduler
+from fa4_jax.kernels.common.tile_scheduler import L2_SECTION_BYTES, TileScheduler
 from fa4_jax.kernels.sm90.operands import (
     permute_modes, smem_layout, swizzled_tensor, tma_pipeline, wgmma_gemm,
 )
@@ -70,6 +70,8 @@ class TileConfig:
     # tile fixed cost at s = 1k, docs/perf-log.md, is what this tries to shrink). Costs
     # tile_m·dv·2 bytes of shared memory (d128: 32 KB; d256 has no room).
     separate_o: bool = False
+    # K/V bytes one LPT section may keep in L2 (tile_scheduler.py), in MiB.
+    l2_section_mb: int = L2_SECTION_BYTES // 2**20
 
     def smem_bytes(self, head_dim: int, head_dim_v: int, elem_bytes: int = 2) -> int:
         """Q and O (one buffer unless separate_o) plus the K/V ring, as laid out by SharedStorage."""
@@ -80,7 +82,7 @@ class TileConfig:
 
 # Constructor overrides of a TileConfig, for ablation variants compiled side by side.
 TUNING_KNOBS = ("pingpong", "rescale_threshold", "exp2_poly_share", "scheduler", "mma_warp_groups",
-                "tile_n", "kv_stages", "separate_o")
+                "tile_n", "kv_stages", "separate_o", "l2_section_mb")
 # setmaxnreg budget of each MMA thread by MMA warp-group count: the 64K registers of an SM less
 # the producer group's 128 · 24, shared by the MMA threads, rounded down to a multiple of 8.
 MMA_REGISTERS = {2: 240, 3: 160}
@@ -186,7 +188,8 @@ class FlashAttentionForwardSm90:
         """`tuning` overrides the tile table's settings (TUNING_KNOBS): pingpong (bool),
         rescale_threshold (float, log2 units; 0 = rescale whenever the maximum grows),
         exp2_poly_share (float in [0, 1]), scheduler ("linear", "lpt", "lpt_single") and
-        mma_warp_groups (2 or 3; tile_m = 64 per group), tile_n, kv_stages and separate_o."""
+        mma_warp_groups (2 or 3; tile_m = 64 per group), tile_n, kv_stages, separate_o and
+        l2_section_mb."""
         if mask not in ("none", "causal", "local"):
             raise ValueError(f"mask must be 'none', 'causal' or 'local', got {mask!r}")
         if (head_dim, head_dim_v) not in TILE_CONFIGS:
@@ -205,8 +208,8 @@ class FlashAttentionForwardSm90:
         config = dataclasses.replace(
             config,
             softmax=dataclasses.replace(config.softmax, **softmax_tuning),
-            **{k: tuning[k] for k in ("pingpong", "scheduler", "tile_n", "kv_stages", "separate_o")
-               if k in tuning},
+            **{k: tuning[k] for k in ("pingpong", "scheduler", "tile_n", "kv_stages", "separate_o",
+                                      "l2_section_mb") if k in tuning},
         )
         if "scheduler" in tuning:
             config = dataclasses.replace(config, masked_scheduler=tuning["scheduler"])
@@ -228,6 +231,7 @@ class FlashAttentionForwardSm90:
             config.masked_scheduler if self.causal or self.local else config.scheduler,
             self.tile_m, reverse_m=self.causal or self.local,
             kv_bytes_per_key=(head_dim + head_dim_v) * dtype.width // 8,
+            l2_bytes=config.l2_section_mb * 2**20,
         )
         self.mma_warp_groups = tuple(range(1, config.mma_warp_groups + 1))
         self.mma_registers = MMA_REGISTERS[config.mma_warp_groups]
