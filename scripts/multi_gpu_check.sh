@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a multi-GPU machine (nvidia-h200-x2 or larger; built library carried, nothing
 # built there): issue #7's three parts, logs under $OUT.
-#   1. the multi-GPU tests (tests/gpu/test_multi_gpu.py, test_partitioned_lowering.py);
+#   1. the multi-GPU tests (tests/test_multi_device.py, tests/gpu/test_partitioned_lowering.py);
 #   2. the Flax demo on all GPUs (data parallel x head parallel mesh, fa4_jax.demo.make_mesh);
 #   3. ring attention scaling at 64k and 128k tokens (benchmarks/bench_ring.py).
 # NCCL's NVLink multicast stays off (the device notes: KINDS.md).
@@ -11,7 +11,7 @@ out=${OUT:-.device_out}
 mkdir -p "$out"
 nvidia-smi --query-gpu=index,name,clocks.max.sm --format=csv | tee "$out/gpus.txt"
 timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider \
-  tests/gpu/test_multi_gpu.py tests/gpu/test_partitioned_lowering.py > "$out/multi_gpu_tests.log" 2>&1
+  tests/test_multi_device.py tests/gpu/test_partitioned_lowering.py > "$out/multi_gpu_tests.log" 2>&1
 tail -1 "$out/multi_gpu_tests.log" | tee "$out/multi_gpu_tests_summary.txt"
 grep -E "^(FAILED|ERROR)" "$out/multi_gpu_tests.log" | head -20
 timeout "${DEMO_TIMEOUT:-240}" python3 -m fa4_jax.demo --out "$out/demo_loss.png" > "$out/demo.log" 2>&1

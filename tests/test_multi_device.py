@@ -1,12 +1,16 @@
-"""GPU tier, several GPUs of one host: the kernels under batch/head sharding and in the ring.
+"""Several devices of one host: attention under batch/head sharding and in the ring.
 
 Issue #7's test list: batch- and head-sharded attention, forward and backward, equal to the
-unsharded kernel's result; ring (context-parallel) attention against the reference, causal and
-not; deterministic mode bitwise stable across runs. Every test skips with fewer than 2 GPUs
-(scripts/multi_gpu_check.sh runs them on a multi-GPU machine). The CPU tier checks the same
-rules on 8 fake CPU devices through the reference backend (tests/test_sharding.py,
-tests/test_ring_attention.py); here the kernels run.
+unsharded call's result; ring (context-parallel) attention against a dense oracle, causal and
+not; deterministic mode bitwise stable across runs. Each test runs twice:
+
+- "gpus": every GPU of the host through the CuTe kernels (GPU tier; skips with fewer than 2
+  GPUs; scripts/multi_gpu_check.sh runs it on a multi-GPU machine);
+- "cpu": 4 of the 8 fake CPU devices through the reference backend, at smaller lengths (CPU
+  tier), so the harness itself is exercised on every CI run.
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,19 +22,38 @@ import fa4_jax
 from fa4_jax import ffi
 from fa4_jax.api import attention_params
 from tests.gpu.cases import qkv
+from tests.multi_device import cpu_mesh
 from tests.numerics import assert_close_by_rule, dense_attention
 
-pytestmark = pytest.mark.gpu
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    devices: tuple
+    implementation: str
+    seqlen: int  # of the sharded-attention tests
+    ring_seqlen_per_device: int
 
 
 def _gpus():
     devices = jax.devices("gpu") if jax.default_backend() == "gpu" else []
     if len(devices) < 2:
         pytest.skip(f"needs 2 or more GPUs, jax sees {len(devices)}")
-    return devices
+    return Setup(tuple(devices), "cute", 1000, 512)
 
 
-def _require_kernels(q, k, v, **options):
+def _cpus():
+    return Setup(tuple(cpu_mesh((4,), ("x",)).devices.flat), "reference", 200, 64)
+
+
+@pytest.fixture(params=[pytest.param(_gpus, marks=pytest.mark.gpu, id="gpus"),
+                        pytest.param(_cpus, id="cpu")])
+def setup(request):
+    return request.param()
+
+
+def _require_kernels(setup, q, k, v, **options):
+    if setup.implementation != "cute":
+        return
     params = attention_params(q, k, v, implementation="cute", **options)
     reason = ffi.unsupported_reason(q, k, v, params, "bwd")
     if reason is not None:
@@ -45,31 +68,31 @@ def _forward_and_grads(attend):
     return step
 
 
-# (batch, heads_q, heads_kv) per sharded dimension; the sharded one is a multiple of 2 · GPUs.
-SHARDINGS = {"batch": ("data", None), "heads": (None, "heads")}
+# The mesh axis and the (batch, head) partition of each sharded dimension.
+SHARDINGS = {"batch": ("data", P("data", None, None, None)),
+             "heads": ("heads", P(None, None, "heads", None))}
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dim", SHARDINGS.keys())
-def test_sharded_attention_equals_the_unsharded_kernel(next_key, dim, causal):
-    devices = _gpus()
-    n = len(devices)
+def test_sharded_attention_equals_the_unsharded_call(next_key, setup, dim, causal):
+    n = len(setup.devices)
     batch, heads_q, heads_kv = (2 * n, 4, 2) if dim == "batch" else (2, 4 * n, 2 * n)
-    q, k, v = qkv(next_key, batch, 1000, 1000, heads_q, heads_kv, 128, jnp.bfloat16)
+    q, k, v = qkv(next_key, batch, setup.seqlen, setup.seqlen, heads_q, heads_kv, 128,
+                  jnp.bfloat16)
     d_out = jax.random.normal(next_key(), q.shape, jnp.bfloat16)
-    _require_kernels(q, k, v, causal=causal)
+    _require_kernels(setup, q, k, v, causal=causal)
     # Deterministic mode: the sharded and the unsharded call then run the same kernels in the
     # same order on each device's rows, so they must agree bitwise.
-    attend = lambda q, k, v: fa4_jax.attention(q, k, v, causal=causal, deterministic=True,  # noqa: E731
-                                               implementation="cute")
+    attend = lambda q, k, v: fa4_jax.attention(  # noqa: E731
+        q, k, v, causal=causal, deterministic=True, implementation=setup.implementation)
     unsharded = jax.jit(_forward_and_grads(attend))(q, k, v, d_out)
 
-    axis = "data" if dim == "batch" else "heads"
-    mesh = jax.make_mesh((n,), (axis,), devices=devices)
-    batch_axis, head_axis = SHARDINGS[dim]
-    spec = NamedSharding(mesh, P(batch_axis, None, head_axis, None))
-    sharded_step = jax.jit(_forward_and_grads(attend), in_shardings=(spec,) * 4,
-                           out_shardings=(spec,) * 4)
+    axis, spec = SHARDINGS[dim]
+    mesh = jax.make_mesh((n,), (axis,), devices=setup.devices)
+    sharding = NamedSharding(mesh, spec)
+    sharded_step = jax.jit(_forward_and_grads(attend), in_shardings=(sharding,) * 4,
+                           out_shardings=(sharding,) * 4)
     compiled = sharded_step.lower(q, k, v, d_out).compile().as_text()
     assert "all-gather" not in compiled and "all-to-all" not in compiled
     sharded = sharded_step(q, k, v, d_out)
@@ -77,10 +100,17 @@ def test_sharded_attention_equals_the_unsharded_kernel(next_key, dim, causal):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 
 
-def _ring(mesh, n, causal, deterministic):
+def _ring(setup, causal, deterministic):
+    """Full-sequence attention through ring_attention over all of setup's devices."""
+    n = len(setup.devices)
+    # Auto axes: the jitted step's unsharded inputs are resharded onto the ring by the compiler
+    # (with Explicit axes shard_map would insist the arguments already carry its in_specs).
+    mesh = jax.make_mesh((n,), ("seq",), devices=setup.devices,
+                         axis_types=(jax.sharding.AxisType.Auto,))
     per_device = jax.shard_map(
         lambda q, k, v: fa4_jax.ring_attention(q, k, v, mesh_axis="seq", causal=causal,
-                                               deterministic=deterministic, implementation="cute"),
+                                               deterministic=deterministic,
+                                               implementation=setup.implementation),
         mesh=mesh, in_specs=P(None, "seq"), out_specs=P(None, "seq"))
 
     def attend(q, k, v):
@@ -91,15 +121,12 @@ def _ring(mesh, n, causal, deterministic):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_ring_attention_matches_the_reference(next_key, causal):
-    devices = _gpus()
-    n = len(devices)
-    seqlen = 512 * n
+def test_ring_attention_matches_the_reference(next_key, setup, causal):
+    seqlen = setup.ring_seqlen_per_device * len(setup.devices)
     q, k, v = qkv(next_key, 1, seqlen, seqlen, 4, 2, 128, jnp.bfloat16)
     d_out = jax.random.normal(next_key(), q.shape, jnp.bfloat16)
-    _require_kernels(q, k, v, causal=causal)
-    mesh = jax.make_mesh((n,), ("seq",), devices=devices)
-    got = jax.jit(_forward_and_grads(_ring(mesh, n, causal, False)))(q, k, v, d_out)
+    _require_kernels(setup, q, k, v, causal=causal)
+    got = jax.jit(_forward_and_grads(_ring(setup, causal, False)))(q, k, v, d_out)
 
     def oracle(compute_dtype):
         def attend(q, k, v):
@@ -115,14 +142,12 @@ def test_ring_attention_matches_the_reference(next_key, causal):
         assert_close_by_rule(a, want, want_lowp, factor=3, name=f"ring {name}")
 
 
-def test_deterministic_ring_is_bitwise_stable(next_key):
-    devices = _gpus()
-    n = len(devices)
-    q, k, v = qkv(next_key, 1, 512 * n, 512 * n, 8, 2, 128, jnp.bfloat16)
+def test_deterministic_ring_is_bitwise_stable(next_key, setup):
+    seqlen = setup.ring_seqlen_per_device * len(setup.devices)
+    q, k, v = qkv(next_key, 1, seqlen, seqlen, 8, 2, 128, jnp.bfloat16)
     d_out = jax.random.normal(next_key(), q.shape, jnp.bfloat16)
-    _require_kernels(q, k, v, causal=True, deterministic=True)
-    mesh = jax.make_mesh((n,), ("seq",), devices=devices)
-    step = jax.jit(_forward_and_grads(_ring(mesh, n, True, True)))
+    _require_kernels(setup, q, k, v, causal=True, deterministic=True)
+    step = jax.jit(_forward_and_grads(_ring(setup, True, True)))
     first = [np.asarray(x) for x in step(q, k, v, d_out)]
     for _ in range(4):
         for name, want, again in zip(("out", "dq", "dk", "dv"), first, step(q, k, v, d_out)):
