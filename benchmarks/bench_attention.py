@@ -178,6 +178,43 @@ def fa4_jax_tuning_candidates(tuning: str):
     return candidates
 
 
+def fa4_jax_bwd_tuning_candidates(tuning: str, deterministic: bool):
+    """Forward+backward with the backward kernel under a named tuning: a custom_vjp whose forward
+    is the default forward kernel and whose backward calls ffi.backward(..., tuning=tuning)."""
+    def candidates(case: Case, settings: Settings) -> list[Candidate]:
+        _fa4_jax()
+        from fa4_jax import ffi
+        from fa4_jax.api import attention_params
+
+        if case.mode != "fwd_bwd":
+            raise Skip("backward tunings are timed forward+backward")
+
+        def attend(q, k, v):
+            params = attention_params(q, k, v, causal=case.causal, deterministic=deterministic,
+                                      implementation="cute")
+
+            @jax.custom_vjp
+            def attention(q, k, v):
+                return ffi.forward(q, k, v, params)[0]
+
+            def attention_fwd(q, k, v):
+                out, lse = ffi.forward(q, k, v, params)
+                return out, (q, k, v, out, lse)
+
+            def attention_bwd(residuals, d_out):
+                q, k, v, out, lse = residuals
+                d_lse = jnp.zeros(lse.shape, jnp.float32)
+                return ffi.backward(q, k, v, out, lse, d_out, d_lse, params, tuning=tuning)
+
+            attention.defvjp(attention_fwd, attention_bwd)
+            return attention(q, k, v)
+
+        config = {"tuning": tuning, "deterministic": deterministic}
+        return [Candidate(config, attend, DTYPES[settings.dtype])]
+
+    return candidates
+
+
 def dot_product_attention_candidates(implementation: str):
     def candidates(case: Case, settings: Settings) -> list[Candidate]:
         if implementation == "xla" and case.seqlen > settings.max_xla_seqlen:
@@ -240,43 +277,6 @@ PEERS = {
 PEER_LABELS = {"cudnn": "JAX cuDNN", "xla": "JAX XLA", "mgpu": "Pallas MGPU (fp16)",
                "fa4_jax_det": "fa4_jax (cute, deterministic)"}
 # The peers fa4_jax is measured against ("best peer"): what a JAX user has today.
-def fa4_jax_bwd_tuning_candidates(tuning: str, deterministic: bool):
-    """Forward+backward with the backward kernel under a named tuning: a custom_vjp whose forward
-    is the default forward kernel and whose backward calls ffi.backward(..., tuning=tuning)."""
-    def candidates(case: Case, settings: Settings) -> list[Candidate]:
-        _fa4_jax()
-        from fa4_jax import ffi
-        from fa4_jax.api import attention_params
-
-        if case.mode != "fwd_bwd":
-            raise Skip("backward tunings are timed forward+backward")
-
-        def attend(q, k, v):
-            params = attention_params(q, k, v, causal=case.causal, deterministic=deterministic,
-                                      implementation="cute")
-
-            @jax.custom_vjp
-            def attention(q, k, v):
-                return ffi.forward(q, k, v, params)[0]
-
-            def attention_fwd(q, k, v):
-                out, lse = ffi.forward(q, k, v, params)
-                return out, (q, k, v, out, lse)
-
-            def attention_bwd(residuals, d_out):
-                q, k, v, out, lse = residuals
-                d_lse = jnp.zeros(lse.shape, jnp.float32)
-                return ffi.backward(q, k, v, out, lse, d_out, d_lse, params, tuning=tuning)
-
-            attention.defvjp(attention_fwd, attention_bwd)
-            return attention(q, k, v)
-
-        config = {"tuning": tuning, "deterministic": deterministic}
-        return [Candidate(config, attend, DTYPES[settings.dtype])]
-
-    return candidates
-
-
 JAX_PEERS = ("cudnn", "xla", "mgpu")
 TUNING_PREFIX = "fa4_jax:"
 BWD_TUNING_PREFIX = "fa4_jax_bwd:"
@@ -367,6 +367,8 @@ def time_step(step: Callable, input_sets: list[tuple], settings: Settings) -> Ti
         i += 1
         if i % calls == 0:
             jax.block_until_ready(result)
+    if i:
+        jax.block_until_ready(result)  # else the first sample would time warm-up calls too
     samples_ms = []
     for _ in range(settings.repeats):
         start = time.perf_counter()
