@@ -239,9 +239,13 @@ class FlashAttentionForwardSm90:
         self.num_threads = self.num_mma_threads + self.threads_per_warp_group
 
     def _shared_storage(self, sQ_layout, sK_layout, sV_layout, sO_layout):
-        """The CTA's shared memory: barriers, Q (which O reuses unless separate_o), the K/V ring."""
+        """The CTA's shared memory: barriers, Q, the K/V ring and O. Without separate_o, O is
+        staged in Q's buffer (sized for the larger of the two) and its own field is empty, which
+        adds no bytes."""
         kv_stages, dtype = self.kv_stages, self.dtype
-        q_elems = max(cute.cosize(sQ_layout), cute.cosize(sO_layout))
+        q_elems, o_elems = cute.cosize(sQ_layout), cute.cosize(sO_layout)
+        if not self.config.separate_o:
+            q_elems, o_elems = max(q_elems, o_elems), 0
 
         @cute.struct
         class SharedStorage:
@@ -251,21 +255,9 @@ class FlashAttentionForwardSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[dtype, q_elems], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sV_layout)], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[dtype, o_elems], 1024]
 
-        if not self.config.separate_o:
-            return SharedStorage
-
-        @cute.struct
-        class SharedStorageSeparateO:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * kv_stages]
-            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * kv_stages]
-            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sV_layout)], 1024]
-            sO: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sO_layout)], 1024]
-
-        return SharedStorageSeparateO
+        return SharedStorage
 
     @cute.jit
     def __call__(
