@@ -111,7 +111,6 @@ def attention(
         softcap=softcap,
         deterministic=deterministic,
         implementation=implementation,
-        ragged=ragged,
     )
     seq_lengths = None
     if ragged:
@@ -134,13 +133,12 @@ def attention_params(
     softcap=None,
     deterministic=False,
     implementation=None,
-    ragged=False,
 ):
     """The validated, canonical `AttentionParams` of `attention(query, key, value, ...)`.
 
-    Same arguments (query, key, value as arrays) and the same errors as `attention`, with
-    `ragged` saying whether sequence lengths come with the call; for entry points that run
-    the attention ops themselves (`ring_attention`).
+    Same arguments (query, key, value as arrays) and the same errors as `attention`, sequence
+    lengths aside (they are operands, not parameters); for entry points that run the attention
+    ops themselves (`ring_attention`).
     """
     _check_arrays(query, key, value)
     window_left, window_right = _check_window(window_size)
@@ -165,7 +163,6 @@ def attention_params(
         softcap=_canonical_softcap(softcap),
         deterministic=bool(deterministic),
         implementation=_choose_implementation(query.dtype, implementation),
-        ragged=ragged,
     )
     return _resolve_backend(query, key, value, params, implementation)
 

@@ -8,7 +8,7 @@ through the pure-JAX reference in float32 and takes its VJP, honouring the same 
 reference is deterministic anyway (no atomics).
 
 `seq_lengths` is None, or (q_len, kv_len): int32 [batch] valid lengths of a ragged batch
-(`params.ragged`; semantics in `AttentionParams`). Both backends take them: the kernels through
+(semantics in `AttentionParams`). Both backends take them: the kernels through
 their seq_used_q / seq_used_k operands (`ffi.forward`), the reference through its masks.
 """
 from __future__ import annotations

@@ -6,8 +6,8 @@ Contract used by `vjp.py` and `api.py`:
   and the default device is a CUDA device of a compiled arch. Never raises.
 - `unsupported_reason(q, k, v, params, kind="fwd") -> str | None`: None when a compiled variant
   of `kind` ("fwd" or "bwd") serves this call on the current default device, else a sentence
-  saying why not (names the missing variant). Ragged calls (`params.ragged`) take the same
-  variants as the others.
+  saying why not (names the missing variant). Ragged calls take the same variants as the
+  others.
 - `forward(q, k, v, params, seq_lengths=None) -> (out, lse)`: the `fa4_fwd_v1` custom call.
 - `backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths=None) -> (dq, dk, dv)`: the
   `fa4_bwd_v1` custom call; its fp32 workspaces are extra results XLA allocates and this
@@ -163,6 +163,19 @@ def _zero_padding(x, lengths):
     return jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 2)), x, jnp.zeros((), x.dtype))
 
 
+def _length_operands(seq_lengths, q, k, by_query, by_key):
+    """((seq_used_q, seq_used_k), by_query, by_key) for a kernel call.
+
+    by_query / by_key: tuples of arrays whose axis 1 runs over query rows / keys. A ragged call
+    gets them back with their padding zeroed (module docstring), a dense call unchanged.
+    """
+    seq_used_q, seq_used_k = _seq_used(q, k, seq_lengths)
+    if seq_lengths is not None:
+        by_query = tuple(_zero_padding(x, seq_used_q) for x in by_query)
+        by_key = tuple(_zero_padding(x, seq_used_k) for x in by_key)
+    return (seq_used_q, seq_used_k), by_query, by_key
+
+
 def _require(q, k, v, params, kind: str, tuning: str) -> None:
     reason = unsupported_reason(q, k, v, params, kind, tuning)
     if reason is not None:
@@ -185,11 +198,8 @@ def forward(q, k, v, params, seq_lengths=None, tuning: str = "default"):
     call = jax.ffi.ffi_call(
         FWD_TARGET,
         (jax.ShapeDtypeStruct((b, sq, h, dv), q.dtype), jax.ShapeDtypeStruct((b, h, sq), np.float32)))
-    seq_used_q, seq_used_k = _seq_used(q, k, seq_lengths)
-    if seq_lengths is not None:
-        q = _zero_padding(q, seq_used_q)
-        k, v = (_zero_padding(x, seq_used_k) for x in (k, v))
-    return call(q, k, v, seq_used_q, seq_used_k, **_static_attrs(params, tuning))
+    lengths, (q,), (k, v) = _length_operands(seq_lengths, q, k, (q,), (k, v))
+    return call(q, k, v, *lengths, **_static_attrs(params, tuning))
 
 
 def backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths=None, tuning: str = "default"):
@@ -221,11 +231,8 @@ def backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths=None, tuning: 
     )
     call = jax.ffi.ffi_call(BWD_TARGET, results)
     d_out = d_out.astype(q.dtype)
-    seq_used_q, seq_used_k = _seq_used(q, k, seq_lengths)
-    if seq_lengths is not None:
-        q, d_out = (_zero_padding(x, seq_used_q) for x in (q, d_out))
-        k, v = (_zero_padding(x, seq_used_k) for x in (k, v))
+    lengths, (q, d_out), (k, v) = _length_operands(seq_lengths, q, k, (q, d_out), (k, v))
     dq, dk, dv, *_workspaces = call(
-        q, k, v, out.astype(q.dtype), d_out, lse.astype(f32), d_lse.astype(f32), seq_used_q,
-        seq_used_k, deterministic=bool(params.deterministic), **_static_attrs(params, tuning))
+        q, k, v, out.astype(q.dtype), d_out, lse.astype(f32), d_lse.astype(f32), *lengths,
+        deterministic=bool(params.deterministic), **_static_attrs(params, tuning))
     return dq, dk, dv

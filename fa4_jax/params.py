@@ -22,8 +22,8 @@ class AttentionParams:
 
     A row with no visible key produces output 0 and lse -inf.
 
-    Ragged batch (`ragged=True`): the op also receives int32 arrays q_len, kv_len [batch] (array
-    operands, so their values may change without a retrace). In entry b only rows i < q_len[b]
+    Ragged batch: the op may also receive int32 arrays q_len, kv_len [batch] (array operands,
+    so their values may change without a retrace). In entry b only rows i < q_len[b]
     and keys j < kv_len[b] exist, and offset = kv_len[b] - q_len[b]; other rows have output 0
     and lse -inf, other keys get zero gradient.
 
@@ -44,9 +44,3 @@ class AttentionParams:
     softcap: float | None = None
     deterministic: bool = False
     implementation: str = "reference"
-    ragged: bool = False
-
-    @property
-    def is_local(self) -> bool:
-        """True when a sliding window bounds either side."""
-        return self.window_left is not None or self.window_right is not None

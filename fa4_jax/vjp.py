@@ -23,7 +23,7 @@ def attention_op(q, k, v, params: AttentionParams, seq_lengths=None):
       q: [batch, seqlen_q, heads_q, head_dim]; k: [batch, seqlen_k, heads_kv, head_dim];
       v: [batch, seqlen_k, heads_kv, head_dim_v]; one dtype for all three.
       params: the static options (hashable, not differentiated).
-      seq_lengths: None, or (q_len, kv_len) when `params.ragged`: int32 [batch] each, values
+      seq_lengths: None, or (q_len, kv_len) of a ragged batch: int32 [batch] each, values
         in [0, seqlen_q] and [0, seqlen_k]; integers, so their cotangent is None.
 
     Returns:

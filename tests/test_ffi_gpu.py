@@ -74,21 +74,16 @@ def test_handler_rejects_bad_shapes():
     call = jax.ffi.ffi_call(ffi.FWD_TARGET, (jax.ShapeDtypeStruct((1, 8, 2, 64), jnp.bfloat16),
                                               jax.ShapeDtypeStruct((1, 2, 8), jnp.float32)))
     with pytest.raises(Exception, match="multiple of heads"):
-        jax.block_until_ready(call(q, k, k, *_full_lengths(q, k), **_ATTRS))
+        jax.block_until_ready(call(q, k, k, *ffi._seq_used(q, k, None), **_ATTRS))
 
 
 def test_handler_names_a_wrong_length_operand():
     q = jnp.ones((2, 8, 2, 64), jnp.bfloat16)
     call = jax.ffi.ffi_call(ffi.FWD_TARGET, (jax.ShapeDtypeStruct(q.shape, q.dtype),
                                               jax.ShapeDtypeStruct((2, 2, 8), jnp.float32)))
-    seq_used_q, _ = _full_lengths(q, q)
+    seq_used_q, _ = ffi._seq_used(q, q, None)
     with pytest.raises(Exception, match=r"seq_used_k has shape \[3\], expected \[2\]"):
         jax.block_until_ready(call(q, q, q, seq_used_q, jnp.full((3,), 8, jnp.int32), **_ATTRS))
-
-
-def _full_lengths(q, k):
-    """The seq_used_q, seq_used_k operands of a dense call."""
-    return jnp.full(q.shape[:1], q.shape[1], jnp.int32), jnp.full(k.shape[:1], k.shape[1], jnp.int32)
 
 
 _ATTRS = dict(softmax_scale=np.float32(1), causal=False, window_left=np.int32(-1),
@@ -108,5 +103,5 @@ def test_backward_handler_rejects_a_wrong_workspace():
     ]
     call = jax.ffi.ffi_call(ffi.BWD_TARGET, results)
     with pytest.raises(Exception, match=r"dpsum has shape \[1, 2, 100\], expected \[1, 2, 128\]"):
-        jax.block_until_ready(call(q, q, q, q, q, stats, stats, *_full_lengths(q, q),
+        jax.block_until_ready(call(q, q, q, q, q, stats, stats, *ffi._seq_used(q, q, None),
                                    deterministic=False, **_ATTRS))

@@ -13,7 +13,6 @@ import pytest
 
 import fa4_jax
 from fa4_jax import ffi
-from fa4_jax.params import AttentionParams
 from fa4_jax.reference import attention_reference
 from tests.numerics import assert_close_by_rule, naive_attention_jax, visible_mask
 
@@ -182,15 +181,6 @@ def test_length_errors_name_the_argument(kwargs, error, message):
     kv = jax.ShapeDtypeStruct((2, SEQLEN_K, 2, 16), jnp.float32)
     with pytest.raises(error, match=message):
         jax.eval_shape(lambda q, k, v: fa4_jax.attention(q, k, v, **kwargs), q, kv, kv)
-
-
-def test_lengths_do_not_make_the_kernels_decline(next_key):
-    # Ragged calls take the dense calls' variants: whatever serves (or declines) one, the other.
-    q, k, v, _, _ = _inputs(next_key, 2, 2, jnp.bfloat16, batch=2)
-    dense, ragged = (AttentionParams(softmax_scale=0.25, causal=True, ragged=r) for r in (False, True))
-    for kind in ("fwd", "bwd"):
-        assert (ffi.unsupported_reason(q, k, v, ragged, kind)
-                == ffi.unsupported_reason(q, k, v, dense, kind))
 
 
 def test_dense_calls_pass_full_lengths_as_traced_values(next_key):

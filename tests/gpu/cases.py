@@ -1,5 +1,6 @@
 """Inputs and option sets shared by the GPU tier's forward and backward tests."""
 import jax
+import pytest
 
 
 def qkv(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, head_dim_v=None):
@@ -23,3 +24,13 @@ LOCAL_AND_SOFTCAP = {
     "softcap": dict(softcap=30.0),
     "softcap_causal": dict(softcap=5.0, causal=True),
 }
+
+
+def ablation_tunings(kind):
+    """pytest.mark.parametrize over the (head_dim, tuning) pairs of `kind`'s ablation variants
+    (every non-default tuning of the compiled menu), ids like "d128-lpt"."""
+    from fa4_jax.aot import variants
+
+    pairs = sorted({(v.head_dim, v.tuning) for v in variants.MENU
+                    if v.kind == kind and v.tuning != "default"})
+    return pytest.mark.parametrize("head_dim,tuning", pairs, ids=[f"d{d}-{t}" for d, t in pairs])

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import fa4_jax
-from tests.gpu.cases import LOCAL_AND_SOFTCAP, mask_options, qkv
+from tests.gpu.cases import LOCAL_AND_SOFTCAP, ablation_tunings, mask_options, qkv
 from tests.numerics import (
     assert_close_by_rule,
     naive_attention_fp64,
@@ -144,12 +144,6 @@ def test_reference_on_gpu_keeps_fp32_precision(next_key):
     np.testing.assert_allclose(lse, want_lse, atol=1e-5, rtol=1e-5)
 
 
-def _ablation_variants():
-    from fa4_jax.aot import variants
-
-    return sorted({(v.head_dim, v.tuning) for v in variants.MENU if v.kind == "fwd" and v.tuning != "default"})
-
-
 # Shapes that stress a scheduler: several tiles per persistent CTA (b·h·m_blocks >> 132),
 # causal with more queries than keys (tiles with no key block at all), odd lengths, GQA.
 SCHEDULER_SHAPES = {
@@ -161,8 +155,7 @@ SCHEDULER_SHAPES = {
 
 @pytest.mark.parametrize("shape", SCHEDULER_SHAPES.values(), ids=SCHEDULER_SHAPES.keys())
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim,tuning", _ablation_variants(),
-                         ids=[f"d{d}-{t}" for d, t in _ablation_variants()])
+@ablation_tunings("fwd")
 def test_ablation_tunings_compute_the_same_attention(next_key, head_dim, tuning, causal, shape):
     # The benchmark's ablation rows must be correct kernels, or their timings mean nothing.
     from fa4_jax import ffi

@@ -22,7 +22,7 @@ import fa4_jax
 from fa4_jax import ffi
 from fa4_jax.api import attention_params
 from fa4_jax.reference import attention_reference
-from tests.gpu.cases import LOCAL_AND_SOFTCAP, mask_options, qkv
+from tests.gpu.cases import LOCAL_AND_SOFTCAP, ablation_tunings, mask_options, qkv
 from tests.numerics import assert_close_by_rule, dense_attention, visible_mask
 
 pytestmark = pytest.mark.gpu
@@ -278,12 +278,6 @@ def test_gradient_of_lse_alone(next_key):
     assert np.all(np.asarray(grads[2], np.float32) == 0.0)  # lse does not depend on v
 
 
-def _backward_ablations():
-    from fa4_jax.aot import variants
-
-    return sorted({(v.head_dim, v.tuning) for v in variants.MENU if v.kind == "bwd" and v.tuning != "default"})
-
-
 # Many key and query blocks per head (the deterministic order), odd lengths, sq != sk, GQA.
 ABLATION_SHAPES = {
     "gqa_2k": (2, 2048, 2048, 8, 2),
@@ -295,8 +289,7 @@ ABLATION_SHAPES = {
 @pytest.mark.parametrize("shape", ABLATION_SHAPES.values(), ids=ABLATION_SHAPES.keys())
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim,tuning", _backward_ablations(),
-                         ids=[f"d{d}-{t}" for d, t in _backward_ablations()])
+@ablation_tunings("bwd")
 def test_backward_ablation_tunings(next_key, head_dim, tuning, causal, deterministic, shape):
     # The benchmark's backward ablation rows must be correct kernels (and, deterministic,
     # bitwise repeatable), or their timings mean nothing.

@@ -54,7 +54,7 @@ def _mask_options(causal=False, window_size=(None, None), **_):
 def _require_kernels(q, k, v, **options):
     """Skips unless both the forward and the backward kernel serve this ragged call."""
     try:
-        params = attention_params(q, k, v, implementation="cute", ragged=True, **options)
+        params = attention_params(q, k, v, implementation="cute", **options)
     except ValueError as error:
         pytest.skip(str(error))
     reason = ffi.unsupported_reason(q, k, v, params, "bwd")
