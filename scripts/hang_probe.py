@@ -6,7 +6,6 @@ import sys
 import jax
 import jax.numpy as jnp
 
-import fa4_jax
 from fa4_jax import ffi
 from fa4_jax.api import attention_params
 

@@ -34,3 +34,18 @@ def ablation_tunings(kind):
     pairs = sorted({(v.head_dim, v.tuning) for v in variants.MENU
                     if v.kind == kind and v.tuning != "default"})
     return pytest.mark.parametrize("head_dim,tuning", pairs, ids=[f"d{d}-{t}" for d, t in pairs])
+
+
+def require_kernels(q, k, v, **options):
+    """Skips unless both the forward and the backward kernel serve this call (so a green run
+    never overstates coverage); the skip gives the library's reason."""
+    from fa4_jax import ffi
+    from fa4_jax.api import attention_params
+
+    try:
+        params = attention_params(q, k, v, implementation="cute", **options)
+    except ValueError as error:
+        pytest.skip(str(error))
+    reason = ffi.unsupported_reason(q, k, v, params, "bwd")
+    if reason is not None:
+        pytest.skip(f"no backward kernel: {reason}")

@@ -22,23 +22,12 @@ import fa4_jax
 from fa4_jax import ffi
 from fa4_jax.api import attention_params
 from fa4_jax.reference import attention_reference
-from tests.gpu.cases import LOCAL_AND_SOFTCAP, ablation_tunings, mask_options, qkv
+from tests.gpu.cases import LOCAL_AND_SOFTCAP, ablation_tunings, mask_options, qkv, require_kernels
 from tests.numerics import assert_close_by_rule, dense_attention, visible_mask
 
 pytestmark = pytest.mark.gpu
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _require_kernels(q, k, v, **options):
-    """Skips unless both the forward and the backward kernel serve this call."""
-    try:
-        params = attention_params(q, k, v, implementation="cute", **options)
-    except ValueError as error:
-        pytest.skip(str(error))
-    reason = ffi.unsupported_reason(q, k, v, params, "bwd")
-    if reason is not None:
-        pytest.skip(f"no backward kernel: {reason}")
 
 
 # Gradients are taken under one jax.jit per (function, options), cached: eager op-by-op dispatch
@@ -89,7 +78,7 @@ def _check_backward(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head
                     head_dim_v=None, **options):
     q, k, v = qkv(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype,
                    head_dim_v)
-    _require_kernels(q, k, v, **options)
+    require_kernels(q, k, v, **options)
     d_out, d_lse, row_visible = _cotangents(next_key, q, v, seqlen_k, **options)
     grads = _kernel_grads(q, k, v, d_out, d_lse, **options)
     ref = _reference_grads(q, k, v, d_out, d_lse, jnp.float32, **options)
@@ -165,7 +154,7 @@ def test_key_tail_with_very_negative_lse(next_key, head_dim, softcap):
     k = (direction + noise(shape)).astype(jnp.bfloat16)
     v = jax.random.normal(next_key(), shape, jnp.bfloat16)
     options = {} if softcap is None else {"softcap": softcap}
-    _require_kernels(q, k, v, **options)
+    require_kernels(q, k, v, **options)
     _, lse = fa4_jax.attention(q, k, v, return_lse=True, implementation="reference", **options)
     assert float(jnp.max(lse)) < -88.0, "the case must drive lse below exp's range"
     d_out = jax.random.normal(next_key(), shape, jnp.bfloat16)
@@ -198,7 +187,7 @@ def _grad_fn(d_out, deterministic, causal=True):
 @pytest.mark.parametrize("causal", [False, True])
 def test_deterministic_mode_is_bitwise_repeatable(next_key, causal):
     q, k, v, d_out = _deterministic_case(next_key)
-    _require_kernels(q, k, v, causal=causal, deterministic=True)
+    require_kernels(q, k, v, causal=causal, deterministic=True)
     grad = _grad_fn(d_out, True, causal)
     first = [np.asarray(g) for g in grad(q, k, v)]
     for _ in range(9):
@@ -245,7 +234,7 @@ def test_deterministic_mode_is_bitwise_equal_across_processes(seed):
 
 def test_grad_of_jit_equals_jit_of_grad(next_key):
     q, k, v = qkv(next_key, 1, 700, 700, 4, 2, 128, jnp.bfloat16)
-    _require_kernels(q, k, v, causal=True, deterministic=True)
+    require_kernels(q, k, v, causal=True, deterministic=True)
     d_out = jax.random.normal(next_key(), q.shape, jnp.bfloat16)
 
     def loss(q, k, v):
@@ -261,7 +250,7 @@ def test_grad_of_jit_equals_jit_of_grad(next_key):
 def test_gradient_of_lse_alone(next_key):
     # d(sum lse)/dq has only the dLSE term: D = -dLSE and dP · 0.
     q, k, v = qkv(next_key, 1, 333, 333, 4, 2, 64, jnp.bfloat16)
-    _require_kernels(q, k, v, causal=True)
+    require_kernels(q, k, v, causal=True)
 
     def kernel_lse(q, k, v):
         return fa4_jax.attention(q, k, v, causal=True, return_lse=True, implementation="cute")[1]

@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 
 import fa4_jax
-from fa4_jax import ffi
-from fa4_jax.api import attention_params
+from tests.gpu.cases import mask_options, require_kernels
 from tests.numerics import assert_close_by_rule, naive_attention_jax, visible_mask
 
 pytestmark = pytest.mark.gpu
@@ -47,21 +46,6 @@ def _inputs(next_key, batch, heads_q, heads_kv, head_dim, dtype, head_dim_v=None
     return q, k, v, d_out, d_lse
 
 
-def _mask_options(causal=False, window_size=(None, None), **_):
-    return dict(causal=causal, window_left=window_size[0], window_right=window_size[1])
-
-
-def _require_kernels(q, k, v, **options):
-    """Skips unless both the forward and the backward kernel serve this ragged call."""
-    try:
-        params = attention_params(q, k, v, implementation="cute", **options)
-    except ValueError as error:
-        pytest.skip(str(error))
-    reason = ffi.unsupported_reason(q, k, v, params, "bwd")
-    if reason is not None:
-        pytest.skip(f"no backward kernel: {reason}")
-
-
 def _kernel(q, k, v, d_out, d_lse, q_len, kv_len, **options):
     """(out, lse, dq, dk, dv) of the kernels; q_len / kv_len None for a dense call."""
     ragged = q_len is not None
@@ -88,7 +72,7 @@ def _kernel_fn(ragged, option_items):
 
 def _oracle(q, k, v, d_out, d_lse, q_len, kv_len, **options):
     """(out, lse, dq, dk, dv) of each entry attended alone, truncated to its lengths."""
-    mask = _mask_options(**options)
+    mask = mask_options(**options)
     visible = np.zeros((q.shape[0], 1, q.shape[1], k.shape[1]), bool)
     for b, (rows, keys) in enumerate(zip(np.asarray(q_len), np.asarray(kv_len))):
         visible[b, 0, :rows, :keys] = visible_mask(int(rows), int(keys), **mask)
@@ -121,7 +105,7 @@ def _check(next_key, heads_q, heads_kv, head_dim, dtype=jnp.bfloat16, head_dim_v
     q, k, v, d_out, d_lse = _inputs(next_key, batch, heads_q, heads_kv, head_dim, dtype,
                                     head_dim_v)
     q_len, kv_len = _lengths(next_key, batch)
-    _require_kernels(q, k, v, **options)
+    require_kernels(q, k, v, **options)
     got = _kernel(q, k, v, d_out, d_lse, q_len, kv_len, **options)
     f32 = (x.astype(jnp.float32) for x in (q, k, v, d_out))
     ref = _oracle(*f32, d_lse, q_len, kv_len, **options)
@@ -196,7 +180,7 @@ def test_full_lengths_give_the_dense_calls_bits(next_key, causal):
     q, k, v, d_out, d_lse = _inputs(next_key, 2, 4, 2, 128, jnp.bfloat16)
     q_len = jnp.full((2,), SEQLEN_Q, jnp.int32)
     kv_len = jnp.full((2,), SEQLEN_K, jnp.int32)
-    _require_kernels(q, k, v, causal=causal)
+    require_kernels(q, k, v, causal=causal)
     ragged = _kernel(q, k, v, d_out, d_lse, q_len, kv_len, causal=causal, deterministic=True)
     dense = _kernel(q, k, v, d_out, d_lse, None, None, causal=causal, deterministic=True)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), ragged, dense):
@@ -217,7 +201,7 @@ def test_deterministic_mode_is_bitwise_repeatable(next_key, causal):
 def test_all_entries_empty(next_key):
     q, k, v, d_out, d_lse = _inputs(next_key, 2, 2, 2, 64, jnp.bfloat16)
     zeros = jnp.zeros((2,), jnp.int32)
-    _require_kernels(q, k, v, causal=True)
+    require_kernels(q, k, v, causal=True)
     out, lse, dq, dk, dv = (np.asarray(x, np.float32)
                             for x in _kernel(q, k, v, d_out, d_lse, zeros, zeros, causal=True))
     assert np.all(out == 0.0) and np.all(np.isneginf(lse))
@@ -231,7 +215,7 @@ def test_varlen_attention_runs_on_the_kernels(next_key):
     total = int(lengths.sum())
     q, k, v = (jax.random.normal(next_key(), (total, 4, 64), jnp.bfloat16) for _ in range(3))
     probe = q[None, :300]
-    _require_kernels(probe, probe, probe, causal=True)
+    require_kernels(probe, probe, probe, causal=True)
 
     def run(implementation, x):
         return jax.jit(lambda q, k, v: fa4_jax.varlen_attention(
