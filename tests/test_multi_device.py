@@ -19,9 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import fa4_jax
-from fa4_jax import ffi
-from fa4_jax.api import attention_params
-from tests.gpu.cases import qkv
+from tests.gpu.cases import qkv, require_kernels
 from tests.multi_device import cpu_mesh
 from tests.numerics import assert_close_by_rule, dense_attention
 
@@ -52,12 +50,8 @@ def setup(request):
 
 
 def _require_kernels(setup, q, k, v, **options):
-    if setup.implementation != "cute":
-        return
-    params = attention_params(q, k, v, implementation="cute", **options)
-    reason = ffi.unsupported_reason(q, k, v, params, "bwd")
-    if reason is not None:
-        pytest.skip(f"no backward kernel: {reason}")
+    if setup.implementation == "cute":
+        require_kernels(q, k, v, **options)
 
 
 def _forward_and_grads(attend):
