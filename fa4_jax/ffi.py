@@ -176,6 +176,17 @@ def _length_operands(seq_lengths, q, k, by_query, by_key):
     return (seq_used_q, seq_used_k), by_query, by_key
 
 
+def _forward_tuning(q, k, v, params, tuning: str) -> str:
+    """`tuning`, or the short-sequence variant that `variants.call_tuning` picks when compiled."""
+    from fa4_jax.aot.variants import call_tuning, mask_kind
+
+    mask = mask_kind(params.causal, params.window_left, params.window_right)
+    chosen = call_tuning("fwd", mask, q.shape[-1], q.shape[1], k.shape[1], tuning)
+    if chosen != tuning and unsupported_reason(q, k, v, params, "fwd", chosen) is None:
+        return chosen
+    return tuning
+
+
 def _require(q, k, v, params, kind: str, tuning: str) -> None:
     reason = unsupported_reason(q, k, v, params, kind, tuning)
     if reason is not None:
@@ -192,6 +203,7 @@ def forward(q, k, v, params, seq_lengths=None, tuning: str = "default"):
     """
     import jax
 
+    tuning = _forward_tuning(q, k, v, params, tuning)
     _require(q, k, v, params, "fwd", tuning)
     b, sq, h, _ = q.shape
     dv = v.shape[-1]

@@ -16,8 +16,8 @@ def test_menu_covers_the_axes_once():
     assert len({v.name for v in MENU}) == len(MENU)
     assert all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v.name) for v in MENU)
     assert {v.arch for v in MENU} == {"sm_90a"}
-    ablations = {v.tuning for v in MENU} - {"default"}
-    assert ablations and ablations <= set(variants.TUNINGS)
+    tunings = {v.tuning for v in MENU} - {"default"}
+    assert tunings and tunings <= set(variants.TUNINGS)
 
 
 def test_every_backward_variant_has_a_forward_twin():
@@ -69,3 +69,27 @@ def test_bad_variant_is_refused():
     with pytest.raises(ValueError):
         Variant("sm_90a", "bf16", 64, 64, "none", False, "fwd", "no_such_tuning")
     assert variants.ARCHES == ("sm_90a", "sm_100a")
+
+
+@pytest.mark.parametrize("head_dim", variants.SHORT_HEAD_DIMS)
+def test_short_causal_forwards_take_the_short_tuning(head_dim):
+    short = variants.SHORT_SEQLEN
+    assert variants.call_tuning("fwd", "causal", head_dim, short, short) == "short"
+    assert variants.call_tuning("fwd", "causal", head_dim, 1, 7) == "short"
+    # Longer on either side, another mask, the backward, or an explicit tuning: unchanged.
+    assert variants.call_tuning("fwd", "causal", head_dim, short + 1, short) == "default"
+    assert variants.call_tuning("fwd", "causal", head_dim, short, short + 1) == "default"
+    for mask in ("none", "local"):
+        assert variants.call_tuning("fwd", mask, head_dim, short, short) == "default"
+    assert variants.call_tuning("bwd", "causal", head_dim, short, short) == "default"
+    assert variants.call_tuning("fwd", "causal", head_dim, short, short, "linear") == "linear"
+    # Every dtype and softcap setting of the rule's calls is compiled.
+    for dtype in variants.DTYPES:
+        for softcap in (False, True):
+            v = select(dtype, head_dim, head_dim, True, None, None, softcap, tuning="short")
+            assert v in MENU
+
+
+def test_other_head_dims_keep_the_default_order():
+    assert variants.call_tuning("fwd", "causal", 256, 512, 512) == "default"
+    assert variants.call_tuning("fwd", "causal", 96, 512, 512) == "default"

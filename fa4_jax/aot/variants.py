@@ -22,9 +22,10 @@ HEAD_DIMS = {
     "bwd": ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256)),
 }
 # Named overrides of a kernel's tuned settings, passed to its constructor as keyword arguments.
-# "default" is what users get; the others exist for the ablations in docs/perf-log.md, are
-# compiled only where ABLATIONS lists them, and are reachable only through the benchmark
-# (`ffi.forward(..., tuning=NAME)`, `--fa4-tunings`).
+# "default" is what users get, and "short" where `call_tuning` picks it; the others exist for the
+# ablations in docs/perf-log.md, are compiled only where ABLATIONS lists them, and are reachable
+# only through the benchmark (`ffi.forward(..., tuning=NAME)`, `--fa4-tunings`).
+_LPT_SEPARATE_O = {"scheduler": "lpt", "separate_o": True}
 TUNINGS: dict[str, dict] = {
     "default": {},
     "tau0": {"rescale_threshold": 0.0},  # rescale whenever the row max grows
@@ -33,11 +34,14 @@ TUNINGS: dict[str, dict] = {
     "lpt": {"scheduler": "lpt"},  # persistent CTAs, LPT tile order
     "linear": {"scheduler": "linear"},  # one CTA per tile in grid order, masked calls too
     "wg2": {"mma_warp_groups": 2, "tile_n": 128},  # d64 with 128-row tiles (forward v2's shape)
-    # persistent LPT with O staged apart from Q, so the next tile's Q loads during this epilogue
-    "lpt_so": {"scheduler": "lpt", "separate_o": True},
+    # Persistent LPT with O staged apart from Q, so the next tile's Q loads during this tile's
+    # epilogue: an ablation ("lpt_so"), and what `call_tuning` picks for short causal forward
+    # calls ("short").
+    "lpt_so": _LPT_SEPARATE_O,
+    "short": _LPT_SEPARATE_O,
     # and with 8 MB L2 sections (one d128 head at s = 16k): concurrent tiles share one head's
     # K/V, as in the linear order, which `lpt` trails by 6-9% at s >= 4k
-    "lpt_so_l2s8": {"scheduler": "lpt", "separate_o": True, "l2_section_mb": 8},
+    "lpt_so_l2s8": {**_LPT_SEPARATE_O, "l2_section_mb": 8},
     # Backward (kernels/sm90/bwd.py TileConfig): the two choices that made backward v2, each
     # turned back to v1's. det_asc changes only deterministic masked calls; the benchmark times
     # every backward tuning both ways (fa4_jax_bwd:NAME, fa4_jax_bwd_det:NAME).
@@ -58,6 +62,24 @@ ABLATIONS = (
     ("bwd", 128, ("det_asc", "dq_atomic")),
     ("bwd", 256, ("det_asc", "dq_tma_1stage")),
 )
+
+
+# Causal forward calls with both lengths at most SHORT_SEQLEN run the "short" tuning at these
+# head dims. Measured at s = 1k (docs/perf-log.md, "separate_o"): d128 causal 321 vs 275 TF/s
+# for the default (one CTA per tile, LPT order), d64 causal 171 vs 159-162. Without a mask the
+# gain was inside the run-to-run spread (d128 452 vs 445), and at s = 4k the persistent order
+# already loses (d128 causal 504 vs 524), hence the bound.
+SHORT_SEQLEN = 1024
+SHORT_HEAD_DIMS = (64, 128)
+
+
+def call_tuning(kind: str, mask: str, head_dim: int, seqlen_q: int, seqlen_k: int,
+                tuning: str = "default") -> str:
+    """The tuning a call runs: "short" for a short causal forward at SHORT_HEAD_DIMS, else `tuning`."""
+    if (kind == "fwd" and tuning == "default" and mask == "causal" and head_dim in SHORT_HEAD_DIMS
+            and max(seqlen_q, seqlen_k) <= SHORT_SEQLEN):
+        return "short"
+    return tuning
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +124,9 @@ MENU: tuple[Variant, ...] = tuple(
 ) + tuple(
     Variant("sm_90a", "bf16", d, d, mask, False, kind, tuning)
     for kind, d, tunings in ABLATIONS for tuning in tunings for mask in ("none", "causal")
+) + tuple(
+    Variant("sm_90a", dtype, d, d, "causal", softcap, "fwd", "short")
+    for dtype, d, softcap in itertools.product(DTYPES, SHORT_HEAD_DIMS, (False, True))
 )
 
 

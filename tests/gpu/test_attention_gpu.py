@@ -62,6 +62,20 @@ def _check_forward(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_
         assert not np.array_equal(np.asarray(out), np.asarray(other_out))
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_short_causal_calls_run_the_short_variant(next_key, head_dim):
+    # The causal tests at s <= 1024 below exercise the "short" variant (variants.call_tuning);
+    # this pins that they do, and that longer calls keep the default.
+    from fa4_jax import ffi
+    from fa4_jax.api import attention_params
+
+    for seqlen, want in ((1000, "short"), (1025, "default")):
+        q, k, v = qkv(next_key, 1, seqlen, seqlen, 2, 2, head_dim, jnp.bfloat16)
+        params = attention_params(q, k, v, causal=True, implementation="cute")
+        assert ffi._forward_tuning(q, k, v, params, "default") == want
+        _check_forward(next_key, 1, seqlen, seqlen, 2, 2, head_dim, jnp.bfloat16, causal=True)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
