@@ -226,7 +226,7 @@ def backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths=None, tuning: 
     """
     import jax
 
-    from fa4_jax.aot.compile import BWD_SEMAPHORE_ROWS, BWD_SEQ_PAD
+    from fa4_jax.kernels.bwd_workspace import BWD_SEMAPHORE_ROWS, BWD_SEQ_PAD
 
     _require(q, k, v, params, "bwd", tuning)
     b, sq, h, d = q.shape

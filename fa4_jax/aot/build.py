@@ -34,7 +34,9 @@ ROOT = PACKAGE.parent
 LIB_DIR = PACKAGE / "_lib"
 LIBRARY = LIB_DIR / "libfa4_jax.so"
 # Hashed into every variant's key besides its kernel module's own sources (see _kernel_sources).
-_ALWAYS_HASHED = (PACKAGE / "aot" / "compile.py", PACKAGE / "aot" / "variants.py")
+# The menu (variants.py) is not: a variant's key holds its own fields and tuning settings, so
+# adding an ablation compiles that ablation only, not all ~170 variants again.
+_ALWAYS_HASHED = (PACKAGE / "aot" / "compile.py",)
 
 
 class BuildError(RuntimeError):
@@ -76,7 +78,8 @@ def _sources_digest(kernel: str) -> str:
 
 
 def variant_key(variant: menu.Variant, kernel: str) -> str:
-    payload = json.dumps([_sources_digest(kernel), kernel, variant.to_json()], sort_keys=True)
+    payload = json.dumps([_sources_digest(kernel), kernel, variant.to_json(), variant.tuning_kwargs],
+                         sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:20]
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import re
 
-from fa4_jax.aot.compile import (BWD_SEMAPHORE_ROWS, BWD_SEQ_PAD, DYNAMIC_DIMS, SCALARS,
-                                 STATIC_DIMS, TENSORS)
+from fa4_jax.aot.compile import DYNAMIC_DIMS, SCALARS, STATIC_DIMS, TENSORS
+from fa4_jax.kernels.bwd_workspace import BWD_SEMAPHORE_ROWS, BWD_SEQ_PAD
 
 # Fa4Args fields of the dynamic dims and of the tensors (ffi/dispatch.h).
 _ARGS_FIELD = {"b": "b", "sq": "seqlen_q", "sk": "seqlen_k", "h": "heads", "hk": "heads_k",

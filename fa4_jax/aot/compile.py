@@ -20,18 +20,12 @@ KERNELS = {
 # Base pointers of XLA buffers are at least 16-byte aligned; TMA needs exactly that.
 _ALIGN = 16
 
-# The backward's fp32 workspaces cover the query rows rounded up to this, so every query tile of
-# up to 128 rows reads and writes them without bounds checks; the FFI handler mirrors it.
-BWD_SEQ_PAD = 128
-# The deterministic backward keeps one counter per this many (padded) query rows: the smallest
-# query tile a backward kernel may use.
-BWD_SEMAPHORE_ROWS = 64
 
 # Each kind's tensor arguments, in call order: name, dtype ("io" = the variant's dtype) and
 # row-major dims. Lower-case dims are dynamic (runtime values the handler derives from the
 # buffers' shapes); "d"/"dv" are the variant's static head dims. ffi codegen reads this too, to
 # fill the exported structs.
-#   sq_pad   = seqlen_q rounded up to BWD_SEQ_PAD
+#   sq_pad   = seqlen_q rounded up to BWD_SEQ_PAD (kernels/bwd_workspace.py)
 #   m_blocks = sq_pad / BWD_SEMAPHORE_ROWS
 # Backward workspaces (results of the FFI call, so XLA owns them; the handler zeroes dq_accum and
 # semaphore before the launch; the kernels own the other two): mdQaccum accumulates dS·K in fp32

@@ -14,7 +14,7 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32
 
 LOG2_E = math.log2(math.e)
 
