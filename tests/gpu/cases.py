@@ -27,13 +27,16 @@ LOCAL_AND_SOFTCAP = {
 
 
 def ablation_tunings(kind):
-    """pytest.mark.parametrize over the (head_dim, tuning) pairs of `kind`'s ablation variants
-    (every non-default tuning of the compiled menu), ids like "d128-lpt"."""
+    """pytest.mark.parametrize over the (head_dim, tuning, causal) of `kind`'s compiled
+    non-default variants without a window (the ablations, and the "short" rule's causal
+    variants), ids like "d128-lpt-causal"."""
     from fa4_jax.aot import variants
 
-    pairs = sorted({(v.head_dim, v.tuning) for v in variants.MENU
-                    if v.kind == kind and v.tuning != "default"})
-    return pytest.mark.parametrize("head_dim,tuning", pairs, ids=[f"d{d}-{t}" for d, t in pairs])
+    triples = sorted({(v.head_dim, v.tuning, v.mask == "causal") for v in variants.MENU
+                      if v.kind == kind and v.tuning != "default" and v.mask != "local"})
+    return pytest.mark.parametrize(
+        "head_dim,tuning,causal", triples,
+        ids=[f"d{d}-{t}-{'causal' if c else 'full'}" for d, t, c in triples])
 
 
 def require_kernels(q, k, v, **options):

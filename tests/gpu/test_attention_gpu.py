@@ -168,7 +168,6 @@ SCHEDULER_SHAPES = {
 
 
 @pytest.mark.parametrize("shape", SCHEDULER_SHAPES.values(), ids=SCHEDULER_SHAPES.keys())
-@pytest.mark.parametrize("causal", [False, True])
 @ablation_tunings("fwd")
 def test_ablation_tunings_compute_the_same_attention(next_key, head_dim, tuning, causal, shape):
     # The benchmark's ablation rows must be correct kernels, or their timings mean nothing.

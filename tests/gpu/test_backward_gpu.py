@@ -277,7 +277,6 @@ ABLATION_SHAPES = {
 
 @pytest.mark.parametrize("shape", ABLATION_SHAPES.values(), ids=ABLATION_SHAPES.keys())
 @pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("causal", [False, True])
 @ablation_tunings("bwd")
 def test_backward_ablation_tunings(next_key, head_dim, tuning, causal, deterministic, shape):
     # The benchmark's backward ablation rows must be correct kernels (and, deterministic,
