@@ -42,6 +42,11 @@ TUNINGS: dict[str, dict] = {
     # and with 8 MB L2 sections (one d128 head at s = 16k): concurrent tiles share one head's
     # K/V, as in the linear order, which `lpt` trails by 6-9% at s >= 4k
     "lpt_so_l2s8": {**_LPT_SEPARATE_O, "l2_section_mb": 8},
+    # Wider key blocks: fewer softmax rounds per tile and longer WGMMA batches between them, paid
+    # for in registers (d128: S is 88 per thread) and shared memory (d256: 225 of 227 KB).
+    "n176": {"tile_n": 176},
+    "n80": {"tile_n": 80},
+    "n128": {"tile_n": 128},  # d64's three MMA warp groups at FlashAttention-3's causal width
     # Backward (kernels/sm90/bwd.py TileConfig): the two choices that made backward v2, each
     # turned back to v1's. det_asc changes only deterministic masked calls; the benchmark times
     # every backward tuning both ways (fa4_jax_bwd:NAME, fa4_jax_bwd_det:NAME).
@@ -55,9 +60,10 @@ TUNINGS: dict[str, dict] = {
 # (the backward default at d64/d128) needs 32 KB more shared memory at d128, which d256 (1 KB
 # spare) does not have, so d256 has no dq_atomic row.
 ABLATIONS = (
-    ("fwd", 128, ("tau0", "nopingpong", "poly25", "lpt", "linear", "lpt_so", "lpt_so_l2s8")),
-    ("fwd", 64, ("wg2", "linear", "lpt", "lpt_so")),
-    ("fwd", 256, ("lpt", "linear")),
+    ("fwd", 128, ("tau0", "nopingpong", "poly25", "lpt", "linear", "lpt_so", "lpt_so_l2s8",
+                     "n176")),
+    ("fwd", 64, ("wg2", "linear", "lpt", "lpt_so", "n128")),
+    ("fwd", 256, ("lpt", "linear", "n80")),
     ("bwd", 64, ("det_asc", "dq_atomic")),
     ("bwd", 128, ("det_asc", "dq_atomic")),
     ("bwd", 256, ("det_asc", "dq_tma_1stage")),

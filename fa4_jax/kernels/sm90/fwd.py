@@ -113,10 +113,11 @@ TILE_CONFIGS = {
     (192, 128): TileConfig(128, 128, 2, True, SoftmaxConfig(rescale_threshold=8.0)),
     (256, 256): TileConfig(128, 64, 2, False, SoftmaxConfig(rescale_threshold=8.0)),
 }
-# The most dynamic shared memory an sm_90 CTA may use (227 KB); the barriers and 1 KB alignment
-# of each buffer come on top of TileConfig.smem_bytes, hence the margin.
+# The most dynamic shared memory an sm_90 CTA may use (227 KB). On top of TileConfig.smem_bytes
+# come the barriers (under 1 KB for any ring depth up to 31), padded to the 1 KB alignment of the
+# first buffer; every buffer's size is itself a multiple of 1 KB.
 SM90_SMEM_BYTES = 227 * 1024
-_SMEM_MARGIN = 4 * 1024
+_SMEM_MARGIN = 1024
 
 LOG2_E = math.log2(math.e)
 
@@ -257,6 +258,8 @@ class FlashAttentionForwardSm90:
             sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sV_layout)], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[dtype, o_elems], 1024]
 
+        assert SharedStorage.size_in_bytes() <= SM90_SMEM_BYTES, (
+            f"{self.config}: {SharedStorage.size_in_bytes()} bytes of shared memory")
         return SharedStorage
 
     @cute.jit
