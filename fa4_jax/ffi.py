@@ -8,7 +8,8 @@ Contract used by `vjp.py` and `api.py`:
   of `kind` ("fwd" or "bwd") serves this call on the current default device, else a sentence
   saying why not (names the missing variant). Ragged calls take the same variants as the
   others.
-- `forward(q, k, v, params, seq_lengths=None) -> (out, lse)`: the `fa4_fwd_v1` custom call.
+- `forward(q, k, v, params, seq_lengths=None) -> (out, lse)`: the `fa4_fwd_v1` custom call;
+  grouped-query calls with few query rows run GQA-packed (`fa4_jax.pack_gqa`).
 - `backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths=None) -> (dq, dk, dv)`: the
   `fa4_bwd_v1` custom call; its fp32 workspaces are extra results XLA allocates and this
   function drops.
@@ -32,6 +33,8 @@ import json
 import os
 
 import numpy as np
+
+from fa4_jax import pack_gqa as packing
 
 FWD_TARGET = "fa4_fwd_v1"
 BWD_TARGET = "fa4_bwd_v1"
@@ -193,14 +196,26 @@ def _require(q, k, v, params, kind: str, tuning: str) -> None:
         raise RuntimeError(f"fa4_jax {kind} kernel unavailable: {reason}")
 
 
-def forward(q, k, v, params, seq_lengths=None, tuning: str = "default"):
+def forward(q, k, v, params, seq_lengths=None, tuning: str = "default", pack_gqa: bool | None = None):
     """(out [b, sq, h, dv] in q's dtype, lse [b, h, sq] float32) from the compiled kernel.
 
     seq_lengths: None, or (q_len, kv_len) of a ragged batch (module docstring).
 
     `tuning` names a kernel setting from `fa4_jax.aot.variants.TUNINGS` ("default" is what
-    `fa4_jax.attention` runs; the others exist for the benchmark's ablations).
+    `fa4_jax.attention` runs; the others exist for the benchmark's ablations). `pack_gqa`: run
+    the query heads of each key/value head as one tile's rows (`fa4_jax.pack_gqa`); None packs
+    where `pack_gqa.packs` says it pays, False never (the benchmark's baseline).
     """
+    if pack_gqa is None:
+        pack_gqa = packing.packs(q.shape, k.shape, params)
+    if pack_gqa:
+        packed_q, packed_params, packed_lengths = packing.pack(q, k, params, seq_lengths)
+        out, lse = forward(packed_q, k, v, packed_params, packed_lengths, tuning, pack_gqa=False)
+        return packing.unpack(out, lse, q.shape[2])
+    return _forward(q, k, v, params, seq_lengths, tuning)
+
+
+def _forward(q, k, v, params, seq_lengths, tuning: str):
     import jax
 
     tuning = _forward_tuning(q, k, v, params, tuning)
