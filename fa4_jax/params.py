@@ -34,7 +34,6 @@ class AttentionParams:
       softcap: if not None, scores become softcap * tanh(scores / softcap).
       deterministic: the backward pass must be bitwise reproducible.
       implementation: the resolved backend, "cute" or "reference".
-      ragged: per-batch valid lengths come with the call (see above).
     """
 
     softmax_scale: float
