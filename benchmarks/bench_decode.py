@@ -3,8 +3,10 @@
 Each case is one attention call of a decoder at generation time: q [b, 1, heads_q, d] against a
 KV cache k, v [b, seqlen_k, heads_kv, d]. Peers, in one process, on the same inputs:
 
-- fa4_jax: `fa4_jax.attention` (GQA-packed: the rule in fa4_jax/pack_gqa.py picks it);
-- fa4_jax_unpacked: the same kernel with packing off (`ffi.forward(..., pack_gqa=False)`);
+- fa4_jax: `fa4_jax.attention` (GQA-packed and split-KV where fa4_jax/pack_gqa.py and
+  fa4_jax/split_kv.py say so);
+- fa4_jax_nosplit: the same, split-KV off (`ffi.forward(..., split_kv=1)`);
+- fa4_jax_unpacked: packing and split-KV off;
 - cudnn, xla: `jax.nn.dot_product_attention`.
 
 No mask: with one query row, fa4_jax's bottom-right causal mask sees every key, while
@@ -38,7 +40,10 @@ CASES = {
             (64, 8192, 32, 8, 64)),
     "dry_run": ((2, 64, 4, 2, 16), (1, 96, 4, 1, 16)),
 }
-PEERS = ("fa4_jax", "fa4_jax_unpacked", "cudnn", "xla")
+# fa4_jax's rows: ffi.forward settings (None: fa4_jax.attention itself).
+FA4_SETTINGS = {"fa4_jax": None, "fa4_jax_nosplit": dict(split_kv=1),
+                "fa4_jax_unpacked": dict(split_kv=1, pack_gqa=False)}
+PEERS = (*FA4_SETTINGS, "cudnn", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,19 +64,18 @@ class DecodeCase:
 
 
 def attend_fn(peer: str, implementation: str):
-    if peer == "fa4_jax":
+    if peer not in FA4_SETTINGS:
+        return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation=peer)
+    settings = FA4_SETTINGS[peer]
+    if settings is None or implementation != "cute":
         return lambda q, k, v: fa4_jax.attention(q, k, v, implementation=implementation)
-    if peer == "fa4_jax_unpacked":
-        from fa4_jax import ffi
-        from fa4_jax.api import attention_params
+    from fa4_jax import ffi
+    from fa4_jax.api import attention_params
 
-        def attend(q, k, v):
-            params = attention_params(q, k, v, implementation=implementation)
-            if implementation != "cute":
-                return fa4_jax.attention(q, k, v, implementation=implementation)
-            return ffi.forward(q, k, v, params, pack_gqa=False)[0]
-        return attend
-    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation=peer)
+    def attend(q, k, v):
+        params = attention_params(q, k, v, implementation=implementation)
+        return ffi.forward(q, k, v, params, **settings)[0]
+    return attend
 
 
 def inputs(case: DecodeCase, seed: int) -> list[tuple]:

@@ -9,7 +9,8 @@ Contract used by `vjp.py` and `api.py`:
   saying why not (names the missing variant). Ragged calls take the same variants as the
   others.
 - `forward(q, k, v, params, seq_lengths=None) -> (out, lse)`: the `fa4_fwd_v1` custom call;
-  grouped-query calls with few query rows run GQA-packed (`fa4_jax.pack_gqa`).
+  grouped-query calls with few query rows run GQA-packed (`fa4_jax.pack_gqa`), and calls with
+  too few tiles to fill the GPU split their keys (`fa4_jax.split_kv`).
 - `backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths=None) -> (dq, dk, dv)`: the
   `fa4_bwd_v1` custom call; its fp32 workspaces are extra results XLA allocates and this
   function drops.
@@ -35,6 +36,7 @@ import os
 import numpy as np
 
 from fa4_jax import pack_gqa as packing
+from fa4_jax import split_kv as splitting
 
 FWD_TARGET = "fa4_fwd_v1"
 BWD_TARGET = "fa4_bwd_v1"
@@ -89,6 +91,13 @@ def _device_arch() -> tuple[str | None, str | None]:
     if arch is None:
         return None, f"the default device {device.device_kind} (compute capability {cc}) has no kernels"
     return arch, None
+
+
+def _sm_count() -> int:
+    """Multiprocessors of the default device (132 on an H100/H200 SXM, if JAX does not say)."""
+    import jax
+
+    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
 def is_available() -> bool:
@@ -196,7 +205,8 @@ def _require(q, k, v, params, kind: str, tuning: str) -> None:
         raise RuntimeError(f"fa4_jax {kind} kernel unavailable: {reason}")
 
 
-def forward(q, k, v, params, seq_lengths=None, tuning: str = "default", pack_gqa: bool | None = None):
+def forward(q, k, v, params, seq_lengths=None, tuning: str = "default", pack_gqa: bool | None = None,
+            split_kv: int | None = None):
     """(out [b, sq, h, dv] in q's dtype, lse [b, h, sq] float32) from the compiled kernel.
 
     seq_lengths: None, or (q_len, kv_len) of a ragged batch (module docstring).
@@ -204,13 +214,23 @@ def forward(q, k, v, params, seq_lengths=None, tuning: str = "default", pack_gqa
     `tuning` names a kernel setting from `fa4_jax.aot.variants.TUNINGS` ("default" is what
     `fa4_jax.attention` runs; the others exist for the benchmark's ablations). `pack_gqa`: run
     the query heads of each key/value head as one tile's rows (`fa4_jax.pack_gqa`); None packs
-    where `pack_gqa.packs` says it pays, False never (the benchmark's baseline).
+    where `pack_gqa.packs` says it pays, False never. `split_kv`: run the keys as this many
+    chunks and combine them (`fa4_jax.split_kv`; it must divide seqlen_k); None splits where
+    `split_kv.num_splits` says the call has too few tiles for the GPU, 1 never. The explicit
+    settings are the benchmark's baselines.
     """
+    if split_kv is None:
+        split_kv = splitting.num_splits(q.shape, k.shape, params, _sm_count())
+    if split_kv > 1:
+        chunks = splitting.split(q, k, v, params, seq_lengths, split_kv)
+        out, lse = forward(*chunks, tuning=tuning, pack_gqa=pack_gqa, split_kv=1)
+        return splitting.combine(out, lse, split_kv)
     if pack_gqa is None:
         pack_gqa = packing.packs(q.shape, k.shape, params)
     if pack_gqa:
         packed_q, packed_params, packed_lengths = packing.pack(q, k, params, seq_lengths)
-        out, lse = forward(packed_q, k, v, packed_params, packed_lengths, tuning, pack_gqa=False)
+        out, lse = forward(packed_q, k, v, packed_params, packed_lengths, tuning, pack_gqa=False,
+                           split_kv=1)
         return packing.unpack(out, lse, q.shape[2])
     return _forward(q, k, v, params, seq_lengths, tuning)
 
