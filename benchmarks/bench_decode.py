@@ -5,6 +5,8 @@ KV cache k, v [b, seqlen_k, heads_kv, d]. Peers, in one process, on the same inp
 
 - fa4_jax: `fa4_jax.attention` (GQA-packed and split-KV where fa4_jax/pack_gqa.py and
   fa4_jax/split_kv.py say so);
+- fa4_jax_fulltile: the same, with the full-height tiles of longer calls instead of the
+  64-row "decode" tiles (the "linear" tuning, compiled at d64/d128/d256 in bf16);
 - fa4_jax_nosplit: the same, split-KV off (`ffi.forward(..., split_kv=1)`);
 - fa4_jax_unpacked: packing and split-KV off;
 - cudnn, xla: `jax.nn.dot_product_attention`.
@@ -41,7 +43,8 @@ CASES = {
     "dry_run": ((2, 64, 4, 2, 16), (1, 96, 4, 1, 16)),
 }
 # fa4_jax's rows: ffi.forward settings (None: fa4_jax.attention itself).
-FA4_SETTINGS = {"fa4_jax": None, "fa4_jax_nosplit": dict(split_kv=1),
+FA4_SETTINGS = {"fa4_jax": None, "fa4_jax_fulltile": dict(tuning="linear"),
+                "fa4_jax_nosplit": dict(split_kv=1),
                 "fa4_jax_unpacked": dict(split_kv=1, pack_gqa=False)}
 PEERS = (*FA4_SETTINGS, "cudnn", "xla")
 

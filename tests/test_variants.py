@@ -93,3 +93,19 @@ def test_short_causal_forwards_take_the_short_tuning(head_dim):
 def test_other_head_dims_keep_the_default_order():
     assert variants.call_tuning("fwd", "causal", 256, 512, 512) == "default"
     assert variants.call_tuning("fwd", "causal", 96, 512, 512) == "default"
+
+
+@pytest.mark.parametrize("head_dim,head_dim_v", variants.HEAD_DIMS["fwd"])
+def test_decode_sized_forwards_take_the_decode_tuning(head_dim, head_dim_v):
+    rows = variants.DECODE_ROWS
+    assert variants.call_tuning("fwd", "none", head_dim, rows, 50_000) == "decode"
+    assert variants.call_tuning("fwd", "none", head_dim, 1, 1) == "decode"
+    # More rows, a mask, the backward, or an explicit tuning: unchanged.
+    assert variants.call_tuning("fwd", "none", head_dim, rows + 1, 1) == "default"
+    assert variants.call_tuning("fwd", "local", head_dim, 1, 100) == "default"
+    assert variants.call_tuning("bwd", "none", head_dim, 1, 100) == "default"
+    assert variants.call_tuning("fwd", "none", head_dim, 1, 100, "lpt") == "lpt"
+    for dtype in variants.DTYPES:
+        for softcap in (False, True):
+            v = select(dtype, head_dim, head_dim_v, False, None, None, softcap, tuning="decode")
+            assert v in MENU

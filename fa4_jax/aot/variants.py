@@ -42,6 +42,9 @@ TUNINGS: dict[str, dict] = {
     # and with 8 MB L2 sections (one d128 head at s = 16k): concurrent tiles share one head's
     # K/V, as in the linear order, which `lpt` trails by 6-9% at s >= 4k
     "lpt_so_l2s8": {**_LPT_SEPARATE_O, "l2_section_mb": 8},
+    # One MMA warp group (64-row tiles): what `call_tuning` picks for decode-sized calls, whose
+    # few rows (a GQA-packed group's heads) leave most of a 128- or 192-row tile as padding.
+    "decode": {"mma_warp_groups": 1, "pingpong": False},
     # Wider key blocks: fewer softmax rounds per tile and longer WGMMA batches between them, paid
     # for in registers (d128: S is 88 per thread) and shared memory (d256: 225 of 227 KB).
     "n176": {"tile_n": 176},
@@ -52,13 +55,12 @@ TUNINGS: dict[str, dict] = {
     # every backward tuning both ways (fa4_jax_bwd:NAME, fa4_jax_bwd_det:NAME).
     "det_asc": {"det_descending": False},  # deterministic causal/local: dQ adds in increasing order
     "dq_atomic": {"dq_tma_reduce": False},  # dQ by per-thread red.global.add from the MMA warps
-    # d256: the TMA dQ reduce, paid for with single-buffered Q/dO (and dSᵀ/Pᵀ) rings: its 64 KB
-    # sdQ does not fit beside the default two stages.
-    "dq_tma_1stage": {"dq_tma_reduce": True, "stages": 1, "pds_stages": 1},
+    # d256 before the TMA dQ reduce: double-buffered Q/dO (and dSᵀ/Pᵀ) rings, dQ by atomics
+    # (the reduce's 64 KB sdQ fits only with single buffers).
+    "dq_atomic_2stage": {"dq_tma_reduce": False, "stages": 2, "pds_stages": 2},
 }
-# (kind, head dim, tunings) of the ablations, bf16, masks none and causal. The TMA dQ reduce
-# (the backward default at d64/d128) needs 32 KB more shared memory at d128, which d256 (1 KB
-# spare) does not have, so d256 has no dq_atomic row.
+# (kind, head dim, tunings) of the ablations, bf16, masks none and causal. d256's row for the
+# atomic dQ is dq_atomic_2stage: with atomics, its shared memory goes back to two stages.
 ABLATIONS = (
     ("fwd", 128, ("tau0", "nopingpong", "poly25", "lpt", "linear", "lpt_so", "lpt_so_l2s8",
                      "n176")),
@@ -66,7 +68,7 @@ ABLATIONS = (
     ("fwd", 256, ("lpt", "linear", "n80")),
     ("bwd", 64, ("det_asc", "dq_atomic")),
     ("bwd", 128, ("det_asc", "dq_atomic")),
-    ("bwd", 256, ("det_asc", "dq_tma_1stage")),
+    ("bwd", 256, ("det_asc", "dq_atomic_2stage")),
 )
 
 
@@ -77,13 +79,20 @@ ABLATIONS = (
 # already loses (d128 causal 504 vs 524), hence the bound.
 SHORT_SEQLEN = 1024
 SHORT_HEAD_DIMS = (64, 128)
+# Forward calls without a mask and with at most this many query rows (as the kernel sees them:
+# GQA-packed, fa4_jax/pack_gqa.py) run the "decode" tuning, compiled at every head dim.
+DECODE_ROWS = 64
 
 
 def call_tuning(kind: str, mask: str, head_dim: int, seqlen_q: int, seqlen_k: int,
                 tuning: str = "default") -> str:
-    """The tuning a call runs: "short" for a short causal forward at SHORT_HEAD_DIMS, else `tuning`."""
-    if (kind == "fwd" and tuning == "default" and mask == "causal" and head_dim in SHORT_HEAD_DIMS
-            and max(seqlen_q, seqlen_k) <= SHORT_SEQLEN):
+    """The tuning a call runs: "decode" for a forward of at most DECODE_ROWS query rows without
+    a mask, "short" for a short causal forward at SHORT_HEAD_DIMS, else `tuning`."""
+    if kind != "fwd" or tuning != "default":
+        return tuning
+    if mask == "none" and seqlen_q <= DECODE_ROWS:
+        return "decode"
+    if mask == "causal" and head_dim in SHORT_HEAD_DIMS and max(seqlen_q, seqlen_k) <= SHORT_SEQLEN:
         return "short"
     return tuning
 
@@ -133,6 +142,9 @@ MENU: tuple[Variant, ...] = tuple(
 ) + tuple(
     Variant("sm_90a", dtype, d, d, "causal", softcap, "fwd", "short")
     for dtype, d, softcap in itertools.product(DTYPES, SHORT_HEAD_DIMS, (False, True))
+) + tuple(
+    Variant("sm_90a", dtype, d, dv, "none", softcap, "fwd", "decode")
+    for dtype, (d, dv), softcap in itertools.product(DTYPES, HEAD_DIMS["fwd"], (False, True))
 )
 
 

@@ -27,16 +27,15 @@ LOCAL_AND_SOFTCAP = {
 
 
 def ablation_tunings(kind):
-    """pytest.mark.parametrize over the (head_dim, tuning, causal) of `kind`'s compiled
-    non-default variants without a window (the ablations, and the "short" rule's causal
-    variants), ids like "d128-lpt-causal"."""
+    """pytest.mark.parametrize over the (head_dim, head_dim_v, tuning, causal) of `kind`'s
+    compiled non-default variants without a window (the ablations, and the call-routed "short"
+    and "decode" variants), ids like "d128-lpt-causal" ("d192v128-decode-full")."""
     from fa4_jax.aot import variants
 
-    triples = sorted({(v.head_dim, v.tuning, v.mask == "causal") for v in variants.MENU
-                      if v.kind == kind and v.tuning != "default" and v.mask != "local"})
-    return pytest.mark.parametrize(
-        "head_dim,tuning,causal", triples,
-        ids=[f"d{d}-{t}-{'causal' if c else 'full'}" for d, t, c in triples])
+    cases = sorted({(v.head_dim, v.head_dim_v, v.tuning, v.mask == "causal") for v in variants.MENU
+                    if v.kind == kind and v.tuning != "default" and v.mask != "local"})
+    ids = [f"d{d}{'' if dv == d else f'v{dv}'}-{t}-{'causal' if c else 'full'}" for d, dv, t, c in cases]
+    return pytest.mark.parametrize("head_dim,head_dim_v,tuning,causal", cases, ids=ids)
 
 
 def require_kernels(q, k, v, **options):

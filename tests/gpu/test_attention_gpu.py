@@ -169,13 +169,15 @@ SCHEDULER_SHAPES = {
 
 @pytest.mark.parametrize("shape", SCHEDULER_SHAPES.values(), ids=SCHEDULER_SHAPES.keys())
 @ablation_tunings("fwd")
-def test_ablation_tunings_compute_the_same_attention(next_key, head_dim, tuning, causal, shape):
+def test_ablation_tunings_compute_the_same_attention(next_key, head_dim, head_dim_v, tuning, causal,
+                                                      shape):
     # The benchmark's ablation rows must be correct kernels, or their timings mean nothing.
     from fa4_jax import ffi
     from fa4_jax.api import attention_params
 
     batch, seqlen_q, seqlen_k, heads_q, heads_kv = shape
-    q, k, v = qkv(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, jnp.bfloat16)
+    q, k, v = qkv(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, jnp.bfloat16,
+                  head_dim_v)
     params = attention_params(q, k, v, causal=causal, implementation="cute")
     reason = ffi.unsupported_reason(q, k, v, params, tuning=tuning)
     if reason is not None:

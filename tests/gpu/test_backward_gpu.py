@@ -278,13 +278,14 @@ ABLATION_SHAPES = {
 @pytest.mark.parametrize("shape", ABLATION_SHAPES.values(), ids=ABLATION_SHAPES.keys())
 @pytest.mark.parametrize("deterministic", [False, True])
 @ablation_tunings("bwd")
-def test_backward_ablation_tunings(next_key, head_dim, tuning, causal, deterministic, shape):
+def test_backward_ablation_tunings(next_key, head_dim, head_dim_v, tuning, causal, deterministic, shape):
     # The benchmark's backward ablation rows must be correct kernels (and, deterministic,
     # bitwise repeatable), or their timings mean nothing.
     if tuning == "det_asc" and not deterministic:
         pytest.skip("det_asc changes only deterministic calls (the default-mode kernel is the same)")
     batch, seqlen_q, seqlen_k, heads_q, heads_kv = shape
-    q, k, v = qkv(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, jnp.bfloat16)
+    q, k, v = qkv(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, jnp.bfloat16,
+                  head_dim_v)
     params = attention_params(q, k, v, causal=causal, deterministic=deterministic, implementation="cute")
     reason = ffi.unsupported_reason(q, k, v, params, "bwd", tuning=tuning)
     if reason is not None:

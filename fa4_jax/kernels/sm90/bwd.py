@@ -21,7 +21,7 @@ the group inside the CTA). Warp-role table:
     window mask first, only on tiles that cross the band: BlockInfo.tile_needs_mask);
     dV += Pᵀ·dO issued, then dSᵀ = Pᵀ∘(dPᵀ − D) while it runs; dK += dSᵀ·Q;
     dSᵀ to shared memory (stmatrix), a named barrier, then dQ_partial = dS·K (WGMMA, dS read as
-    an M-major view of dSᵀ); dQ_partial added into mdQaccum: at d64/d128 (`dq_tma_reduce`)
+    an M-major view of dSᵀ); dQ_partial added into mdQaccum: at d64/d128/d256 (`dq_tma_reduce`)
     through a shared fp32 tile and one TMA reduce-add issued by a dQ-writer warp of warp group
     0, otherwise by per-thread `red.global.add.v2.f32`. In deterministic mode the adds into a
     (batch, head, query block) go in a fixed key-block order (decreasing under a causal/local
@@ -95,8 +95,8 @@ class TileConfig:
     # (FlashAttention-3's scheme), instead of per-thread red.global.add.v2.f32 from the MMA warp
     # groups; in deterministic mode that warp, not the MMA warps, waits for the turn. Needs
     # tile_m·d·4 bytes more shared memory (d128: 32 KB; d256: 64 KB, which fits only with
-    # single-buffered Q/dO and dSᵀ/Pᵀ: the `dq_tma_1stage` ablation), and whole 128-byte swizzle
-    # atoms per warp group's half of d (d64, d128, d256; not d96, d192).
+    # single-buffered Q/dO and dSᵀ/Pᵀ), and whole 128-byte swizzle atoms per warp group's half
+    # of d (d64, d128, d256; not d96, d192).
     # Measured at d128 4k/16k: 521/555 TF/s fwd+bwd vs 443/468 with red.global (backward v1).
     dq_tma_reduce: bool = False
 
@@ -109,7 +109,10 @@ class TileConfig:
 #   d128: 2·(2·64·256 + 128·256 + 2·128·64)   = 160 KB
 #   d192/dv128: 2·(2·64·320 + 64·320 + 2·2·64·64) = 152 KB
 #   d256: 2·(2·64·512 + 64·512 + 2·2·64·64)   = 224 KB (+1.5 KB of LSE/D slices and barriers);
-#         one stage and one dSᵀ/Pᵀ buffer: 144 KB, + 64 KB of fp32 sdQ = 208 KB
+#         one stage and one dSᵀ/Pᵀ buffer: 144 KB, + 64 KB of fp32 sdQ = 208 KB. The TMA dQ
+#         reduce is worth more than the second stage: fwd+bwd 456/475 TF/s at s4k/16k against
+#         342/358 with two stages and per-thread atomics (+33%; causal 411/481 vs 316/359;
+#         deterministic +24-33%), docs/perf-log.md "Backward d256".
 # Registers per MMA thread (240 budget): with dkv_from_registers a warp group holds dK and dV of
 # 64 keys (d128: 64 + 64 fp32), Sᵀ and dPᵀ (32 + 32) and their 16-bit copies: unconstrained,
 # ptxas would take 236-240 at d128 (250-255 with softcap) and fits all of them in 240 without
@@ -123,7 +126,7 @@ TILE_CONFIGS = {
     96: TileConfig(64, 128, 2, True, 2),
     128: TileConfig(64, 128, 2, True, 2, dq_tma_reduce=True),
     192: TileConfig(64, 64, 2, False, 2),
-    256: TileConfig(64, 64, 2, False, 2),
+    256: TileConfig(64, 64, 1, False, 1, dq_tma_reduce=True),
 }
 
 LOG2_E = math.log2(math.e)

@@ -7,7 +7,7 @@ longest-first order, its pipelines carrying from tile to tile. Warp-role table:
 - warp group 0 (`producer_warp_group`): its first warp issues TMA for each tile's Q, and for
   K and V blocks through a `kv_stages`-deep ring of mbarrier-guarded shared-memory buffers; the
   rest of the group idles at a low register budget.
-- warp groups 1..2 (`mma_warp_groups`; 1..3 with the 3-group tuning): each owns 64 of the
+- warp groups 1..2 (`mma_warp_groups`; 1..3 with d64's 3 groups, 1 alone for decode): each owns 64 of the
   tile's rows. S = Q·Kᵀ by WGMMA from shared memory, mask and online softmax in registers, then O += P·V with P fed straight from
   registers as the WGMMA A operand, so S and P never touch shared memory. Within a warp group
   the GEMMs of block j (S_j = Q·K_jᵀ and O += P_{j-1}·V_{j-1}) are issued together and the
@@ -84,8 +84,9 @@ class TileConfig:
 TUNING_KNOBS = ("pingpong", "rescale_threshold", "exp2_poly_share", "scheduler", "mma_warp_groups",
                 "tile_n", "kv_stages", "separate_o", "l2_section_mb")
 # setmaxnreg budget of each MMA thread by MMA warp-group count: the 64K registers of an SM less
-# the producer group's 128 · 24, shared by the MMA threads, rounded down to a multiple of 8.
-MMA_REGISTERS = {2: 240, 3: 160}
+# the producer group's 128 · 24, shared by the MMA threads, rounded down to a multiple of 8, and
+# at most 240 (a thread may not hold more than 255). One group (tile_m 64) is the decode shape.
+MMA_REGISTERS = {1: 240, 2: 240, 3: 160}
 
 
 # 64 query rows per MMA warp group. Shared memory bounds tile_n and the ring depth: Q (tile_m·d)
@@ -189,7 +190,7 @@ class FlashAttentionForwardSm90:
         """`tuning` overrides the tile table's settings (TUNING_KNOBS): pingpong (bool),
         rescale_threshold (float, log2 units; 0 = rescale whenever the maximum grows),
         exp2_poly_share (float in [0, 1]), scheduler ("linear", "lpt", "lpt_single") and
-        mma_warp_groups (2 or 3; tile_m = 64 per group), tile_n, kv_stages, separate_o and
+        mma_warp_groups (1 to 3; tile_m = 64 per group), tile_n, kv_stages, separate_o and
         l2_section_mb."""
         if mask not in ("none", "causal", "local"):
             raise ValueError(f"mask must be 'none', 'causal' or 'local', got {mask!r}")
@@ -221,7 +222,9 @@ class FlashAttentionForwardSm90:
                 config, mma_warp_groups=int(tuning["mma_warp_groups"]), tile_m=64 * int(tuning["mma_warp_groups"])
             )
         if config.mma_warp_groups not in MMA_REGISTERS or config.tile_m != 64 * config.mma_warp_groups:
-            raise ValueError(f"{config}: tile_m must be 64 per MMA warp group, 2 or 3 groups")
+            raise ValueError(f"{config}: tile_m must be 64 per MMA warp group, 1 to 3 groups")
+        if config.pingpong and config.mma_warp_groups == 1:
+            raise ValueError(f"{config}: ping-pong needs two or more MMA warp groups")
         if not 0.0 <= config.softmax.exp2_poly_share <= 1.0 or config.softmax.rescale_threshold < 0.0:
             raise ValueError(f"bad softmax tuning {config.softmax}")
         self.config = config
