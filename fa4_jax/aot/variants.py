@@ -64,7 +64,7 @@ TUNINGS: dict[str, dict] = {
 ABLATIONS = (
     ("fwd", 128, ("tau0", "nopingpong", "poly25", "lpt", "linear", "lpt_so", "lpt_so_l2s8",
                      "n176")),
-    ("fwd", 64, ("wg2", "linear", "lpt", "lpt_so", "n128")),
+    ("fwd", 64, ("wg2", "linear", "lpt", "lpt_so", "n128", "nopingpong")),
     ("fwd", 256, ("lpt", "linear", "n80")),
     ("bwd", 64, ("det_asc", "dq_atomic")),
     ("bwd", 128, ("det_asc", "dq_atomic")),
