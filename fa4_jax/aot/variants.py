@@ -30,6 +30,7 @@ TUNINGS: dict[str, dict] = {
     "default": {},
     "tau0": {"rescale_threshold": 0.0},  # rescale whenever the row max grows
     "nopingpong": {"pingpong": False},
+    "pingpong": {"pingpong": True},  # d128 under a mask, where its default is off
     "poly25": {"exp2_poly_share": 0.25},  # a quarter of the exponentials on the FMA pipes
     "lpt": {"scheduler": "lpt"},  # persistent CTAs, LPT tile order
     "linear": {"scheduler": "linear"},  # one CTA per tile in grid order, masked calls too
@@ -38,7 +39,9 @@ TUNINGS: dict[str, dict] = {
     # epilogue: an ablation ("lpt_so"), and what `call_tuning` picks for short causal forward
     # calls ("short").
     "lpt_so": _LPT_SEPARATE_O,
-    "short": _LPT_SEPARATE_O,
+    # Ping-pong stays on in the short rule's kernel (the one measured at 1k, 321-323 TF/s at
+    # d128), though the d128 default turned it off under a mask.
+    "short": {**_LPT_SEPARATE_O, "pingpong": True},
     # and with 8 MB L2 sections (one d128 head at s = 16k): concurrent tiles share one head's
     # K/V, as in the linear order, which `lpt` trails by 6-9% at s >= 4k
     "lpt_so_l2s8": {**_LPT_SEPARATE_O, "l2_section_mb": 8},
@@ -62,8 +65,8 @@ TUNINGS: dict[str, dict] = {
 # (kind, head dim, tunings) of the ablations, bf16, masks none and causal. d256's row for the
 # atomic dQ is dq_atomic_2stage: with atomics, its shared memory goes back to two stages.
 ABLATIONS = (
-    ("fwd", 128, ("tau0", "nopingpong", "poly25", "lpt", "linear", "lpt_so", "lpt_so_l2s8",
-                     "n176")),
+    ("fwd", 128, ("tau0", "nopingpong", "pingpong", "poly25", "lpt", "linear", "lpt_so",
+                     "lpt_so_l2s8", "n176")),
     ("fwd", 64, ("wg2", "linear", "lpt", "lpt_so", "n128", "nopingpong")),
     ("fwd", 256, ("lpt", "linear", "n80")),
     ("bwd", 64, ("det_asc", "dq_atomic")),

@@ -62,6 +62,8 @@ class TileConfig:
     # Tile order without a mask, and with a causal/local one (the "scheduler" knob sets both).
     scheduler: str = "linear"
     masked_scheduler: str = "lpt_single"
+    # Ping-pong under a causal/local mask (`pingpong` is the unmasked setting; the knob sets both).
+    masked_pingpong: bool = True
     # MMA warp groups of 64 query rows each: tile_m = 64 · mma_warp_groups.
     mma_warp_groups: int = 2
     # O staged in its own shared buffer instead of Q's. Q's buffer then frees once the tile's
@@ -96,8 +98,11 @@ MMA_REGISTERS = {1: 240, 2: 240, 3: 160}
 # - d64: three MMA warp groups (tile_m 192, FlashAttention-3's d64 shape) with tile_n 96, the
 #   widest block whose registers fit 160 per thread: 456/509 vs 392/430 TF/s for two groups at
 #   s4k/s16k, equal under a causal mask.
-# - d128: two groups, 128 x 128, ping-pong on; exp2 polynomial share 0 (a 25% share cost 16%:
-#   535 vs 638 at s4k) and rescale threshold 8 (threshold 0: 606 vs 638 at s4k).
+# - d128: two groups, 128 x 128, ping-pong on without a mask; exp2 polynomial share 0 (a 25%
+#   share cost 16%: 535 vs 638 at s4k) and rescale threshold 8 (threshold 0: 606 vs 638 at s4k).
+#   Under a causal mask ping-pong off: 483/589 vs 466/586 at s4k/s16k with LPT order (and
+#   514/592 vs 480/583 in the linear order), since the diagonal blocks' uneven softmax phases
+#   make the turn-taking wait. At d64 it stays on (331/427 vs 335/437 off).
 # - d256: 128 x 64, ping-pong off: the 128-register O accumulator leaves no room for S and P of
 #   two blocks at once (FlashAttention-3's choice too).
 # - masked calls (causal, local) visit tiles longest-first, one CTA per tile ("lpt_single"):
@@ -110,7 +115,7 @@ MMA_REGISTERS = {1: 240, 2: 240, 3: 160}
 TILE_CONFIGS = {
     (64, 64): TileConfig(192, 96, 3, True, SoftmaxConfig(rescale_threshold=8.0), mma_warp_groups=3),
     (96, 96): TileConfig(128, 128, 3, True, SoftmaxConfig(rescale_threshold=8.0)),
-    (128, 128): TileConfig(128, 128, 2, True, SoftmaxConfig(rescale_threshold=8.0)),
+    (128, 128): TileConfig(128, 128, 2, True, SoftmaxConfig(rescale_threshold=8.0), masked_pingpong=False),
     (192, 128): TileConfig(128, 128, 2, True, SoftmaxConfig(rescale_threshold=8.0)),
     (256, 256): TileConfig(128, 64, 2, False, SoftmaxConfig(rescale_threshold=8.0)),
 }
@@ -215,6 +220,8 @@ class FlashAttentionForwardSm90:
         )
         if "scheduler" in tuning:
             config = dataclasses.replace(config, masked_scheduler=tuning["scheduler"])
+        if "pingpong" in tuning:
+            config = dataclasses.replace(config, masked_pingpong=tuning["pingpong"])
         if config.tile_n % 16 or not 16 <= config.tile_n <= 256:
             raise ValueError(f"{config}: tile_n must be a multiple of 16 (P·V's k16 blocks), at most 256")
         if "mma_warp_groups" in tuning:
@@ -223,7 +230,7 @@ class FlashAttentionForwardSm90:
             )
         if config.mma_warp_groups not in MMA_REGISTERS or config.tile_m != 64 * config.mma_warp_groups:
             raise ValueError(f"{config}: tile_m must be 64 per MMA warp group, 1 to 3 groups")
-        if config.pingpong and config.mma_warp_groups == 1:
+        if (config.pingpong or config.masked_pingpong) and config.mma_warp_groups == 1:
             raise ValueError(f"{config}: ping-pong needs two or more MMA warp groups")
         if not 0.0 <= config.softmax.exp2_poly_share <= 1.0 or config.softmax.rescale_threshold < 0.0:
             raise ValueError(f"bad softmax tuning {config.softmax}")
@@ -237,6 +244,7 @@ class FlashAttentionForwardSm90:
             kv_bytes_per_key=(head_dim + head_dim_v) * dtype.width // 8,
             l2_bytes=config.l2_section_mb * 2**20,
         )
+        self.pingpong = config.masked_pingpong if self.causal or self.local else config.pingpong
         self.mma_warp_groups = tuple(range(1, config.mma_warp_groups + 1))
         self.mma_registers = MMA_REGISTERS[config.mma_warp_groups]
         self.num_mma_threads = len(self.mma_warp_groups) * self.threads_per_warp_group
@@ -643,7 +651,7 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def pingpong_init(self, warp_group):
         """The last MMA warp group hands the first its initial turn."""
-        if cutlass.const_expr(self.config.pingpong):
+        if cutlass.const_expr(self.pingpong):
             if warp_group == len(self.mma_warp_groups) - 1:
                 cute.arch.barrier_arrive(
                     barrier_id=self.pingpong_barrier_base, number_of_threads=2 * self.threads_per_warp_group
@@ -652,7 +660,7 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def pingpong_wait(self, warp_group):
         """Wait for this warp group's turn to issue GEMMs."""
-        if cutlass.const_expr(self.config.pingpong):
+        if cutlass.const_expr(self.pingpong):
             cute.arch.barrier(
                 barrier_id=self.pingpong_barrier_base + warp_group,
                 number_of_threads=2 * self.threads_per_warp_group,
@@ -661,7 +669,7 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def pingpong_yield(self, warp_group):
         """Give the next warp group its turn once this one's GEMMs are issued."""
-        if cutlass.const_expr(self.config.pingpong):
+        if cutlass.const_expr(self.pingpong):
             cute.arch.barrier_arrive(
                 barrier_id=self.pingpong_barrier_base + (warp_group + 1) % len(self.mma_warp_groups),
                 number_of_threads=2 * self.threads_per_warp_group,
