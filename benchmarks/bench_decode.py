@@ -9,6 +9,8 @@ KV cache k, v [b, seqlen_k, heads_kv, d]. Peers, in one process, on the same inp
   64-row "decode" tiles (the "linear" tuning, compiled at d64/d128/d256 in bf16);
 - fa4_jax_nosplit: the same, split-KV off (`ffi.forward(..., split_kv=1)`);
 - fa4_jax_unpacked: packing and split-KV off;
+- fa4_jax_ragged: `fa4_jax.attention` with per-entry lengths (every cache 37 keys short of
+  the buffer, so each entry's last key block is partial), as a serving batch calls it;
 - cudnn, xla: `jax.nn.dot_product_attention`.
 
 No mask: with one query row, fa4_jax's bottom-right causal mask sees every key, while
@@ -46,7 +48,8 @@ CASES = {
 FA4_SETTINGS = {"fa4_jax": None, "fa4_jax_fulltile": dict(tuning="linear"),
                 "fa4_jax_nosplit": dict(split_kv=1),
                 "fa4_jax_unpacked": dict(split_kv=1, pack_gqa=False)}
-PEERS = (*FA4_SETTINGS, "cudnn", "xla")
+PEERS = (*FA4_SETTINGS, "fa4_jax_ragged", "cudnn", "xla")
+RAGGED_SHORTFALL = 37
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +70,14 @@ class DecodeCase:
 
 
 def attend_fn(peer: str, implementation: str):
+    if peer == "fa4_jax_ragged":
+        def attend(q, k, v):
+            b, sk = k.shape[:2]
+            return fa4_jax.attention(
+                q, k, v, implementation=implementation,
+                query_seq_lengths=jnp.ones((b,), jnp.int32),
+                key_value_seq_lengths=jnp.full((b,), max(sk - RAGGED_SHORTFALL, 1), jnp.int32))
+        return attend
     if peer not in FA4_SETTINGS:
         return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation=peer)
     settings = FA4_SETTINGS[peer]

@@ -18,10 +18,11 @@ Contract used by `vjp.py` and `api.py`:
 `seq_lengths` is None or (q_len, kv_len), int32 [batch] each, clamped to [0, seqlen] (a ragged
 batch, `backends.forward`). Both calls always pass the two length operands (`seq_used_q`,
 `seq_used_k`), full lengths when seq_lengths is None, so ragged and dense calls share one compiled
-variant. A ragged call first zeroes the padding of its inputs (rows of q and d_out at or past
-q_len, of k and v at or past kv_len): one extra elementwise pass over each, because a TMA tile
-load cannot stop at a per-entry length, so padding reaches the kernels' registers, and the
-masked P = 0 times a NaN or inf in V (or Q·Kᵀ of one in K) would still be NaN.
+variant. A TMA tile load cannot stop at a per-entry length, so padding reaches the kernels, and a
+masked P = 0 times a NaN or inf of the padding would still be NaN. The forward kernel makes the
+K/V padding harmless itself (the mask overwrites the scores, V's padding rows are zeroed in
+shared memory); ragged calls still zero the padding of q (forward and backward) and of d_out,
+k and v (backward) with one elementwise pass over each.
 
 The library is fa4_jax/_lib/libfa4_jax.so (FA4_JAX_LIBRARY overrides), built by
 `python -m fa4_jax.aot.build`; fa4_jax/_lib/variants.json lists the variants compiled into it.
@@ -245,7 +246,9 @@ def _forward(q, k, v, params, seq_lengths, tuning: str):
     call = jax.ffi.ffi_call(
         FWD_TARGET,
         (jax.ShapeDtypeStruct((b, sq, h, dv), q.dtype), jax.ShapeDtypeStruct((b, h, sq), np.float32)))
-    lengths, (q,), (k, v) = _length_operands(seq_lengths, q, k, (q,), (k, v))
+    # K and V go in unzeroed: the kernel masks the padding keys and zeroes their V rows itself
+    # (a decode step would otherwise copy its whole KV cache twice over).
+    lengths, (q,), () = _length_operands(seq_lengths, q, k, (q,), ())
     return call(q, k, v, *lengths, **_static_attrs(params, tuning))
 
 

@@ -5,10 +5,10 @@ from benchmarks import bench_decode
 
 
 def test_dry_run_times_every_case_and_peer(tmp_path):
-    peers = "fa4_jax,fa4_jax_fulltile,fa4_jax_nosplit,fa4_jax_unpacked,xla"
+    peers = "fa4_jax,fa4_jax_fulltile,fa4_jax_nosplit,fa4_jax_unpacked,fa4_jax_ragged,xla"
     assert bench_decode.main(["--dry-run", "--peers", peers, "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "decode.json").read_text())["results"]
-    assert len(rows) == len(bench_decode.CASES["dry_run"]) * 5
+    assert len(rows) == len(bench_decode.CASES["dry_run"]) * 6
     for row in rows:
         assert row["status"] == "ok" and row["us"] > 0 and row["kv_gb_s"] > 0, row
 

@@ -48,11 +48,16 @@ def test_packed_forward(next_key, head_dim, seqlen_q, heads_q, heads_kv, options
 
 
 def test_packed_ragged_decode(next_key):
-    # One query row per entry or none; keys from none to a partial last block.
+    # One query row per entry or none; keys from none to a partial last block; the keys past
+    # each entry's length are inf (K) and NaN (V).
     batch, seqlen_k, heads_q, heads_kv, head_dim = 5, 700, 16, 4, 128
     q, k, v = qkv(next_key, batch, 1, seqlen_k, heads_q, heads_kv, head_dim, jnp.bfloat16)
     q_len = jnp.asarray([1, 0, 1, 1, 1], jnp.int32)
     kv_len = jnp.asarray([700, 300, 0, 1, 129], jnp.int32)
+    # A KV cache's padding may hold anything: the kernel must keep it out of every output.
+    padding = (jnp.arange(seqlen_k)[None, :] >= kv_len[:, None])[:, :, None, None]
+    k = jnp.where(padding, jnp.asarray(jnp.inf, k.dtype), k)
+    v = jnp.where(padding, jnp.asarray(jnp.nan, v.dtype), v)
     out, lse = jax.jit(lambda *a: fa4_jax.attention(
         *a[:3], causal=True, return_lse=True, implementation="cute",
         query_seq_lengths=a[3], key_value_seq_lengths=a[4]))(q, k, v, q_len, kv_len)

@@ -151,14 +151,17 @@ def test_gqa_and_mqa(next_key, heads_q, heads_kv, dtype):
     _check(next_key, heads_q, heads_kv, 128, dtype, batch=4, causal=True)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-def test_nan_in_the_padding_reaches_no_output(next_key, causal):
-    """ffi.forward/backward zero the padding: poisoned padding gives the clean call's bits.
+def test_nan_in_the_padding_reaches_no_output(next_key, causal, head_dim):
+    """Poisoned padding gives the clean call's bits: the forward kernel masks the padding keys
+    and zeroes their V rows in shared memory; ffi zeroes the padding of q (and, for the
+    backward, of d_out, k and v).
 
     Deterministic mode: the default mode's dQ reduce-adds land in any order, so two clean
     calls can differ in the last bit too.
     """
-    q, k, v, d_out, d_lse, q_len, kv_len, clean = _check(next_key, 2, 2, 128, causal=causal,
+    q, k, v, d_out, d_lse, q_len, kv_len, clean = _check(next_key, 2, 2, head_dim, causal=causal,
                                                          deterministic=True)
     q_pad, kv_pad = _padding(q_len, kv_len)
 

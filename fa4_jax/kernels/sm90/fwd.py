@@ -24,8 +24,8 @@ in separate loops (block_info.py) so the common case does no per-element mask wo
 
 Ragged batches: each tile reads its batch entry's valid lengths (mSeqUsedQ, mSeqUsedK; the full
 ones otherwise) and they, not the buffers' sizes, bound its key blocks, masks and offset, so the
-padding keys are masked like a sequence tail; rows past the entry's length come out 0 with
-LSE −inf. The tile schedule stays on the buffers' sizes: a tile wholly past the length visits no
+padding keys are masked like a sequence tail (and their V rows zeroed in shared memory); rows
+past the entry's length come out 0 with LSE −inf. The tile schedule stays on the buffers' sizes: a tile wholly past the length visits no
 key block and only writes those zeros.
 """
 import dataclasses
@@ -293,8 +293,10 @@ class FlashAttentionForwardSm90:
         mSeqUsedQ / mSeqUsedK [b] int32: each entry's valid query rows and keys.
 
         Rows past an entry's valid ones get O = 0 and LSE = −inf; keys past its valid ones are
-        masked like the sequence tail. Padding must hold finite values (ffi.forward zeroes it):
-        the tile loads read it, and a masked P = 0 times a NaN of V is still NaN."""
+        masked like the sequence tail, and the V rows of those inside the last key block read
+        are zeroed in shared memory (`zero_v_past_keys`), so K and V padding may hold anything.
+        Q's padding must be finite (ffi.forward zeroes it): a padding row's NaN would reach its
+        O through the rescale by 0."""
         # Kernel-side views put the sequence and feature modes first: (s, d, heads, batch).
         mQ, mK, mV, mO = [permute_modes(t, (1, 3, 2, 0)) for t in (mQ, mK, mV, mO)]
         mLSE = permute_modes(mLSE, (2, 1, 0))
@@ -535,6 +537,8 @@ class FlashAttentionForwardSm90:
             if n_block_max > n_block_min:
                 # The highest block holds the sequence tail (and the diagonal): always masked.
                 self.mma_first_block(blocks, kv_state, n_block_max - 1, apply_mask)
+                if seqlen_k < problem.seqlen_k:
+                    self.zero_v_past_keys(sV, blocks.pipeline_v, kv_state, n_block_max - 1, seqlen_k, tidx)
                 n_block = n_block_max - 2
                 if cutlass.const_expr(block_info.has_right_bound):
                     n_masked_from = block_info.n_block_min_right_masked(
@@ -596,6 +600,26 @@ class FlashAttentionForwardSm90:
                   zero_init=True, wait_group=0)
         blocks.pipeline_k.consumer_release(kv_state)
         self.softmax_block(blocks, n_block, apply_mask)
+
+    @cute.jit
+    def zero_v_past_keys(self, sV, pipeline_v, kv_state, n_block, seqlen_k, tidx):
+        """Zeroes the rows of block n_block's V that lie past a ragged entry's last key.
+
+        Those keys' P is exactly 0, but their V rows are the buffer's padding, which the caller
+        may have left non-finite, and 0 · NaN is NaN in the P·V GEMM (their K rows need nothing:
+        the mask overwrites their scores). A dense call's tail block reads past the buffer's end,
+        which the TMA fills with zeros, so only entries shorter than the buffer come here. Every
+        MMA thread takes a share of the elements; the fence and barrier make the zeros visible to
+        both warp groups' P·V WGMMAs (async proxy) before either is issued."""
+        valid_rows = seqlen_k - n_block * self.tile_n
+        if valid_rows < self.tile_n:
+            pipeline_v.consumer_wait(kv_state)
+            sV_block = sV[None, None, kv_state.index]
+            zero_elems = (self.tile_n - valid_rows) * self.head_dim_v
+            for i in cutlass.range(tidx, zero_elems, self.num_mma_threads, unroll=1):
+                sV_block[valid_rows + i // self.head_dim_v, i % self.head_dim_v] = self.dtype(0.0)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.num_mma_threads)
 
     @cute.jit
     def mma_overlapped_block(self, blocks, warp_group, kv_state, n_block, apply_mask=None):
