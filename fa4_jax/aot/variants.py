@@ -47,6 +47,8 @@ TUNINGS: dict[str, dict] = {
     "lpt_so_l2s8": {**_LPT_SEPARATE_O, "l2_section_mb": 8},
     # One MMA warp group (64-row tiles): what `call_tuning` picks for decode-sized calls, whose
     # few rows (a GQA-packed group's heads) leave most of a 128- or 192-row tile as padding.
+    # Measured (docs/perf-log.md, "Decode tiles"): d64 decode 285 vs 435 us on 192-row tiles,
+    # d128 509 vs 534 us (b=64, 8k cache, 32/8 heads).
     "decode": {"mma_warp_groups": 1, "pingpong": False},
     # Wider key blocks: fewer softmax rounds per tile and longer WGMMA batches between them, paid
     # for in registers (d128: S is 88 per thread) and shared memory (d256: 225 of 227 KB).
