@@ -127,3 +127,19 @@ def test_broken_variant_fails_loudly(tmp_path, monkeypatch, capsys):
     assert "BUILD FAILED" in err and f"variant {victim.name} FAILED" in err
     assert "this_name_is_not_defined" in err  # the worker's own error reaches the user
     assert not list((tmp_path / "cache" / "variants").iterdir())  # no half-written entry
+
+
+def test_cache_keys_follow_each_variants_own_settings(monkeypatch):
+    # A variant's key covers its kernel's sources and its own fields and tuning settings, not
+    # the rest of the menu: adding or renaming another tuning recompiles nothing else.
+    kernel = aot_compile.KERNELS["fwd", "sm_90a"]
+    variant = variants.Variant("sm_90a", "bf16", 128, 128, "causal", False, "fwd", "lpt")
+    key = build.variant_key(variant, kernel)
+    monkeypatch.setitem(variants.TUNINGS, "an_unrelated_ablation", {"tile_n": 64})
+    assert build.variant_key(variant, kernel) == key
+    monkeypatch.setitem(variants.TUNINGS, "lpt", {"scheduler": "lpt", "tile_n": 64})
+    assert build.variant_key(variant, kernel) != key
+    menu_file = build.PACKAGE / "aot" / "variants.py"
+    assert menu_file not in build._ALWAYS_HASHED
+    for kind in ("fwd", "bwd"):
+        assert menu_file not in build._kernel_sources(aot_compile.KERNELS[kind, "sm_90a"]), kind
