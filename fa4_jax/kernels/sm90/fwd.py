@@ -186,8 +186,9 @@ class FlashAttentionForwardSm90:
     # setmaxnreg budgets: the producer needs few registers; the MMA groups hold S, P and O
     # (MMA_REGISTERS, by how many MMA warp groups share the register file).
     producer_registers = 24
-    # Named barrier 0 is __syncthreads; 1 syncs the MMA warp groups around the epilogue;
-    # 2, 3 (and 4) are the GEMM-issue turns of MMA warp groups 1, 2 (and 3).
+    # Named barrier 0 is __syncthreads; 1 syncs all MMA warp groups (around the epilogue, and
+    # after a ragged entry's padding V rows are zeroed: every MMA thread passes both in the same
+    # order); 2, 3 (and 4) are the GEMM-issue turns of MMA warp groups 1, 2 (and 3).
     epilogue_barrier_id = 1
     pingpong_barrier_base = 2
 
