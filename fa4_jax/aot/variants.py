@@ -45,6 +45,9 @@ TUNINGS: dict[str, dict] = {
     # and with 8 MB L2 sections (one d128 head at s = 16k): concurrent tiles share one head's
     # K/V, as in the linear order, which `lpt` trails by 6-9% at s >= 4k
     "lpt_so_l2s8": {**_LPT_SEPARATE_O, "l2_section_mb": 8},
+    # The short rule's kernel with each tile boundary as one overlapped step (the next tile's
+    # first Q·Kᵀ issued with this tile's last P·V; docs/perf-log.md, "overlap a tile's drain").
+    "lpt_so_overlap": {**_LPT_SEPARATE_O, "pingpong": True, "overlap_tiles": True},
     # One MMA warp group (64-row tiles): what `call_tuning` picks for decode-sized calls, whose
     # few rows (a GQA-packed group's heads) leave most of a 128- or 192-row tile as padding.
     # Measured (docs/perf-log.md, "Decode tiles"): d64 decode 285 vs 435 us on 192-row tiles,
@@ -68,8 +71,8 @@ TUNINGS: dict[str, dict] = {
 # atomic dQ is dq_atomic_2stage: with atomics, its shared memory goes back to two stages.
 ABLATIONS = (
     ("fwd", 128, ("tau0", "nopingpong", "pingpong", "poly25", "lpt", "linear", "lpt_so",
-                     "lpt_so_l2s8", "n176")),
-    ("fwd", 64, ("wg2", "linear", "lpt", "lpt_so", "n128", "nopingpong")),
+                     "lpt_so_l2s8", "n176", "lpt_so_overlap")),
+    ("fwd", 64, ("wg2", "linear", "lpt", "lpt_so", "n128", "nopingpong", "lpt_so_overlap")),
     ("fwd", 256, ("lpt", "linear", "n80")),
     ("bwd", 64, ("det_asc", "dq_atomic")),
     ("bwd", 128, ("det_asc", "dq_atomic")),

@@ -74,6 +74,10 @@ class TileConfig:
     separate_o: bool = False
     # K/V bytes one LPT section may keep in L2 (tile_scheduler.py), in MiB.
     l2_section_mb: int = L2_SECTION_BYTES // 2**20
+    # Persistent order only, with separate_o: a tile's last P·V is issued together with the next
+    # tile's first Q·Kᵀ, and the tile's epilogue runs under the next tile's first softmax
+    # (`mma_tile_boundary`), instead of draining before the next tile ramps up.
+    overlap_tiles: bool = False
 
     def smem_bytes(self, head_dim: int, head_dim_v: int, elem_bytes: int = 2) -> int:
         """Q and O (one buffer unless separate_o) plus the K/V ring, as laid out by SharedStorage."""
@@ -84,7 +88,7 @@ class TileConfig:
 
 # Constructor overrides of a TileConfig, for ablation variants compiled side by side.
 TUNING_KNOBS = ("pingpong", "rescale_threshold", "exp2_poly_share", "scheduler", "mma_warp_groups",
-                "tile_n", "kv_stages", "separate_o", "l2_section_mb")
+                "tile_n", "kv_stages", "separate_o", "l2_section_mb", "overlap_tiles")
 # setmaxnreg budget of each MMA thread by MMA warp-group count: the 64K registers of an SM less
 # the producer group's 128 · 24, shared by the MMA threads, rounded down to a multiple of 8, and
 # at most 240 (a thread may not hold more than 255). One group (tile_m 64) is the decode shape.
@@ -217,7 +221,7 @@ class FlashAttentionForwardSm90:
             config,
             softmax=dataclasses.replace(config.softmax, **softmax_tuning),
             **{k: tuning[k] for k in ("pingpong", "scheduler", "tile_n", "kv_stages", "separate_o",
-                                      "l2_section_mb") if k in tuning},
+                                      "l2_section_mb", "overlap_tiles") if k in tuning},
         )
         if "scheduler" in tuning:
             config = dataclasses.replace(config, masked_scheduler=tuning["scheduler"])
@@ -245,6 +249,8 @@ class FlashAttentionForwardSm90:
             kv_bytes_per_key=(head_dim + head_dim_v) * dtype.width // 8,
             l2_bytes=config.l2_section_mb * 2**20,
         )
+        if config.overlap_tiles and not (self.scheduler.kind == "lpt" and config.separate_o):
+            raise ValueError(f"{config}: overlap_tiles needs the persistent 'lpt' order and separate_o")
         self.pingpong = config.masked_pingpong if self.causal or self.local else config.pingpong
         self.mma_warp_groups = tuple(range(1, config.mma_warp_groups + 1))
         self.mma_registers = MMA_REGISTERS[config.mma_warp_groups]
@@ -519,6 +525,18 @@ class FlashAttentionForwardSm90:
         # Both warp groups run the same number of GEMM turns per tile, so the ping-pong token is
         # back with the first group at every tile boundary: one hand-over for the whole CTA.
         self.pingpong_init(warp_group)
+        finish_tile = functools.partial(
+            self.finish_tile, tiled_mma_pv, thr_mma_pv, tidx, acc_o, acc_o_rc, sO, tma_atom_o, mO, mLSE,
+            problem, pipeline_q,
+        )
+        tile_mask = functools.partial(
+            mask.apply, coords0=score_coords0, thread_row=thread_origin[0], thread_col=thread_origin[1],
+            window_left=window_left, window_right=window_right,
+        )
+        if cutlass.const_expr(self.config.overlap_tiles):
+            self.mma_tiles_overlapped(blocks, warp_group, step, tile_mask, finish_tile, sV, tidx, pipeline_q,
+                                      q_state, kv_state, problem, block_info, window_left, window_right)
+            return
         for tile_i in cutlass.range(problem.tile_count(self.scheduler), unroll=1):
             m_block, head, batch = problem.tile(self.scheduler, tile_i)
             seqlen_q, seqlen_k = problem.seqlens(batch)
@@ -540,24 +558,8 @@ class FlashAttentionForwardSm90:
                 self.mma_first_block(blocks, kv_state, n_block_max - 1, apply_mask)
                 if seqlen_k < problem.seqlen_k:
                     self.zero_v_past_keys(sV, blocks.pipeline_v, kv_state, n_block_max - 1, seqlen_k, tidx)
-                n_block = n_block_max - 2
-                if cutlass.const_expr(block_info.has_right_bound):
-                    n_masked_from = block_info.n_block_min_right_masked(
-                        m_block, n_block_min, seqlen_q, seqlen_k, window_right
-                    )
-                    for _ in cutlass.range(n_block + 1 - n_masked_from, unroll=1):
-                        kv_state = masked(kv_state, n_block)
-                        n_block -= 1
-                n_unmasked_from = block_info.n_block_min_unmasked(
-                    m_block, n_block_min, seqlen_q, seqlen_k, window_left
-                )
-                for _ in cutlass.range(n_block + 1 - n_unmasked_from, unroll=1):
-                    kv_state = step(kv_state, n_block)
-                    n_block -= 1
-                if cutlass.const_expr(self.local):
-                    for _ in cutlass.range(n_block + 1 - n_block_min, unroll=1):
-                        kv_state = masked(kv_state, n_block)
-                        n_block -= 1
+                kv_state = self.mma_key_blocks(step, masked, kv_state, block_info, m_block, n_block_min,
+                                               n_block_max, seqlen_q, seqlen_k, window_left, window_right)
                 # Every Q·Kᵀ GEMM of the tile has retired (each block waits for its own).
                 if cutlass.const_expr(self.config.separate_o):
                     pipeline_q.consumer_release(q_state)
@@ -570,18 +572,125 @@ class FlashAttentionForwardSm90:
 
             lse = cute.make_rmem_tensor_like(softmax.row_max, Float32)
             softmax.finalize(row_scale, lse)
-            # Decoded again rather than held in registers across the main loop.
-            m_block, head, batch = problem.tile(self.scheduler, tile_i)
-            seqlen_q, _ = problem.seqlens(batch)
-            self.clear_rows_past(thr_mma_pv, row_scale, lse, m_block, seqlen_q)
-            scale_rows(acc_o_rc, row_scale)
-            self.epilogue(tiled_mma_pv, thr_mma_pv, tidx, acc_o, lse, sO, tma_atom_o, mO, mLSE,
-                          m_block, head, batch, problem.seqlen_q, pipeline_q, q_state)
+            finish_tile(row_scale, lse, tile_i, q_state)
             q_state.advance()
         if cutlass.const_expr(self.config.separate_o):
             # The last tile's O store must have read sO before the CTA's shared memory goes.
             if tidx == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def finish_tile(self, tiled_mma_pv, thr_mma_pv, tidx, acc_o, acc_o_rc, sO, tma_atom_o, mO, mLSE,
+                    problem, pipeline_q, row_scale, lse, tile_i, q_state):
+        """O · row_scale (1/ℓ, 0 for rows past the entry) and LSE of tile tile_i, stored."""
+        # Decoded again rather than held in registers across the main loop.
+        m_block, head, batch = problem.tile(self.scheduler, tile_i)
+        seqlen_q, _ = problem.seqlens(batch)
+        self.clear_rows_past(thr_mma_pv, row_scale, lse, m_block, seqlen_q)
+        scale_rows(acc_o_rc, row_scale)
+        self.epilogue(tiled_mma_pv, thr_mma_pv, tidx, acc_o, lse, sO, tma_atom_o, mO, mLSE,
+                      m_block, head, batch, problem.seqlen_q, pipeline_q, q_state)
+
+    @cute.jit
+    def mma_tiles_overlapped(self, blocks, warp_group, step, tile_mask, finish_tile, sV, tidx,
+                             pipeline_q, q_state, kv_state, problem, block_info, window_left,
+                             window_right):
+        """The persistent tile loop with each tile boundary as one overlapped step.
+
+        When the next tile has key blocks, this tile's last P·V is issued with the next tile's
+        first Q·Kᵀ (`mma_overlapped_block` with the next tile's mask, O left unscaled), so the
+        tensor pipe works through the boundary: this tile's statistics are finalized first, its
+        epilogue runs once the P·V retires, and the next iteration skips its first block. The
+        producer's ring order already matches (this tile's last V, then the next tile's first K,
+        then its Q into the buffer this tile released after its last Q·Kᵀ)."""
+        tile_count = problem.tile_count(self.scheduler)
+        started = cutlass.Boolean(False)  # this tile's first block ran in the previous boundary
+        for tile_i in cutlass.range(tile_count, unroll=1):
+            m_block, head, batch = problem.tile(self.scheduler, tile_i)
+            seqlen_q, seqlen_k = problem.seqlens(batch)
+            n_block_min, n_block_max = block_info.n_block_range(
+                m_block, seqlen_q, seqlen_k, window_left, window_right
+            )
+            apply_mask = functools.partial(tile_mask, m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+            masked = functools.partial(step, apply_mask=apply_mask)
+            if not started:
+                blocks.acc_o.fill(0.0)
+                blocks.softmax.reset()
+                pipeline_q.consumer_wait(q_state)
+                if n_block_max > n_block_min:
+                    self.mma_first_block(blocks, kv_state, n_block_max - 1, apply_mask)
+                    if seqlen_k < problem.seqlen_k:
+                        self.zero_v_past_keys(sV, blocks.pipeline_v, kv_state, n_block_max - 1, seqlen_k, tidx)
+            # The next tile (index clamped: its lengths are read from memory) and its key blocks.
+            next_i = cutlass.min(tile_i + 1, tile_count - 1)
+            next_m_block, _, next_batch = problem.tile(self.scheduler, next_i)
+            next_seqlen_q, next_seqlen_k = problem.seqlens(next_batch)
+            next_min, next_max = block_info.n_block_range(
+                next_m_block, next_seqlen_q, next_seqlen_k, window_left, window_right
+            )
+            next_blocks = next_max - next_min
+            if tile_i + 1 >= tile_count:
+                next_blocks = Int32(0)
+            lse = cute.make_rmem_tensor_like(blocks.softmax.row_max, Float32)
+            continued = cutlass.Boolean(False)
+            if n_block_max > n_block_min:
+                kv_state = self.mma_key_blocks(step, masked, kv_state, block_info, m_block, n_block_min,
+                                               n_block_max, seqlen_q, seqlen_k, window_left, window_right)
+                pipeline_q.consumer_release(q_state)
+                if next_blocks > 0:
+                    final_scale = cute.make_rmem_tensor_like(blocks.softmax.row_max, Float32)
+                    blocks.softmax.finalize(final_scale, lse)
+                    blocks.softmax.reset()
+                    next_q_state = q_state.clone()
+                    next_q_state.advance()
+                    pipeline_q.consumer_wait(next_q_state)
+                    next_mask = functools.partial(tile_mask, m_block=next_m_block, seqlen_q=next_seqlen_q,
+                                                  seqlen_k=next_seqlen_k)
+                    kv_state = self.mma_overlapped_block(blocks, warp_group, kv_state, next_max - 1,
+                                                         next_mask, rescale_o=False)
+                    finish_tile(final_scale, lse, tile_i, q_state)
+                    blocks.acc_o.fill(0.0)
+                    if next_seqlen_k < problem.seqlen_k:
+                        self.zero_v_past_keys(sV, blocks.pipeline_v, kv_state, next_max - 1, next_seqlen_k, tidx)
+                    continued = cutlass.Boolean(True)
+                else:
+                    self.mma_last_pv(blocks, kv_state)
+                    kv_state.advance()
+            else:
+                pipeline_q.consumer_release(q_state)
+            if not continued:
+                blocks.softmax.finalize(blocks.row_scale, lse)
+                finish_tile(blocks.row_scale, lse, tile_i, q_state)
+            started = continued
+            q_state.advance()
+        # The last tile's O store must have read sO before the CTA's shared memory goes.
+        if tidx == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def mma_key_blocks(self, step, masked, kv_state, block_info, m_block, n_block_min, n_block_max,
+                       seqlen_q, seqlen_k, window_left, window_right):
+        """The overlapped steps of a tile's key blocks after the first, from n_block_max − 2 down:
+        right-masked (local), unmasked, left-masked (local). Returns the last block's ring slot."""
+        n_block = n_block_max - 2
+        if cutlass.const_expr(block_info.has_right_bound):
+            n_masked_from = block_info.n_block_min_right_masked(
+                m_block, n_block_min, seqlen_q, seqlen_k, window_right
+            )
+            for _ in cutlass.range(n_block + 1 - n_masked_from, unroll=1):
+                kv_state = masked(kv_state, n_block)
+                n_block -= 1
+        n_unmasked_from = block_info.n_block_min_unmasked(
+            m_block, n_block_min, seqlen_q, seqlen_k, window_left
+        )
+        for _ in cutlass.range(n_block + 1 - n_unmasked_from, unroll=1):
+            kv_state = step(kv_state, n_block)
+            n_block -= 1
+        if cutlass.const_expr(self.local):
+            for _ in cutlass.range(n_block + 1 - n_block_min, unroll=1):
+                kv_state = masked(kv_state, n_block)
+                n_block -= 1
+        return kv_state
 
     @cute.jit
     def clear_rows_past(self, thr_mma_pv, row_scale, lse, m_block, seqlen_q):
@@ -623,10 +732,12 @@ class FlashAttentionForwardSm90:
             cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.num_mma_threads)
 
     @cute.jit
-    def mma_overlapped_block(self, blocks, warp_group, kv_state, n_block, apply_mask=None):
+    def mma_overlapped_block(self, blocks, warp_group, kv_state, n_block, apply_mask=None,
+                             rescale_o: cutlass.Constexpr[bool] = True):
         """S_j = Q·K_jᵀ issued with O += P_{j-1}·V_{j-1}; softmax of S_j overlaps the P·V GEMM.
 
-        kv_state is block j-1's ring slot on entry; returns block j's.
+        kv_state is block j-1's ring slot on entry; returns block j's. rescale_o=False: S_j is the
+        next tile's first block (`mma_tiles_overlapped`), so O is this tile's and keeps its scale.
         """
         v_state = kv_state.clone()
         kv_state.advance()
@@ -644,8 +755,9 @@ class FlashAttentionForwardSm90:
         # P_{j-1} (registers read by the in-flight WGMMA) and O may be touched only after it retires.
         warpgroup.wait_group(0)
         blocks.pipeline_v.consumer_release(v_state)
-        if cute.arch.vote_any_sync(moved):
-            scale_rows(blocks.acc_o_rc, blocks.row_scale)
+        if cutlass.const_expr(rescale_o):
+            if cute.arch.vote_any_sync(moved):
+                scale_rows(blocks.acc_o_rc, blocks.row_scale)
         blocks.p.store(blocks.acc_s.load().to(self.dtype))
         return kv_state
 
