@@ -24,13 +24,17 @@ import dataclasses
 PACK_BELOW_SEQLEN_Q = 64
 
 
-def packs(q_shape, k_shape, params) -> bool:
-    """Whether a forward call with these shapes and `AttentionParams` runs packed."""
-    _, seqlen_q, heads_q, _ = q_shape
-    heads_kv = k_shape[2]
+def decode_sized(seqlen_q: int, params) -> bool:
+    """At most PACK_BELOW_SEQLEN_Q query rows, and a mask the same for every row: the calls
+    that may be packed here and split (split_kv.py)."""
     row_independent_mask = (params.window_left is None and params.window_right is None
                             and (not params.causal or seqlen_q == 1))
-    return heads_q > heads_kv and seqlen_q <= PACK_BELOW_SEQLEN_Q and row_independent_mask
+    return seqlen_q <= PACK_BELOW_SEQLEN_Q and row_independent_mask
+
+
+def packs(q_shape, k_shape, params) -> bool:
+    """Whether a forward call with these shapes and `AttentionParams` runs packed."""
+    return q_shape[2] > k_shape[2] and decode_sized(q_shape[1], params)
 
 
 def pack(q, k, params, seq_lengths=None):

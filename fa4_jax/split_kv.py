@@ -7,8 +7,8 @@ cache. Splitting the keys into n contiguous chunks turns k, v [b, sk, hkv, d] in
 (out_i, lse_i). They combine exactly as softmax blocks do:
 lse = log Σ exp(lse_i), out = Σ exp(lse_i − lse) · out_i.
 
-Only calls whose mask does not depend on where a key sits relative to a query split (no mask, or
-causal with one query row, which sees every key), as for packing. The partial outputs come back
+Only the calls packing may take split (`pack_gqa.decode_sized`: few query rows, and no mask or
+causal with one query row, which sees every key). The partial outputs come back
 in the input dtype, so the combined output carries one more rounding of that dtype than a single
 pass: well inside DESIGN.md's numerics rule, which allows twice the low-precision reference's
 error (tests/gpu/test_split_kv_gpu.py).
@@ -18,14 +18,14 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from fa4_jax.pack_gqa import decode_sized
+
 # A split should leave each chunk enough key blocks that the tile's fixed cost (~6.6 µs at d128,
 # docs/perf-log.md) stays small against its streaming time: 1024 keys at d128 are 512 KB of K/V,
 # ~4 µs of one SM's share of the HBM bandwidth at 36 GB/s.
 MIN_KEYS_PER_SPLIT = 1024
 # Enough CTAs for two waves: the kernels run one CTA per SM.
 WAVES = 2
-# Only calls this short split (the decode regime; pack_gqa.PACK_BELOW_SEQLEN_Q).
-MAX_SEQLEN_Q = 64
 
 
 def num_splits(q_shape, k_shape, params, sm_count: int, tile_rows: int = 128) -> int:
@@ -35,9 +35,7 @@ def num_splits(q_shape, k_shape, params, sm_count: int, tile_rows: int = 128) ->
     errs on the side of splitting)."""
     batch, seqlen_q, heads_q, _ = q_shape
     seqlen_k, heads_kv = k_shape[1], k_shape[2]
-    row_independent_mask = (params.window_left is None and params.window_right is None
-                            and (not params.causal or seqlen_q == 1))
-    if not row_independent_mask or seqlen_q > MAX_SEQLEN_Q:
+    if not decode_sized(seqlen_q, params):
         return 1
     # Tiles of the call as the kernel will run it: GQA-packed when there is a group to pack.
     rows = seqlen_q * heads_q // heads_kv

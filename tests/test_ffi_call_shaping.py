@@ -12,15 +12,7 @@ import pytest
 
 from fa4_jax import ffi
 from fa4_jax.api import attention_params
-from fa4_jax.reference import attention_reference
-
-
-def _reference(q, k, v, params, seq_lengths):
-    q_len, kv_len = seq_lengths if seq_lengths is not None else (None, None)
-    return attention_reference(
-        q, k, v, softmax_scale=params.softmax_scale, causal=params.causal,
-        window_left=params.window_left, window_right=params.window_right, softcap=params.softcap,
-        query_seq_lengths=q_len, key_value_seq_lengths=kv_len, compute_dtype=jnp.float32)
+from fa4_jax.backends import _reference_fp32 as _reference
 
 
 @pytest.fixture

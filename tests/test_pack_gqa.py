@@ -12,7 +12,7 @@ import pytest
 
 from fa4_jax import pack_gqa
 from fa4_jax.api import attention_params
-from fa4_jax.reference import attention_reference
+from fa4_jax.backends import _reference_fp32 as _reference
 
 HEADS_Q, HEADS_KV, HEAD_DIM, SEQLEN_K = 8, 2, 32, 40
 
@@ -21,14 +21,6 @@ def _qkv(next_key, batch, seqlen_q, heads_kv=HEADS_KV):
     shapes = ((batch, seqlen_q, HEADS_Q, HEAD_DIM), (batch, SEQLEN_K, heads_kv, HEAD_DIM),
               (batch, SEQLEN_K, heads_kv, HEAD_DIM))
     return tuple(jax.random.normal(next_key(), s, jnp.float32) for s in shapes)
-
-
-def _reference(q, k, v, params, seq_lengths):
-    q_len, kv_len = seq_lengths if seq_lengths is not None else (None, None)
-    return attention_reference(
-        q, k, v, softmax_scale=params.softmax_scale, causal=params.causal,
-        window_left=params.window_left, window_right=params.window_right, softcap=params.softcap,
-        query_seq_lengths=q_len, key_value_seq_lengths=kv_len, compute_dtype=jnp.float32)
 
 
 @pytest.mark.parametrize("seqlen_q,heads_kv,options,ragged", [

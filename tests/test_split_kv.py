@@ -12,16 +12,9 @@ import pytest
 
 from fa4_jax import split_kv
 from fa4_jax.api import attention_params
-from fa4_jax.reference import attention_reference
+from fa4_jax.backends import _reference_fp32 as _reference
 
 HEADS_Q, HEADS_KV, HEAD_DIM = 4, 2, 16
-
-
-def _reference(q, k, v, params, seq_lengths):
-    q_len, kv_len = seq_lengths if seq_lengths is not None else (None, None)
-    return attention_reference(
-        q, k, v, softmax_scale=params.softmax_scale, causal=params.causal, softcap=params.softcap,
-        query_seq_lengths=q_len, key_value_seq_lengths=kv_len, compute_dtype=jnp.float32)
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k,n,options,ragged", [
