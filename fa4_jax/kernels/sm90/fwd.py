@@ -536,44 +536,41 @@ class FlashAttentionForwardSm90:
         if cutlass.const_expr(self.config.overlap_tiles):
             self.mma_tiles_overlapped(blocks, warp_group, step, tile_mask, finish_tile, sV, tidx, pipeline_q,
                                       q_state, kv_state, problem, block_info, window_left, window_right)
-            return
-        for tile_i in cutlass.range(problem.tile_count(self.scheduler), unroll=1):
-            m_block, head, batch = problem.tile(self.scheduler, tile_i)
-            seqlen_q, seqlen_k = problem.seqlens(batch)
-            n_block_min, n_block_max = block_info.n_block_range(
-                m_block, seqlen_q, seqlen_k, window_left, window_right
-            )
-            apply_mask = functools.partial(
-                mask.apply, coords0=score_coords0, thread_row=thread_origin[0], thread_col=thread_origin[1],
-                m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                window_left=window_left, window_right=window_right,
-            )
-            masked = functools.partial(step, apply_mask=apply_mask)
-            acc_o.fill(0.0)
-            softmax.reset()
+        else:
+            for tile_i in cutlass.range(problem.tile_count(self.scheduler), unroll=1):
+                m_block, _, batch = problem.tile(self.scheduler, tile_i)
+                seqlen_q, seqlen_k = problem.seqlens(batch)
+                n_block_min, n_block_max = block_info.n_block_range(
+                    m_block, seqlen_q, seqlen_k, window_left, window_right
+                )
+                apply_mask = functools.partial(tile_mask, m_block=m_block, seqlen_q=seqlen_q,
+                                               seqlen_k=seqlen_k)
+                masked = functools.partial(step, apply_mask=apply_mask)
+                acc_o.fill(0.0)
+                softmax.reset()
 
-            pipeline_q.consumer_wait(q_state)
-            if n_block_max > n_block_min:
-                # The highest block holds the sequence tail (and the diagonal): always masked.
-                self.mma_first_block(blocks, kv_state, n_block_max - 1, apply_mask)
-                if seqlen_k < problem.seqlen_k:
-                    self.zero_v_past_keys(sV, blocks.pipeline_v, kv_state, n_block_max - 1, seqlen_k, tidx)
-                kv_state = self.mma_key_blocks(step, masked, kv_state, block_info, m_block, n_block_min,
-                                               n_block_max, seqlen_q, seqlen_k, window_left, window_right)
-                # Every Q·Kᵀ GEMM of the tile has retired (each block waits for its own).
+                pipeline_q.consumer_wait(q_state)
+                if n_block_max > n_block_min:
+                    # The highest block holds the sequence tail (and the diagonal): always masked.
+                    self.mma_first_block(blocks, kv_state, n_block_max - 1, apply_mask)
+                    if seqlen_k < problem.seqlen_k:
+                        self.zero_v_past_keys(sV, blocks.pipeline_v, kv_state, n_block_max - 1, seqlen_k, tidx)
+                    kv_state = self.mma_key_blocks(step, masked, kv_state, block_info, m_block, n_block_min,
+                                                   n_block_max, seqlen_q, seqlen_k, window_left, window_right)
+                    # Every Q·Kᵀ GEMM of the tile has retired (each block waits for its own).
+                    if cutlass.const_expr(self.config.separate_o):
+                        pipeline_q.consumer_release(q_state)
+                    self.mma_last_pv(blocks, kv_state)
+                    # kv_state held the last block's slot; the next tile starts at the one after it.
+                    kv_state.advance()
                 if cutlass.const_expr(self.config.separate_o):
-                    pipeline_q.consumer_release(q_state)
-                self.mma_last_pv(blocks, kv_state)
-                # kv_state held the last block's slot; the next tile starts at the one after it.
-                kv_state.advance()
-            if cutlass.const_expr(self.config.separate_o):
-                if n_block_max <= n_block_min:
-                    pipeline_q.consumer_release(q_state)
+                    if n_block_max <= n_block_min:
+                        pipeline_q.consumer_release(q_state)
 
-            lse = cute.make_rmem_tensor_like(softmax.row_max, Float32)
-            softmax.finalize(row_scale, lse)
-            finish_tile(row_scale, lse, tile_i, q_state)
-            q_state.advance()
+                lse = cute.make_rmem_tensor_like(softmax.row_max, Float32)
+                softmax.finalize(row_scale, lse)
+                finish_tile(row_scale, lse, tile_i, q_state)
+                q_state.advance()
         if cutlass.const_expr(self.config.separate_o):
             # The last tile's O store must have read sO before the CTA's shared memory goes.
             if tidx == 0:
@@ -606,7 +603,7 @@ class FlashAttentionForwardSm90:
         tile_count = problem.tile_count(self.scheduler)
         started = cutlass.Boolean(False)  # this tile's first block ran in the previous boundary
         for tile_i in cutlass.range(tile_count, unroll=1):
-            m_block, head, batch = problem.tile(self.scheduler, tile_i)
+            m_block, _, batch = problem.tile(self.scheduler, tile_i)
             seqlen_q, seqlen_k = problem.seqlens(batch)
             n_block_min, n_block_max = block_info.n_block_range(
                 m_block, seqlen_q, seqlen_k, window_left, window_right
@@ -663,9 +660,6 @@ class FlashAttentionForwardSm90:
                 finish_tile(blocks.row_scale, lse, tile_i, q_state)
             started = continued
             q_state.advance()
-        # The last tile's O store must have read sO before the CTA's shared memory goes.
-        if tidx == 0:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def mma_key_blocks(self, step, masked, kv_state, block_info, m_block, n_block_min, n_block_max,
