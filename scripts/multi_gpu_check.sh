@@ -4,9 +4,11 @@
 #   1. the multi-GPU tests (tests/test_multi_device.py, tests/gpu/test_partitioned_lowering.py);
 #   2. the Flax demo on all GPUs (data parallel x head parallel mesh, fa4_jax.demo.make_mesh);
 #   3. ring attention scaling at 64k and 128k tokens (benchmarks/bench_ring.py).
-# NCCL's NVLink multicast stays off (the device notes: KINDS.md).
+# NVLink multicast stays off in NCCL, PyTorch and NVSHMEM: on these shared hosts a program using
+# it can take the GPUs out of service (the device notes, KINDS.md).
 set -uo pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 out=${OUT:-.device_out}
 mkdir -p "$out"
 nvidia-smi --query-gpu=index,name,clocks.max.sm --format=csv | tee "$out/gpus.txt"
