@@ -201,6 +201,26 @@ def _forward_tuning(q, k, v, params, tuning: str) -> str:
     return tuning
 
 
+def _result_type(operand):
+    """ShapeDtypeStruct(shape, dtype) for a custom call's results, varying over the same manual
+    mesh axes as `operand`.
+
+    Inside `shard_map`, ffi_call checks that its operands vary over one set of manual axes but
+    gives its results none; a custom_vjp whose backward returns such a dq for a q that varies
+    (ring attention's) is then refused for mismatched types.
+    """
+    import jax
+
+    operand_type = jax.typeof(operand)
+    if not operand_type.mat.varying:
+        return jax.ShapeDtypeStruct
+    # A manual axis type is only valid together with a sharding on the mesh that has the axes.
+    sharding = jax.sharding.NamedSharding(operand_type.sharding.mesh, jax.sharding.PartitionSpec())
+    axis_type = jax.sharding.ManualAxisType(varying=operand_type.mat.varying)
+    return lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding,
+                                                     manual_axis_type=axis_type)
+
+
 def _require(q, k, v, params, kind: str, tuning: str) -> None:
     reason = unsupported_reason(q, k, v, params, kind, tuning)
     if reason is not None:
@@ -244,9 +264,8 @@ def _forward(q, k, v, params, seq_lengths, tuning: str):
     _require(q, k, v, params, "fwd", tuning)
     b, sq, h, _ = q.shape
     dv = v.shape[-1]
-    call = jax.ffi.ffi_call(
-        FWD_TARGET,
-        (jax.ShapeDtypeStruct((b, sq, h, dv), q.dtype), jax.ShapeDtypeStruct((b, h, sq), np.float32)))
+    result = _result_type(q)
+    call = jax.ffi.ffi_call(FWD_TARGET, (result((b, sq, h, dv), q.dtype), result((b, h, sq), np.float32)))
     # K and V go in unzeroed: the kernel masks the padding keys and zeroes their V rows itself
     # (a decode step would otherwise copy its whole KV cache twice over).
     lengths, (q,), () = _length_operands(seq_lengths, q, k, (q,), ())
@@ -271,14 +290,15 @@ def backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths=None, tuning: 
     b, sq, h, d = q.shape
     sq_pad = -(-sq // BWD_SEQ_PAD) * BWD_SEQ_PAD
     f32 = np.float32
+    result = _result_type(q)
     results = (
-        jax.ShapeDtypeStruct(q.shape, q.dtype),
-        jax.ShapeDtypeStruct(k.shape, k.dtype),
-        jax.ShapeDtypeStruct(v.shape, v.dtype),
-        jax.ShapeDtypeStruct((b, h, sq_pad, d), f32),
-        jax.ShapeDtypeStruct((b, h, sq_pad), f32),
-        jax.ShapeDtypeStruct((b, h, sq_pad), f32),
-        jax.ShapeDtypeStruct((b, h, sq_pad // BWD_SEMAPHORE_ROWS), np.int32),
+        result(q.shape, q.dtype),
+        result(k.shape, k.dtype),
+        result(v.shape, v.dtype),
+        result((b, h, sq_pad, d), f32),
+        result((b, h, sq_pad), f32),
+        result((b, h, sq_pad), f32),
+        result((b, h, sq_pad // BWD_SEMAPHORE_ROWS), np.int32),
     )
     call = jax.ffi.ffi_call(BWD_TARGET, results)
     d_out = d_out.astype(q.dtype)

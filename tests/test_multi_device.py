@@ -146,3 +146,48 @@ def test_deterministic_ring_is_bitwise_stable(next_key, setup):
     for _ in range(4):
         for name, want, again in zip(("out", "dq", "dk", "dv"), first, step(q, k, v, d_out)):
             np.testing.assert_array_equal(np.asarray(again), want, err_msg=name)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_kernel_ring_gradient_types_vary_over_the_ring_axis(monkeypatch, causal):
+    """CPU tier, tracing only: the ring's gradient through the kernels' custom calls.
+
+    ffi_call gives its results no varying manual axes unless told, and the ring's custom VJP
+    then refuses a dq that does not vary over the ring axis like q does (this failed on the
+    first 2-GPU run). Tracing needs no kernel, so the availability checks are stubbed.
+    """
+    from fa4_jax import ffi
+
+    monkeypatch.setattr(ffi, "unsupported_reason", lambda *args, **kwargs: None)
+    monkeypatch.setattr(ffi, "is_available", lambda: True)
+    monkeypatch.setattr(ffi, "_sm_count", lambda: 132)
+    mesh = cpu_mesh((4,), ("seq",))
+    ring = jax.shard_map(
+        lambda q, k, v: fa4_jax.ring_attention(q, k, v, mesh_axis="seq", causal=causal,
+                                               implementation="cute"),
+        mesh=mesh, in_specs=P(None, "seq"), out_specs=P(None, "seq"))
+    loss = lambda q, k, v: ring(q, k, v).astype(jnp.float32).sum()  # noqa: E731
+    q = jax.ShapeDtypeStruct((1, 1024, 4, 128), jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, q, q)
+
+    def inner_jaxprs(value):  # the (Closed)Jaxprs in an equation's params: scan, cond, ...
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        for item in values:
+            item = getattr(item, "jaxpr", item)
+            if hasattr(item, "eqns"):
+                yield item
+
+    def custom_calls(eqns):
+        for eqn in eqns:
+            if eqn.primitive.name == "ffi_call":
+                yield eqn
+            for value in eqn.params.values():
+                for inner in inner_jaxprs(value):
+                    yield from custom_calls(inner.eqns)
+
+    calls = list(custom_calls(jaxpr.eqns))
+    targets = {eqn.params["target_name"] for eqn in calls}
+    assert targets == {ffi.FWD_TARGET, ffi.BWD_TARGET}
+    for eqn in calls:
+        for result in eqn.outvars:
+            assert result.aval.mat.varying == {"seq"}, (eqn.params["target_name"], result.aval)

@@ -44,15 +44,15 @@ def train_attention_layer(attention_fn, dtype, seed):
     return np.array(losses)
 
 
+def _causal_flax_attention(query, key, value, dtype=None):
+    # Flax's way: a dense causal mask; fa4_jax's way: the factory's causal flag.
+    mask = nn.make_causal_mask(jnp.ones(query.shape[:2]))
+    return nn.dot_product_attention(query, key, value, mask=mask, dtype=dtype)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_linen_training_on_kernels_tracks_flax_attention(causal, seed):
-    flax_attention = nn.dot_product_attention
-    if causal:
-        # Flax's way: a dense causal mask; fa4_jax's way: the factory's causal flag.
-        def flax_attention(query, key, value, dtype=None):
-            mask = nn.make_causal_mask(jnp.ones(query.shape[:2]))
-            return nn.dot_product_attention(query, key, value, mask=mask, dtype=dtype)
-
+    flax_attention = _causal_flax_attention if causal else nn.dot_product_attention
     try:
         on_kernels = train_attention_layer(
             make_attention_fn(causal=causal, implementation="cute"), jnp.bfloat16, seed)
