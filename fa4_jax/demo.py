@@ -8,10 +8,12 @@ prints both throughputs, writes a PNG of both curves, and exits non-zero when th
 
 Without a GPU it runs a small fp32 configuration on fa4_jax's pure-JAX reference (a minute or two
 on two CPU cores). On a GPU it runs a larger bf16 configuration on the fa4_jax kernels. All
-visible devices are used through a (data, heads) `Mesh`: the batch is sharded over "data", and
-attention's q/k/v/out over "data" and "heads" when there are an even number of devices and heads
-(`make_mesh`), so each device runs the attention of its own heads with no collective inside
-attention (fa4_jax's partitioning rules); parameters are replicated.
+visible devices are used through a (data, heads) `Mesh` (`make_mesh`): the batch is sharded over
+"data", and each block is tensor parallel over "heads" (Megatron's split: the q/k/v projections
+and the MLP's first layer by output columns, the attention output projection and the MLP's
+second layer by input rows, `param_sharding`), so each device runs the attention of its own heads
+with no collective inside attention (fa4_jax's partitioning rules) and XLA adds one all-reduce
+after each block half.
 """
 from __future__ import annotations
 
@@ -95,8 +97,8 @@ class DecoderBlock(nn.Module):
             num_heads=self.num_heads, dtype=self.dtype, use_bias=False, kernel_init=init,
             attention_fn=self.attention_fn)(h)
         h = nn.LayerNorm(dtype=self.dtype)(x)
-        h = nn.gelu(nn.Dense(4 * d_model, dtype=self.dtype, kernel_init=init)(h))
-        return x + nn.Dense(d_model, dtype=self.dtype, kernel_init=init)(h)
+        h = nn.gelu(nn.Dense(4 * d_model, dtype=self.dtype, kernel_init=init, name="mlp_in")(h))
+        return x + nn.Dense(d_model, dtype=self.dtype, kernel_init=init, name="mlp_out")(h)
 
 
 class Decoder(nn.Module):
@@ -123,15 +125,45 @@ class Decoder(nn.Module):
         return head(x).astype(jnp.float32)
 
 
-def make_mesh(num_heads: int) -> Mesh:
-    """All devices as a (data, heads) mesh: 2-way head parallel when devices and heads are even.
+def make_mesh(num_heads: int, head_ways: int | None = None) -> Mesh:
+    """All devices as a (data, heads) mesh.
 
-    Head parallelism here shards only attention (the dense layers stay data parallel and run
-    replicated over "heads"), so two ways is enough to exercise it without doubling much work.
+    head_ways: the tensor-parallel ways. By default 2 when there are 4 or more devices (an even
+    number) and the heads are even, so both kinds of parallelism run; else 1, all data
+    parallel: on 2 GPUs a model this small runs faster split by batch than by heads.
     """
     devices = np.array(jax.devices())
-    head_ways = 2 if devices.size % 2 == 0 and num_heads % 2 == 0 else 1
+    if head_ways is None:
+        head_ways = 2 if devices.size >= 4 and devices.size % 2 == 0 and num_heads % 2 == 0 else 1
+    if head_ways < 1 or devices.size % head_ways or num_heads % head_ways:
+        raise ValueError(f"head_ways={head_ways} must divide the device count ({devices.size}) "
+                         f"and the number of heads ({num_heads})")
     return Mesh(devices.reshape(devices.size // head_ways, head_ways), ("data", "heads"))
+
+
+# Tensor parallelism over "heads", by parameter: (module name, parameter name) -> the spec.
+# Column-parallel layers keep their outputs split by heads (or MLP features) into the next,
+# row-parallel layer, whose partial sums XLA all-reduces: one all-reduce per block half.
+_TENSOR_PARALLEL_SPECS = {
+    ("query", "kernel"): PartitionSpec(None, "heads", None),  # [d_model, heads, head_dim]
+    ("key", "kernel"): PartitionSpec(None, "heads", None),
+    ("value", "kernel"): PartitionSpec(None, "heads", None),
+    ("out", "kernel"): PartitionSpec("heads", None, None),  # [heads, head_dim, d_model]
+    ("mlp_in", "kernel"): PartitionSpec(None, "heads"),  # [d_model, 4 d_model]
+    ("mlp_in", "bias"): PartitionSpec("heads"),
+    ("mlp_out", "kernel"): PartitionSpec("heads", None),  # [4 d_model, d_model]
+}
+
+
+def param_sharding(params, mesh: Mesh):
+    """The NamedSharding of each parameter: tensor parallel over "heads" where
+    `_TENSOR_PARALLEL_SPECS` names it, replicated otherwise (embeddings, norms, LM head)."""
+
+    def sharding_of(path, _):
+        names = tuple(getattr(entry, "key", None) for entry in path[-2:])
+        return NamedSharding(mesh, _TENSOR_PARALLEL_SPECS.get(names, PartitionSpec()))
+
+    return jax.tree_util.tree_map_with_path(sharding_of, params)
 
 
 def head_parallel(attention_fn: Callable, mesh: Mesh) -> Callable:
@@ -178,8 +210,9 @@ def make_sampler(config: DemoConfig, mesh: Mesh) -> tuple[BatchSampler, int]:
     return sampler, tokenizer.vocab_size
 
 
-def make_train_step(model: Decoder, optimizer, mesh: Mesh):
-    """jit-compiled (params, opt_state, batch) -> (params, opt_state, loss), data parallel."""
+def make_train_step(model: Decoder, optimizer, mesh: Mesh, state_sharding):
+    """jit-compiled (params, opt_state, batch) -> (params, opt_state, loss): data parallel over
+    the batch, tensor parallel as `state_sharding` ((params, opt_state) shardings) says."""
 
     def loss_fn(params, batch):
         logits = model.apply({"params": params}, batch[:, :-1])
@@ -192,8 +225,8 @@ def make_train_step(model: Decoder, optimizer, mesh: Mesh):
 
     replicated = NamedSharding(mesh, PartitionSpec())
     batch_sharded = NamedSharding(mesh, PartitionSpec("data"))
-    return jax.jit(train_step, in_shardings=(replicated, replicated, batch_sharded),
-                   out_shardings=replicated, donate_argnums=(0, 1))
+    return jax.jit(train_step, in_shardings=(*state_sharding, batch_sharded),
+                   out_shardings=(*state_sharding, replicated), donate_argnums=(0, 1))
 
 
 def warmup_steps(total_steps: int) -> int:
@@ -214,12 +247,16 @@ def make_optimizer(config: DemoConfig):
 
 def train(name: str, model: Decoder, config: DemoConfig, sampler: BatchSampler, mesh: Mesh):
     """Trains from SEED; returns (per-step losses, tokens/s excluding the compiling first step)."""
-    replicated = NamedSharding(mesh, PartitionSpec())
     optimizer = make_optimizer(config)
     params = model.init(jax.random.key(SEED), sampler(0)[:, :-1])["params"]
-    params = jax.device_put(params, replicated)
-    opt_state = jax.device_put(optimizer.init(params), replicated)
-    train_step = make_train_step(model, optimizer, mesh)
+    params_sharding = param_sharding(params, mesh)
+    params = jax.device_put(params, params_sharding)
+    # Adam's moments take their parameter's sharding; its step count is replicated.
+    opt_sharding = optax.tree_map_params(
+        optimizer, lambda _, sharding: sharding, jax.eval_shape(optimizer.init, params),
+        params_sharding, transform_non_params=lambda _: NamedSharding(mesh, PartitionSpec()))
+    opt_state = jax.jit(optimizer.init, out_shardings=opt_sharding)(params)
+    train_step = make_train_step(model, optimizer, mesh, (params_sharding, opt_sharding))
 
     tokens_per_step = config.batch * config.seq_len
     losses = []
@@ -300,6 +337,8 @@ def parse_args(argv):
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the config's)")
     parser.add_argument("--batch", type=int,
                         help="global batch, a multiple of the mesh's data axis (default: the config's)")
+    parser.add_argument("--head-ways", type=int,
+                        help="tensor-parallel ways over attention heads (default: make_mesh's)")
     parser.add_argument("--out", default="fa4_jax_demo_loss.png", help="loss-curve PNG path")
     return parser.parse_args(argv)
 
@@ -310,7 +349,10 @@ def resolve_config(args) -> DemoConfig:
                                  **{k: v for k, v in overrides.items() if v is not None})
     if config.steps < 1 or config.seq_len < 1 or config.batch < 1:
         raise SystemExit("--steps, --seq-len and --batch must be positive")
-    data_ways = make_mesh(config.num_heads).shape["data"]
+    try:
+        data_ways = make_mesh(config.num_heads, args.head_ways).shape["data"]
+    except ValueError as error:
+        raise SystemExit(f"--head-ways: {error}") from None
     if config.batch % data_ways:
         raise SystemExit(f"--batch {config.batch} must be a multiple of the mesh's data axis "
                          f"({data_ways}; data parallel over the batch)")
@@ -350,7 +392,7 @@ def fa4_backend_choice(config: DemoConfig) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     config = resolve_config(args)
-    mesh = make_mesh(config.num_heads)
+    mesh = make_mesh(config.num_heads, args.head_ways)
     sampler, vocab_size = make_sampler(config, mesh)
     # cuDNN's attention takes only half precision; XLA's is the baseline everywhere else.
     on_gpu = jax.default_backend() == "gpu"
@@ -358,7 +400,7 @@ def main(argv=None) -> int:
 
     print(f"config {args.config}: {config}")
     print(f"{jax.device_count()} x {jax.devices()[0].device_kind}, mesh "
-          f"{dict(mesh.shape)} (data parallel, attention head parallel); "
+          f"{dict(mesh.shape)} (data parallel, tensor parallel over heads); "
           f"corpus {config.corpus_chars:,} chars, vocab {vocab_size}")
     print(f"attention under test: fa4_jax on {jax.default_backend()} "
           f"[{fa4_backend_choice(config)}]; "

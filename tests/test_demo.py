@@ -4,7 +4,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 import fa4_jax
 from fa4_jax import demo
@@ -51,7 +51,7 @@ def test_compare_curves_rule(seed):
 def test_non_causal_attention_is_caught_by_the_loss_comparison():
     # A real bug, attention that sees the future, must fail the demo's check.
     config = dataclasses.replace(demo.CONFIGS["tiny"], steps=TINY_STEPS)
-    mesh = Mesh(np.array(jax.devices()), ("data",))
+    mesh = demo.make_mesh(config.num_heads, head_ways=1)
     sampler, vocab_size = demo.make_sampler(config, mesh)
     leaky = demo.Decoder(vocab_size, config, make_attention_fn(causal=False))
     causal = demo.Decoder(vocab_size, config, demo.make_baseline_attention_fn("xla"))
@@ -72,3 +72,30 @@ def test_head_parallel_attention_is_local_per_head_shard(next_key):
     np.testing.assert_allclose(out, fa4_jax.attention(q, k, v, causal=True), atol=1e-5, rtol=1e-5)
     compiled = sharded.lower(q, k, v).compile().as_text()
     assert "all-gather" not in compiled and "all-to-all" not in compiled
+
+
+def test_tensor_parallel_step_equals_the_data_parallel_step():
+    """The (data, heads) mesh's tensor-parallel parameters: the projections and MLP weights are
+    split over "heads" on the devices, and a training step gives the losses and parameters of
+    the same step with every parameter replicated."""
+    config = dataclasses.replace(demo.CONFIGS["tiny"], steps=3)
+    tensor_parallel = demo.make_mesh(config.num_heads, head_ways=2)
+    data_parallel = demo.make_mesh(config.num_heads, head_ways=1)
+    results = {}
+    for name, mesh in (("tensor", tensor_parallel), ("data", data_parallel)):
+        sampler, vocab_size = demo.make_sampler(config, mesh)
+        model = demo.Decoder(vocab_size, config,
+                             demo.head_parallel(make_attention_fn(causal=True), mesh))
+        params = model.init(jax.random.key(demo.SEED), sampler(0)[:, :-1])["params"]
+        shardings = demo.param_sharding(params, mesh)
+        results[name] = demo.train(name, model, config, sampler, mesh)[0]
+        if name == "tensor":
+            block = shardings["DecoderBlock_0"]
+            attention = block["MultiHeadDotProductAttention_0"]
+            assert attention["query"]["kernel"].spec == PartitionSpec(None, "heads", None)
+            assert attention["out"]["kernel"].spec == PartitionSpec("heads", None, None)
+            assert block["mlp_out"]["kernel"].spec == PartitionSpec("heads", None)
+            shard_shapes = {s.data.shape for s in jax.device_put(
+                params, shardings)["DecoderBlock_0"]["mlp_in"]["kernel"].addressable_shards}
+            assert shard_shapes == {(config.d_model, 2 * config.d_model)}
+    np.testing.assert_allclose(results["tensor"], results["data"], rtol=1e-5)
