@@ -400,7 +400,8 @@ def main(argv=None) -> int:
 
     print(f"config {args.config}: {config}")
     print(f"{jax.device_count()} x {jax.devices()[0].device_kind}, mesh "
-          f"{dict(mesh.shape)} (data parallel, tensor parallel over heads); "
+          f"{dict(mesh.shape)} ({mesh.shape['data']}-way data parallel, {mesh.shape['heads']}-way "
+          f"tensor parallel over heads); "
           f"corpus {config.corpus_chars:,} chars, vocab {vocab_size}")
     print(f"attention under test: fa4_jax on {jax.default_backend()} "
           f"[{fa4_backend_choice(config)}]; "
