@@ -71,11 +71,12 @@ def test_bad_variant_is_refused():
     assert variants.ARCHES == ("sm_90a", "sm_100a")
 
 
-@pytest.mark.parametrize("head_dim", variants.SHORT_HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", sorted(variants.SHORT_CAUSAL))
 def test_short_causal_forwards_take_the_short_tuning(head_dim):
-    short = variants.SHORT_SEQLEN
-    assert variants.call_tuning("fwd", "causal", head_dim, short, short) == "short"
-    assert variants.call_tuning("fwd", "causal", head_dim, 1, 7) == "short"
+    tuning, short = variants.SHORT_CAUSAL[head_dim]
+    assert tuning != "default"
+    assert variants.call_tuning("fwd", "causal", head_dim, short, short) == tuning
+    assert variants.call_tuning("fwd", "causal", head_dim, 1, 7) == tuning
     # Longer on either side, another mask, the backward, or an explicit tuning: unchanged.
     assert variants.call_tuning("fwd", "causal", head_dim, short + 1, short) == "default"
     assert variants.call_tuning("fwd", "causal", head_dim, short, short + 1) == "default"
@@ -86,7 +87,7 @@ def test_short_causal_forwards_take_the_short_tuning(head_dim):
     # Every dtype and softcap setting of the rule's calls is compiled.
     for dtype in variants.DTYPES:
         for softcap in (False, True):
-            v = select(dtype, head_dim, head_dim, True, None, None, softcap, tuning="short")
+            v = select(dtype, head_dim, head_dim, True, None, None, softcap, tuning=tuning)
             assert v in MENU
 
 

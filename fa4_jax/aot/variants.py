@@ -22,9 +22,10 @@ HEAD_DIMS = {
     "bwd": ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256)),
 }
 # Named overrides of a kernel's tuned settings, passed to its constructor as keyword arguments.
-# "default" is what users get, and "short" where `call_tuning` picks it; the others exist for the
-# ablations in docs/perf-log.md, are compiled only where ABLATIONS lists them, and are reachable
-# only through the benchmark (`ffi.forward(..., tuning=NAME)`, `--fa4-tunings`).
+# "default" is what users get, and "short", "short_wg2" and "decode" where `call_tuning` picks
+# them by a call's shape; the others exist for the ablations in docs/perf-log.md, are compiled
+# only where ABLATIONS lists them, and are reachable only through the benchmark
+# (`ffi.forward(..., tuning=NAME)`, `--fa4-tunings`).
 _LPT_SEPARATE_O = {"scheduler": "lpt", "separate_o": True}
 TUNINGS: dict[str, dict] = {
     "default": {},
@@ -48,6 +49,9 @@ TUNINGS: dict[str, dict] = {
     # The short rule's kernel with each tile boundary as one overlapped step (the next tile's
     # first Q·Kᵀ issued with this tile's last P·V; docs/perf-log.md, "overlap a tile's drain").
     "lpt_so_overlap": {**_LPT_SEPARATE_O, "pingpong": True, "overlap_tiles": True},
+    # The short rule's kernel on 128-row tiles (two MMA warp groups, 128-key blocks): what
+    # `call_tuning` picks for short causal forward calls at d64.
+    "short_wg2": {**_LPT_SEPARATE_O, "pingpong": True, "mma_warp_groups": 2, "tile_n": 128},
     # One MMA warp group (64-row tiles): what `call_tuning` picks for decode-sized calls, whose
     # few rows (a GQA-packed group's heads) leave most of a 128- or 192-row tile as padding.
     # Measured (docs/perf-log.md, "Decode tiles"): d64 decode 285 vs 435 us on 192-row tiles,
@@ -83,13 +87,17 @@ ABLATIONS = (
 )
 
 
-# Causal forward calls with both lengths at most SHORT_SEQLEN run the "short" tuning at these
-# head dims. Measured at s = 1k (docs/perf-log.md, "separate_o"): d128 causal 321 vs 275 TF/s
-# for the default (one CTA per tile, LPT order), d64 causal 171 vs 159-162. Without a mask the
-# gain was inside the run-to-run spread (d128 452 vs 445), and at s = 4k the persistent order
-# already loses (d128 causal 504 vs 524), hence the bound.
-SHORT_SEQLEN = 1024
-SHORT_HEAD_DIMS = (64, 128)
+# Causal forward calls with both lengths at most the bound run the head dim's short tuning: the
+# persistent LPT order with O apart from Q, whose next tile's loads overlap a tile's tail. Chosen
+# by measurement (bf16, 16k tokens, TF/s; docs/perf-log.md "short causal calls"):
+# - d64, "short_wg2" up to 4k: 211/290/353 at s = 1k/2k/4k against 183/258/334 for the default
+#   (192-row tiles, one CTA per tile) and 182/279/343 for the same order on 192-row tiles. Why
+#   the smaller tile wins is not established; candidates: a 192-row tile's padding (12.5% of the
+#   rows at 1k) and its masked diagonal (three 96-key blocks of each tile against two 128-key).
+#   Above 4k it loses: 390/412 against 395/434 at 8k/16k.
+# - d128, "short" up to 2k: 321/414 against 275/388 at 1k/2k; at 4k even (481 vs 480 without
+#   ping-pong), at 8k/16k it loses (527/559 against 550/598).
+SHORT_CAUSAL = {64: ("short_wg2", 4096), 128: ("short", 2048)}
 # Forward calls without a mask and with at most this many query rows (as the kernel sees them:
 # GQA-packed, fa4_jax/pack_gqa.py) run the "decode" tuning, compiled at every head dim.
 DECODE_ROWS = 64
@@ -98,13 +106,15 @@ DECODE_ROWS = 64
 def call_tuning(kind: str, mask: str, head_dim: int, seqlen_q: int, seqlen_k: int,
                 tuning: str = "default") -> str:
     """The tuning a call runs: "decode" for a forward of at most DECODE_ROWS query rows without
-    a mask, "short" for a short causal forward at SHORT_HEAD_DIMS, else `tuning`."""
+    a mask, the head dim's short tuning for a short causal forward (SHORT_CAUSAL), else
+    `tuning`."""
     if kind != "fwd" or tuning != "default":
         return tuning
     if mask == "none" and seqlen_q <= DECODE_ROWS:
         return "decode"
-    if mask == "causal" and head_dim in SHORT_HEAD_DIMS and max(seqlen_q, seqlen_k) <= SHORT_SEQLEN:
-        return "short"
+    short_tuning, longest = SHORT_CAUSAL.get(head_dim, (tuning, 0))
+    if mask == "causal" and max(seqlen_q, seqlen_k) <= longest:
+        return short_tuning
     return tuning
 
 
@@ -151,8 +161,9 @@ MENU: tuple[Variant, ...] = tuple(
     Variant("sm_90a", "bf16", d, d, mask, False, kind, tuning)
     for kind, d, tunings in ABLATIONS for tuning in tunings for mask in ("none", "causal")
 ) + tuple(
-    Variant("sm_90a", dtype, d, d, "causal", softcap, "fwd", "short")
-    for dtype, d, softcap in itertools.product(DTYPES, SHORT_HEAD_DIMS, (False, True))
+    Variant("sm_90a", dtype, d, d, "causal", softcap, "fwd", short_tuning)
+    for (d, (short_tuning, _)), dtype, softcap in itertools.product(
+        SHORT_CAUSAL.items(), DTYPES, (False, True))
 ) + tuple(
     Variant("sm_90a", dtype, d, dv, "none", softcap, "fwd", "decode")
     for dtype, (d, dv), softcap in itertools.product(DTYPES, HEAD_DIMS["fwd"], (False, True))
