@@ -65,6 +65,12 @@ TUNINGS: dict[str, dict] = {
     # The widest blocks that compile without spills (n176/n128 spill, and so does d128 at 160).
     "n144": {"tile_n": 144},
     "n112": {"tile_n": 112},
+    # Each step issues P·V before Q·Kᵀ and waits for both before the softmax (fwd.py TileConfig
+    # pv_first): the exponentials then die before S's registers are rewritten, which lets the
+    # wider blocks above compile without spills (n176: 219 registers; n128 at d64: 151 of 160).
+    "pvf": {"pv_first": True},
+    "n176_pvf": {"tile_n": 176, "pv_first": True},
+    "n128_pvf": {"tile_n": 128, "pv_first": True},
     # Backward (kernels/sm90/bwd.py TileConfig): the two choices that made backward v2, each
     # turned back to v1's. det_asc changes only deterministic masked calls; the benchmark times
     # every backward tuning both ways (fa4_jax_bwd:NAME, fa4_jax_bwd_det:NAME).
@@ -78,8 +84,9 @@ TUNINGS: dict[str, dict] = {
 # atomic dQ is dq_atomic_2stage: with atomics, its shared memory goes back to two stages.
 ABLATIONS = (
     ("fwd", 128, ("tau0", "nopingpong", "pingpong", "poly25", "lpt", "linear", "lpt_so",
-                     "lpt_so_l2s8", "n176", "n144", "lpt_so_overlap")),
-    ("fwd", 64, ("wg2", "linear", "lpt", "lpt_so", "n128", "n112", "nopingpong", "lpt_so_overlap")),
+                     "lpt_so_l2s8", "n176", "n144", "lpt_so_overlap", "pvf", "n176_pvf")),
+    ("fwd", 64, ("wg2", "linear", "lpt", "lpt_so", "n128", "n112", "nopingpong", "lpt_so_overlap",
+                    "pvf", "n128_pvf")),
     ("fwd", 256, ("lpt", "linear", "n80")),
     ("bwd", 64, ("det_asc", "dq_atomic")),
     ("bwd", 128, ("det_asc", "dq_atomic")),

@@ -78,6 +78,13 @@ class TileConfig:
     # tile's first Q·Kᵀ, and the tile's epilogue runs under the next tile's first softmax
     # (`mma_tile_boundary`), instead of draining before the next tile ramps up.
     overlap_tiles: bool = False
+    # Each step issues the previous block's P·V before this block's Q·Kᵀ and waits for both
+    # before the softmax, instead of overlapping the softmax with P·V (ping-pong still overlaps
+    # it with the other warp group's GEMMs). P's conversion then has to precede both GEMMs, so
+    # the exponentials die before Q·Kᵀ rewrites S's registers; in the overlapped order ptxas
+    # sinks the conversion into the next step's Q·Kᵀ issue and holds the exponentials in fresh
+    # registers, which spills at tile_n 176 (docs/perf-log.md, "wider key blocks").
+    pv_first: bool = False
 
     def smem_bytes(self, head_dim: int, head_dim_v: int, elem_bytes: int = 2) -> int:
         """Q and O (one buffer unless separate_o) plus the K/V ring, as laid out by SharedStorage."""
@@ -88,7 +95,7 @@ class TileConfig:
 
 # Constructor overrides of a TileConfig, for ablation variants compiled side by side.
 TUNING_KNOBS = ("pingpong", "rescale_threshold", "exp2_poly_share", "scheduler", "mma_warp_groups",
-                "tile_n", "kv_stages", "separate_o", "l2_section_mb", "overlap_tiles")
+                "tile_n", "kv_stages", "separate_o", "l2_section_mb", "overlap_tiles", "pv_first")
 # setmaxnreg budget of each MMA thread by MMA warp-group count: the 64K registers of an SM less
 # the producer group's 128 · 24, shared by the MMA threads, rounded down to a multiple of 8, and
 # at most 240 (a thread may not hold more than 255). One group (tile_m 64) is the decode shape.
@@ -221,7 +228,7 @@ class FlashAttentionForwardSm90:
             config,
             softmax=dataclasses.replace(config.softmax, **softmax_tuning),
             **{k: tuning[k] for k in ("pingpong", "scheduler", "tile_n", "kv_stages", "separate_o",
-                                      "l2_section_mb", "overlap_tiles") if k in tuning},
+                                      "l2_section_mb", "overlap_tiles", "pv_first") if k in tuning},
         )
         if "scheduler" in tuning:
             config = dataclasses.replace(config, masked_scheduler=tuning["scheduler"])
@@ -728,7 +735,8 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def mma_overlapped_block(self, blocks, warp_group, kv_state, n_block, apply_mask=None,
                              rescale_o: cutlass.Constexpr[bool] = True):
-        """S_j = Q·K_jᵀ issued with O += P_{j-1}·V_{j-1}; softmax of S_j overlaps the P·V GEMM.
+        """S_j = Q·K_jᵀ issued with O += P_{j-1}·V_{j-1}; softmax of S_j overlaps the P·V GEMM
+        (with pv_first, P·V goes first and the softmax waits for both).
 
         kv_state is block j-1's ring slot on entry; returns block j's. rescale_o=False: S_j is the
         next tile's first block (`mma_tiles_overlapped`), so O is this tile's and keeps its scale.
@@ -738,17 +746,28 @@ class FlashAttentionForwardSm90:
         blocks.pipeline_k.consumer_wait(kv_state)
         blocks.pipeline_v.consumer_wait(v_state)
         self.pingpong_wait(warp_group)
-        wgmma_gemm(blocks.tiled_mma_qk, blocks.acc_s, blocks.tSrQ, blocks.tSrK[None, None, None, kv_state.index],
-                  zero_init=True, wait_group=-1)
-        wgmma_gemm(blocks.tiled_mma_pv, blocks.acc_o, acc_as_operand_a(blocks.p),
-                  blocks.tOrVt[None, None, None, v_state.index], zero_init=False, wait_group=-1)
-        self.pingpong_yield(warp_group)
-        warpgroup.wait_group(1)
-        blocks.pipeline_k.consumer_release(kv_state)
-        moved = self.softmax_block(blocks, n_block, apply_mask, convert_p=False)
-        # P_{j-1} (registers read by the in-flight WGMMA) and O may be touched only after it retires.
-        warpgroup.wait_group(0)
-        blocks.pipeline_v.consumer_release(v_state)
+        if cutlass.const_expr(self.config.pv_first):
+            wgmma_gemm(blocks.tiled_mma_pv, blocks.acc_o, acc_as_operand_a(blocks.p),
+                      blocks.tOrVt[None, None, None, v_state.index], zero_init=False, wait_group=-1)
+            wgmma_gemm(blocks.tiled_mma_qk, blocks.acc_s, blocks.tSrQ, blocks.tSrK[None, None, None, kv_state.index],
+                      zero_init=True, wait_group=-1)
+            self.pingpong_yield(warp_group)
+            warpgroup.wait_group(0)
+            blocks.pipeline_k.consumer_release(kv_state)
+            blocks.pipeline_v.consumer_release(v_state)
+            moved = self.softmax_block(blocks, n_block, apply_mask, convert_p=False)
+        else:
+            wgmma_gemm(blocks.tiled_mma_qk, blocks.acc_s, blocks.tSrQ, blocks.tSrK[None, None, None, kv_state.index],
+                      zero_init=True, wait_group=-1)
+            wgmma_gemm(blocks.tiled_mma_pv, blocks.acc_o, acc_as_operand_a(blocks.p),
+                      blocks.tOrVt[None, None, None, v_state.index], zero_init=False, wait_group=-1)
+            self.pingpong_yield(warp_group)
+            warpgroup.wait_group(1)
+            blocks.pipeline_k.consumer_release(kv_state)
+            moved = self.softmax_block(blocks, n_block, apply_mask, convert_p=False)
+            # P_{j-1} (registers read by the in-flight WGMMA) and O may be touched only after it retires.
+            warpgroup.wait_group(0)
+            blocks.pipeline_v.consumer_release(v_state)
         if cutlass.const_expr(rescale_o):
             if cute.arch.vote_any_sync(moved):
                 scale_rows(blocks.acc_o_rc, blocks.row_scale)
