@@ -70,14 +70,15 @@ CONFIGS = {
 # - the first EARLY_STEPS steps, still tightly coupled, per step: fp32 1e-4 (>100x the measured
 #   2e-7); bf16 2e-2 (bf16 keeps 8 mantissa bits, 2^-8 ~ 4e-3 relative per rounding, and the
 #   implementations round probabilities and accumulate differently; measured 6e-4 on CPU);
-# - the whole curve after a SMOOTHING_STEPS moving average: 3e-2 fp32 (measured 1.1%), 5e-2
-#   bf16, which catches divergence, instability and NaN later in training.
+# - the whole curve after a SMOOTHING_STEPS moving average: 3e-2 fp32 (measured 1.1%), 8e-2
+#   bf16 (the 300-step GPU run against cuDNN measured 0.7-4.0e-2 over five H200 runs; twice the
+#   largest), which catches divergence, instability and NaN later in training.
 # A real bug is far outside both: attention that sees the future, a wrong scale or a broken
 # gradient moves the loss by tens of percent within a few steps.
 EARLY_STEPS = 50
 SMOOTHING_STEPS = 10
 EARLY_RTOL = {"float32": 1e-4, "bfloat16": 2e-2}
-SMOOTHED_RTOL = {"float32": 3e-2, "bfloat16": 5e-2}
+SMOOTHED_RTOL = {"float32": 3e-2, "bfloat16": 8e-2}
 
 
 class DecoderBlock(nn.Module):
