@@ -31,6 +31,7 @@ from jax import lax
 
 from fa4_jax import sharding
 from fa4_jax.api import attention_params
+from fa4_jax.lse_merge import merge_by_lse
 from fa4_jax.params import AttentionParams
 
 
@@ -284,29 +285,10 @@ class _Partial(NamedTuple):
         )
 
     def merge(self, out, lse):
-        """Attention over the union of the two key sets (disjoint), by logsumexp weights.
-
-        out = Σ exp(lse_i - lse) out_i and lse = log Σ exp(lse_i), shifted by the larger lse
-        so no exp overflows; a row that has seen no key on either side keeps out 0 and
-        lse -inf (no 0/0, no log 0).
-        """
-        larger = jnp.maximum(self.lse, lse)
-        shift = jnp.where(jnp.isfinite(larger), larger, 0.0)
-        weight_self = jnp.exp(self.lse - shift)
-        weight_other = jnp.exp(lse - shift)
-        total = weight_self + weight_other
-        empty = total == 0.0
-        safe_total = jnp.where(empty, 1.0, total)
-        merged_lse = jnp.where(empty, -jnp.inf, shift + jnp.log(safe_total))
-
-        def rows_to_out_layout(weight):  # [batch, heads, rows] -> [batch, rows, heads, 1]
-            return jnp.swapaxes(weight / safe_total, 1, 2)[..., None]
-
-        merged_out = (
-            rows_to_out_layout(weight_self) * self.out
-            + rows_to_out_layout(weight_other) * out.astype(jnp.float32)
-        )
-        return _Partial(merged_out, merged_lse)
+        """Attention over the union of the two key sets (disjoint), by logsumexp weights
+        (`lse_merge`): a row that has seen no key on either side keeps out 0 and lse -inf."""
+        parts_out = jnp.stack([self.out, out.astype(jnp.float32)], axis=1)
+        return _Partial(*merge_by_lse(parts_out, jnp.stack([self.lse, lse], axis=1)))
 
 
 def to_zigzag_layout(x, num_shards, *, seq_axis=1):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from fa4_jax.lse_merge import merge_by_lse
 from fa4_jax.pack_gqa import decode_sized
 
 # A split should leave each chunk enough key blocks that the tile's fixed cost (~6.6 µs at d128,
@@ -26,20 +27,21 @@ from fa4_jax.pack_gqa import decode_sized
 MIN_KEYS_PER_SPLIT = 1024
 # Enough CTAs for two waves: the kernels run one CTA per SM.
 WAVES = 2
+# Query rows per tile, for counting a call's tiles. Calls of at most 64 (packed) rows run 64-row
+# tiles ("decode"), where any row count up to 64 is one tile either way; longer ones run 128 rows
+# (192 at d64, whose tiles this overcounts, erring towards fewer splits).
+TILE_ROWS = 128
 
 
-def num_splits(q_shape, k_shape, params, sm_count: int, tile_rows: int = 128) -> int:
-    """How many key chunks a forward call runs as (1: no split).
-
-    tile_rows: the query rows of one kernel tile (128 or 192; 128 undercounts d64's tiles, which
-    errs on the side of splitting)."""
+def num_splits(q_shape, k_shape, params, sm_count: int) -> int:
+    """How many key chunks a forward call runs as (1: no split)."""
     batch, seqlen_q, heads_q, _ = q_shape
     seqlen_k, heads_kv = k_shape[1], k_shape[2]
     if not decode_sized(seqlen_q, params):
         return 1
     # Tiles of the call as the kernel will run it: GQA-packed when there is a group to pack.
     rows = seqlen_q * heads_q // heads_kv
-    tiles = batch * heads_kv * math.ceil(rows / tile_rows)
+    tiles = batch * heads_kv * math.ceil(rows / TILE_ROWS)
     wanted = min(math.ceil(WAVES * sm_count / tiles), seqlen_k // MIN_KEYS_PER_SPLIT)
     # The chunks must tile the keys exactly for the reshape to be free: the largest divisor.
     return max((n for n in range(1, wanted + 1) if seqlen_k % n == 0), default=1)
@@ -72,17 +74,6 @@ def split(q, k, v, params, seq_lengths, n: int):
 def combine(out, lse, n: int):
     """The chunks' out [b·n, sq, h, dv] and lse [b·n, h, sq] merged into the call's out
     [b, sq, h, dv] (input dtype) and lse [b, h, sq] (float32); rows no chunk saw get 0, −inf."""
-    import jax.numpy as jnp
-
-    dtype = out.dtype
-    out = out.reshape((-1, n) + out.shape[1:]).astype(jnp.float32)
-    lse = lse.reshape((-1, n) + lse.shape[1:])
-    lse_max = jnp.max(lse, axis=1, keepdims=True)
-    finite_max = jnp.where(jnp.isneginf(lse_max), 0.0, lse_max)
-    weights = jnp.exp(lse - finite_max)  # exp(-inf) = 0 for chunks that saw no key
-    total = jnp.sum(weights, axis=1)
-    merged_lse = jnp.where(total > 0, jnp.log(total) + finite_max[:, 0], -jnp.inf)
-    norm = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
-    # weights [b, n, h, sq] onto out's [b, n, sq, h, 1]
-    by_row = jnp.swapaxes(weights * norm[:, None], 2, 3)[..., None]
-    return jnp.sum(by_row * out, axis=1).astype(dtype), merged_lse
+    merged_out, merged_lse = merge_by_lse(out.reshape((-1, n) + out.shape[1:]),
+                                          lse.reshape((-1, n) + lse.shape[1:]))
+    return merged_out.astype(out.dtype), merged_lse
