@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import fa4_jax
 from tests.gpu.cases import qkv, require_kernels
+from tests.jaxprs import walk
 from tests.multi_device import cpu_mesh
 from tests.numerics import assert_close_by_rule, dense_attention
 
@@ -170,22 +171,8 @@ def test_kernel_ring_gradient_types_vary_over_the_ring_axis(monkeypatch, causal)
     q = jax.ShapeDtypeStruct((1, 1024, 4, 128), jnp.bfloat16)
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, q, q)
 
-    def inner_jaxprs(value):  # the (Closed)Jaxprs in an equation's params: scan, cond, ...
-        values = value if isinstance(value, (tuple, list)) else (value,)
-        for item in values:
-            item = getattr(item, "jaxpr", item)
-            if hasattr(item, "eqns"):
-                yield item
-
-    def custom_calls(eqns):
-        for eqn in eqns:
-            if eqn.primitive.name == "ffi_call":
-                yield eqn
-            for value in eqn.params.values():
-                for inner in inner_jaxprs(value):
-                    yield from custom_calls(inner.eqns)
-
-    calls = list(custom_calls(jaxpr.eqns))
+    calls = [eqn for inner in walk(jaxpr.jaxpr) for eqn in inner.eqns
+             if eqn.primitive.name == "ffi_call"]
     targets = {eqn.params["target_name"] for eqn in calls}
     assert targets == {ffi.FWD_TARGET, ffi.BWD_TARGET}
     for eqn in calls:

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from fa4_jax.reference import attention_reference
+from tests.jaxprs import walk
 from tests.numerics import naive_attention_fp64, naive_attention_jax, visible_mask
 
 
@@ -142,23 +143,12 @@ def test_nan_in_a_query_propagates_to_its_row(next_key):
 def _largest_intermediate(closed_jaxpr):
     """Elements of the biggest array any equation of the jaxpr (or its sub-jaxprs) makes."""
     largest = 0
-    for jaxpr in _walk(closed_jaxpr.jaxpr):
+    for jaxpr in walk(closed_jaxpr.jaxpr):
         for eqn in jaxpr.eqns:
             for var in eqn.outvars:
                 shape = getattr(var.aval, "shape", ())
                 largest = max(largest, math.prod(shape))
     return largest
-
-
-def _walk(jaxpr):
-    yield jaxpr
-    for eqn in jaxpr.eqns:
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                # Sub-jaxprs come bare (remat) or closed (scan, custom_vjp).
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    yield from _walk(sub)
 
 
 def test_long_sequence_never_materialises_the_score_matrix():
