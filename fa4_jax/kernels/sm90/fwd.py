@@ -190,6 +190,17 @@ class _Problem:
             sizes = tuple(opaque_int32(x) for x in sizes)
         return scheduler.tile(i, *sizes)
 
+    def key_blocks(self, scheduler: TileScheduler, block_info: BlockInfo, i: Int32, window_left,
+                   window_right):
+        """The i-th tile's (m_block, seqlen_q, seqlen_k, n_block_min, n_block_max): its entry's
+        lengths and the range of key blocks it visits."""
+        m_block, _, batch = self.tile(scheduler, i)
+        seqlen_q, seqlen_k = self.seqlens(batch)
+        n_block_min, n_block_max = block_info.n_block_range(
+            m_block, seqlen_q, seqlen_k, window_left, window_right
+        )
+        return m_block, seqlen_q, seqlen_k, n_block_min, n_block_max
+
 
 class FlashAttentionForwardSm90:
     producer_warp_group = 0
@@ -545,10 +556,8 @@ class FlashAttentionForwardSm90:
                                       q_state, kv_state, problem, block_info, window_left, window_right)
         else:
             for tile_i in cutlass.range(problem.tile_count(self.scheduler), unroll=1):
-                m_block, _, batch = problem.tile(self.scheduler, tile_i)
-                seqlen_q, seqlen_k = problem.seqlens(batch)
-                n_block_min, n_block_max = block_info.n_block_range(
-                    m_block, seqlen_q, seqlen_k, window_left, window_right
+                m_block, seqlen_q, seqlen_k, n_block_min, n_block_max = problem.key_blocks(
+                    self.scheduler, block_info, tile_i, window_left, window_right
                 )
                 apply_mask = functools.partial(tile_mask, m_block=m_block, seqlen_q=seqlen_q,
                                                seqlen_k=seqlen_k)
@@ -558,10 +567,8 @@ class FlashAttentionForwardSm90:
 
                 pipeline_q.consumer_wait(q_state)
                 if n_block_max > n_block_min:
-                    # The highest block holds the sequence tail (and the diagonal): always masked.
-                    self.mma_first_block(blocks, kv_state, n_block_max - 1, apply_mask)
-                    if seqlen_k < problem.seqlen_k:
-                        self.zero_v_past_keys(sV, blocks.pipeline_v, kv_state, n_block_max - 1, seqlen_k, tidx)
+                    self.mma_first_block(blocks, kv_state, n_block_max - 1, apply_mask, sV, seqlen_k,
+                                         problem, tidx)
                     kv_state = self.mma_key_blocks(step, masked, kv_state, block_info, m_block, n_block_min,
                                                    n_block_max, seqlen_q, seqlen_k, window_left, window_right)
                     # Every Q·Kᵀ GEMM of the tile has retired (each block waits for its own).
@@ -610,10 +617,8 @@ class FlashAttentionForwardSm90:
         tile_count = problem.tile_count(self.scheduler)
         started = cutlass.Boolean(False)  # this tile's first block ran in the previous boundary
         for tile_i in cutlass.range(tile_count, unroll=1):
-            m_block, _, batch = problem.tile(self.scheduler, tile_i)
-            seqlen_q, seqlen_k = problem.seqlens(batch)
-            n_block_min, n_block_max = block_info.n_block_range(
-                m_block, seqlen_q, seqlen_k, window_left, window_right
+            m_block, seqlen_q, seqlen_k, n_block_min, n_block_max = problem.key_blocks(
+                self.scheduler, block_info, tile_i, window_left, window_right
             )
             apply_mask = functools.partial(tile_mask, m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
             masked = functools.partial(step, apply_mask=apply_mask)
@@ -622,15 +627,12 @@ class FlashAttentionForwardSm90:
                 blocks.softmax.reset()
                 pipeline_q.consumer_wait(q_state)
                 if n_block_max > n_block_min:
-                    self.mma_first_block(blocks, kv_state, n_block_max - 1, apply_mask)
-                    if seqlen_k < problem.seqlen_k:
-                        self.zero_v_past_keys(sV, blocks.pipeline_v, kv_state, n_block_max - 1, seqlen_k, tidx)
+                    self.mma_first_block(blocks, kv_state, n_block_max - 1, apply_mask, sV, seqlen_k,
+                                         problem, tidx)
             # The next tile (index clamped: its lengths are read from memory) and its key blocks.
-            next_i = cutlass.min(tile_i + 1, tile_count - 1)
-            next_m_block, _, next_batch = problem.tile(self.scheduler, next_i)
-            next_seqlen_q, next_seqlen_k = problem.seqlens(next_batch)
-            next_min, next_max = block_info.n_block_range(
-                next_m_block, next_seqlen_q, next_seqlen_k, window_left, window_right
+            next_m_block, next_seqlen_q, next_seqlen_k, next_min, next_max = problem.key_blocks(
+                self.scheduler, block_info, cutlass.min(tile_i + 1, tile_count - 1), window_left,
+                window_right
             )
             next_blocks = next_max - next_min
             if tile_i + 1 >= tile_count:
@@ -704,13 +706,17 @@ class FlashAttentionForwardSm90:
                 lse[r] = -Float32.inf
 
     @cute.jit
-    def mma_first_block(self, blocks, kv_state, n_block, apply_mask):
-        """S for the first (highest) block and its softmax; its P·V joins the next block's GEMMs."""
+    def mma_first_block(self, blocks, kv_state, n_block, apply_mask, sV, seqlen_k, problem, tidx):
+        """S for a tile's first (highest) block and its softmax; its P·V joins the next block's
+        GEMMs. The highest block holds the sequence tail (and the diagonal): always masked, and
+        for an entry shorter than the buffer its V rows past the keys are zeroed."""
         blocks.pipeline_k.consumer_wait(kv_state)
         wgmma_gemm(blocks.tiled_mma_qk, blocks.acc_s, blocks.tSrQ, blocks.tSrK[None, None, None, kv_state.index],
                   zero_init=True, wait_group=0)
         blocks.pipeline_k.consumer_release(kv_state)
         self.softmax_block(blocks, n_block, apply_mask)
+        if seqlen_k < problem.seqlen_k:
+            self.zero_v_past_keys(sV, blocks.pipeline_v, kv_state, n_block, seqlen_k, tidx)
 
     @cute.jit
     def zero_v_past_keys(self, sV, pipeline_v, kv_state, n_block, seqlen_k, tidx):
