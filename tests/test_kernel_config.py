@@ -31,4 +31,11 @@ def test_bad_tunings_are_refused(tuning):
 def test_d128_pingpong_is_off_under_a_mask_only(mask):
     assert _kernel(mask).pingpong is (mask == "none")
     assert _kernel(mask, pingpong=True).pingpong
-    assert _kernel(mask, scheduler="lpt", separate_o=True, overlap_tiles=True).config.overlap_tiles
+    assert _kernel(mask, scheduler="lpt", separate_o=True, overlap_tiles=True, tile_n=128).config.overlap_tiles
+
+
+@pytest.mark.parametrize("mask, width", [("none", 176), ("causal", 128), ("local", 128)])
+def test_d128_key_blocks_are_narrower_under_a_mask(mask, width):
+    assert _kernel(mask).tile_n == width
+    # The knob sets both widths, so an ablation row means the same block at every mask.
+    assert _kernel(mask, tile_n=192).tile_n == 192

@@ -26,7 +26,8 @@ HEAD_DIMS = {
 # them by a call's shape; the others exist for the ablations in docs/perf-log.md, are compiled
 # only where ABLATIONS lists them, and are reachable only through the benchmark
 # (`ffi.forward(..., tuning=NAME)`, `--fa4-tunings`).
-_LPT_SEPARATE_O = {"scheduler": "lpt", "separate_o": True}
+# On 128-key blocks: at d128 O's own buffer leaves no room for two 176-key K/V stages (240 KB).
+_LPT_SEPARATE_O = {"scheduler": "lpt", "separate_o": True, "tile_n": 128}
 TUNINGS: dict[str, dict] = {
     "default": {},
     "tau0": {"rescale_threshold": 0.0},  # rescale whenever the row max grows
@@ -57,20 +58,15 @@ TUNINGS: dict[str, dict] = {
     # Measured (docs/perf-log.md, "Decode tiles"): d64 decode 285 vs 435 us on 192-row tiles,
     # d128 509 vs 534 us (b=64, 8k cache, 32/8 heads).
     "decode": {"mma_warp_groups": 1, "pingpong": False},
-    # Wider key blocks: fewer softmax rounds per tile and longer WGMMA batches between them, paid
-    # for in registers (d128: S is 88 per thread) and shared memory (d256: 225 of 227 KB).
-    "n176": {"tile_n": 176},
-    "n80": {"tile_n": 80},
-    "n128": {"tile_n": 128},  # d64's three MMA warp groups at FlashAttention-3's causal width
-    # The widest blocks that compile without spills (n176/n128 spill, and so does d128 at 160).
-    "n144": {"tile_n": 144},
-    "n112": {"tile_n": 112},
-    # Each step issues P·V before Q·Kᵀ and waits for both before the softmax (fwd.py TileConfig
-    # pv_first): the exponentials then die before S's registers are rewritten, which lets the
-    # wider blocks above compile without spills (n176: 219 registers; n128 at d64: 151 of 160).
-    "pvf": {"pv_first": True},
-    "n176_pvf": {"tile_n": 176, "pv_first": True},
-    "n128_pvf": {"tile_n": 128, "pv_first": True},
+    # Key block widths (the knob sets both masks'), against the defaults: d128 176 without a mask
+    # and 128 under one, d64 128, d256 64.
+    "n96": {"tile_n": 96},  # d64's default before P's conversion stopped spilling
+    # d128 without a mask: the default before that. At d64 the default's own width, under a name
+    # that escapes `call_tuning`'s short rule.
+    "n128": {"tile_n": 128},
+    "n176": {"tile_n": 176},  # d128 under a mask
+    "n192": {"tile_n": 192},
+    "n80": {"tile_n": 80},  # d256: FlashAttention-3's width, 224 of 227 KB of shared memory
     # Backward (kernels/sm90/bwd.py TileConfig): the two choices that made backward v2, each
     # turned back to v1's. det_asc changes only deterministic masked calls; the benchmark times
     # every backward tuning both ways (fa4_jax_bwd:NAME, fa4_jax_bwd_det:NAME).
@@ -84,9 +80,8 @@ TUNINGS: dict[str, dict] = {
 # atomic dQ is dq_atomic_2stage: with atomics, its shared memory goes back to two stages.
 ABLATIONS = (
     ("fwd", 128, ("tau0", "nopingpong", "pingpong", "poly25", "lpt", "linear", "lpt_so",
-                     "lpt_so_l2s8", "n176", "n144", "lpt_so_overlap", "pvf", "n176_pvf")),
-    ("fwd", 64, ("wg2", "linear", "lpt", "lpt_so", "n128", "n112", "nopingpong", "lpt_so_overlap",
-                    "pvf", "n128_pvf")),
+                     "lpt_so_l2s8", "n128", "n176", "n192", "lpt_so_overlap")),
+    ("fwd", 64, ("wg2", "linear", "lpt", "lpt_so", "n96", "n128", "nopingpong", "lpt_so_overlap")),
     ("fwd", 256, ("lpt", "linear", "n80")),
     ("bwd", 64, ("det_asc", "dq_atomic")),
     ("bwd", 128, ("det_asc", "dq_atomic")),
@@ -101,10 +96,12 @@ ABLATIONS = (
 #   (192-row tiles, one CTA per tile) and 182/279/343 for the same order on 192-row tiles. Why
 #   the smaller tile wins is not established; candidates: a 192-row tile's padding (12.5% of the
 #   rows at 1k) and its masked diagonal (three 96-key blocks of each tile against two 128-key).
-#   Above 4k it loses: 390/412 against 395/434 at 8k/16k.
+#   Above 4k it loses: 390/412 against 395/434 at 8k/16k. Since the default's blocks widened to
+#   128 keys (docs/perf-log.md, "P converted through asm") it loses at 4k too (372 vs 395), so
+#   the bound is 2k.
 # - d128, "short" up to 2k: 321/414 against 275/388 at 1k/2k; at 4k even (481 vs 480 without
 #   ping-pong), at 8k/16k it loses (527/559 against 550/598).
-SHORT_CAUSAL = {64: ("short_wg2", 4096), 128: ("short", 2048)}
+SHORT_CAUSAL = {64: ("short_wg2", 2048), 128: ("short", 2048)}
 # Forward calls without a mask and with at most this many query rows (as the kernel sees them:
 # GQA-packed, fa4_jax/pack_gqa.py) run the "decode" tuning, compiled at every head dim.
 DECODE_ROWS = 64

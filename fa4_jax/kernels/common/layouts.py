@@ -6,7 +6,11 @@ adjacent columns, two rows eight apart, and V groups of eight columns. Softmax w
 ((2, 2, 2), MMA_M, K/16), where each pair of eight-column groups forms one k16 block. Both are
 re-indexings of the same registers (no data moves), so P never leaves the register file.
 """
+import cutlass
 import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T
 
 
 def _compose(layout, view_shape, view_stride):
@@ -48,13 +52,37 @@ def opaque_int32(x):
     so LLVM hoists them out of the tile loop and holds them across the whole main loop, which
     pushes the MMA warp groups past their register budget (ptxas then serialises the WGMMAs).
     """
-    from cutlass import Int32
-    from cutlass._mlir.dialects import llvm
-    from cutlass.cutlass_dsl import T
-
     return Int32(
         llvm.inline_asm(
             T.i32(), [Int32(x).ir_value()], "mov.b32 $0, $1;", "=r,r",
             has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
         )
     )
+
+
+_PTX_PAIR_TYPES = {cutlass.BFloat16: "bf16", cutlass.Float16: "f16"}
+
+
+def convert_pairs(src: cute.Tensor, dst: cute.Tensor) -> None:
+    """dst = src (fp32) rounded to dst's 16-bit dtype, two adjacent elements per `cvt`, each
+    through an asm statement.
+
+    Both fragments are compact and alike in layout, so elements 2i and 2i+1 share one 32-bit
+    register of dst (one register of a WGMMA A operand). Why not `dst.store(src.load().to(...))`:
+    in the forward's main loop P is converted at the end of one step and read by the next step's
+    P·V WGMMA, so after mem2reg P is a loop phi fed by two conversions (the first block's and the
+    loop's). LLVM folds phi(cvt a, cvt b) into cvt(phi a b), which carries the fp32 exponentials
+    across the back edge and converts them after the next Q·Kᵀ WGMMA is issued, while that WGMMA
+    rewrites S's registers: at d128 with 176-key blocks, 113 spill stores. An asm statement is
+    not folded, so the packed P crosses the back edge instead (no spills, 219 registers).
+    """
+    ptx_type = _PTX_PAIR_TYPES[dst.element_type]
+    packed = cute.recast_tensor(dst, Int32)
+    for i in range(cute.size(packed)):
+        packed[i] = Int32(
+            llvm.inline_asm(
+                T.i32(), [Float32(src[2 * i]).ir_value(), Float32(src[2 * i + 1]).ir_value()],
+                f"cvt.rn.{ptx_type}x2.f32 $0, $2, $1;", "=r,f,f",
+                has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+            )
+        )

@@ -41,7 +41,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from fa4_jax.kernels.common.block_info import BlockInfo
-from fa4_jax.kernels.common.layouts import acc_as_operand_a, acc_rows_cols, opaque_int32
+from fa4_jax.kernels.common.layouts import acc_as_operand_a, acc_rows_cols, convert_pairs, opaque_int32
 from fa4_jax.kernels.common.mask import AttentionMask
 from fa4_jax.kernels.common.softmax import OnlineSoftmax, SoftmaxConfig, scale_rows
 from fa4_jax.kernels.common.tile_scheduler import L2_SECTION_BYTES, TileScheduler
@@ -64,6 +64,8 @@ class TileConfig:
     masked_scheduler: str = "lpt_single"
     # Ping-pong under a causal/local mask (`pingpong` is the unmasked setting; the knob sets both).
     masked_pingpong: bool = True
+    # Key block width under a causal/local mask; None: tile_n (the tile_n knob sets both).
+    masked_tile_n: int | None = None
     # MMA warp groups of 64 query rows each: tile_m = 64 · mma_warp_groups.
     mma_warp_groups: int = 2
     # O staged in its own shared buffer instead of Q's. Q's buffer then frees once the tile's
@@ -78,13 +80,6 @@ class TileConfig:
     # tile's first Q·Kᵀ, and the tile's epilogue runs under the next tile's first softmax
     # (`mma_tile_boundary`), instead of draining before the next tile ramps up.
     overlap_tiles: bool = False
-    # Each step issues the previous block's P·V before this block's Q·Kᵀ and waits for both
-    # before the softmax, instead of overlapping the softmax with P·V (ping-pong still overlaps
-    # it with the other warp group's GEMMs). P's conversion then has to precede both GEMMs, so
-    # the exponentials die before Q·Kᵀ rewrites S's registers; in the overlapped order ptxas
-    # sinks the conversion into the next step's Q·Kᵀ issue and holds the exponentials in fresh
-    # registers, which spills at tile_n 176 (docs/perf-log.md, "wider key blocks").
-    pv_first: bool = False
 
     def smem_bytes(self, head_dim: int, head_dim_v: int, elem_bytes: int = 2) -> int:
         """Q and O (one buffer unless separate_o) plus the K/V ring, as laid out by SharedStorage."""
@@ -95,7 +90,7 @@ class TileConfig:
 
 # Constructor overrides of a TileConfig, for ablation variants compiled side by side.
 TUNING_KNOBS = ("pingpong", "rescale_threshold", "exp2_poly_share", "scheduler", "mma_warp_groups",
-                "tile_n", "kv_stages", "separate_o", "l2_section_mb", "overlap_tiles", "pv_first")
+                "tile_n", "kv_stages", "separate_o", "l2_section_mb", "overlap_tiles")
 # setmaxnreg budget of each MMA thread by MMA warp-group count: the 64K registers of an SM less
 # the producer group's 128 · 24, shared by the MMA threads, rounded down to a multiple of 8, and
 # at most 240 (a thread may not hold more than 255). One group (tile_m 64) is the decode shape.
@@ -106,11 +101,15 @@ MMA_REGISTERS = {1: 240, 2: 240, 3: 160}
 # plus kv_stages·tile_n·(d + dv), 2 bytes each, under the 227 KB an sm_90 CTA may use
 # (`TileConfig.smem_bytes`; asserted at construction). Keyed by (head_dim, head_dim_v). Each entry
 # is what the H200 ablations chose (docs/perf-log.md, forward v3; bf16, 16k tokens, TF/s):
-# - d64: three MMA warp groups (tile_m 192, FlashAttention-3's d64 shape) with tile_n 96, the
-#   widest block whose registers fit 160 per thread: 456/509 vs 392/430 TF/s for two groups at
-#   s4k/s16k, equal under a causal mask.
-# - d128: two groups, 128 x 128, ping-pong on without a mask; exp2 polynomial share 0 (a 25%
-#   share cost 16%: 535 vs 638 at s4k) and rescale threshold 8 (threshold 0: 606 vs 638 at s4k).
+# - d64: three MMA warp groups (tile_m 192, FlashAttention-3's d64 shape): 456/509 vs 392/430
+#   TF/s for two groups at s4k/s16k, equal under a causal mask. 128-key blocks (S 64 + P 32 + O 32
+#   of 160 registers since P's conversion stopped spilling, docs/perf-log.md "P converted through
+#   asm"): 471/523 vs 453/497 for 96-key blocks without a mask at s4k/s16k, 395/492 vs 372/482
+#   causal.
+# - d128: two groups, 128 x 176 without a mask (582/647 vs 568/617 for 128 x 128 at s4k/s16k;
+#   128 x 192 578/635), 128 x 128 under one (n176 501/584 vs 504/610). Ping-pong on without a
+#   mask; exp2 polynomial share 0 (a 25% share cost 16%: 535 vs 638 at s4k) and rescale
+#   threshold 8 (threshold 0: 606 vs 638 at s4k).
 #   Under a causal mask ping-pong off: 483/589 vs 466/586 at s4k/s16k with LPT order (and
 #   514/592 vs 480/583 in the linear order), since the diagonal blocks' uneven softmax phases
 #   make the turn-taking wait. At d64 it stays on (331/427 vs 335/437 off).
@@ -124,9 +123,10 @@ MMA_REGISTERS = {1: 240, 2: 240, 3: 160}
 #   its 48 KB K/V stage leaves room for three stages (168 KB). d192/dv128 (DeepSeek's shape): the
 #   registers of d128 (Q·Kᵀ only has more k-steps), an 80 KB K/V stage, so two stages (208 KB).
 TILE_CONFIGS = {
-    (64, 64): TileConfig(192, 96, 3, True, SoftmaxConfig(rescale_threshold=8.0), mma_warp_groups=3),
+    (64, 64): TileConfig(192, 128, 3, True, SoftmaxConfig(rescale_threshold=8.0), mma_warp_groups=3),
     (96, 96): TileConfig(128, 128, 3, True, SoftmaxConfig(rescale_threshold=8.0)),
-    (128, 128): TileConfig(128, 128, 2, True, SoftmaxConfig(rescale_threshold=8.0), masked_pingpong=False),
+    (128, 128): TileConfig(128, 176, 2, True, SoftmaxConfig(rescale_threshold=8.0), masked_pingpong=False,
+                           masked_tile_n=128),
     (192, 128): TileConfig(128, 128, 2, True, SoftmaxConfig(rescale_threshold=8.0)),
     (256, 256): TileConfig(128, 64, 2, False, SoftmaxConfig(rescale_threshold=8.0)),
 }
@@ -239,12 +239,16 @@ class FlashAttentionForwardSm90:
             config,
             softmax=dataclasses.replace(config.softmax, **softmax_tuning),
             **{k: tuning[k] for k in ("pingpong", "scheduler", "tile_n", "kv_stages", "separate_o",
-                                      "l2_section_mb", "overlap_tiles", "pv_first") if k in tuning},
+                                      "l2_section_mb", "overlap_tiles") if k in tuning},
         )
         if "scheduler" in tuning:
             config = dataclasses.replace(config, masked_scheduler=tuning["scheduler"])
         if "pingpong" in tuning:
             config = dataclasses.replace(config, masked_pingpong=tuning["pingpong"])
+        if "tile_n" in tuning:
+            config = dataclasses.replace(config, masked_tile_n=tuning["tile_n"])
+        if (self.causal or self.local) and config.masked_tile_n is not None:
+            config = dataclasses.replace(config, tile_n=config.masked_tile_n)
         if config.tile_n % 16 or not 16 <= config.tile_n <= 256:
             raise ValueError(f"{config}: tile_n must be a multiple of 16 (P·V's k16 blocks), at most 256")
         if "mma_warp_groups" in tuning:
@@ -741,8 +745,7 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def mma_overlapped_block(self, blocks, warp_group, kv_state, n_block, apply_mask=None,
                              rescale_o: cutlass.Constexpr[bool] = True):
-        """S_j = Q·K_jᵀ issued with O += P_{j-1}·V_{j-1}; softmax of S_j overlaps the P·V GEMM
-        (with pv_first, P·V goes first and the softmax waits for both).
+        """S_j = Q·K_jᵀ issued with O += P_{j-1}·V_{j-1}; softmax of S_j overlaps the P·V GEMM.
 
         kv_state is block j-1's ring slot on entry; returns block j's. rescale_o=False: S_j is the
         next tile's first block (`mma_tiles_overlapped`), so O is this tile's and keeps its scale.
@@ -752,32 +755,21 @@ class FlashAttentionForwardSm90:
         blocks.pipeline_k.consumer_wait(kv_state)
         blocks.pipeline_v.consumer_wait(v_state)
         self.pingpong_wait(warp_group)
-        if cutlass.const_expr(self.config.pv_first):
-            wgmma_gemm(blocks.tiled_mma_pv, blocks.acc_o, acc_as_operand_a(blocks.p),
-                      blocks.tOrVt[None, None, None, v_state.index], zero_init=False, wait_group=-1)
-            wgmma_gemm(blocks.tiled_mma_qk, blocks.acc_s, blocks.tSrQ, blocks.tSrK[None, None, None, kv_state.index],
-                      zero_init=True, wait_group=-1)
-            self.pingpong_yield(warp_group)
-            warpgroup.wait_group(0)
-            blocks.pipeline_k.consumer_release(kv_state)
-            blocks.pipeline_v.consumer_release(v_state)
-            moved = self.softmax_block(blocks, n_block, apply_mask, convert_p=False)
-        else:
-            wgmma_gemm(blocks.tiled_mma_qk, blocks.acc_s, blocks.tSrQ, blocks.tSrK[None, None, None, kv_state.index],
-                      zero_init=True, wait_group=-1)
-            wgmma_gemm(blocks.tiled_mma_pv, blocks.acc_o, acc_as_operand_a(blocks.p),
-                      blocks.tOrVt[None, None, None, v_state.index], zero_init=False, wait_group=-1)
-            self.pingpong_yield(warp_group)
-            warpgroup.wait_group(1)
-            blocks.pipeline_k.consumer_release(kv_state)
-            moved = self.softmax_block(blocks, n_block, apply_mask, convert_p=False)
-            # P_{j-1} (registers read by the in-flight WGMMA) and O may be touched only after it retires.
-            warpgroup.wait_group(0)
-            blocks.pipeline_v.consumer_release(v_state)
+        wgmma_gemm(blocks.tiled_mma_qk, blocks.acc_s, blocks.tSrQ, blocks.tSrK[None, None, None, kv_state.index],
+                  zero_init=True, wait_group=-1)
+        wgmma_gemm(blocks.tiled_mma_pv, blocks.acc_o, acc_as_operand_a(blocks.p),
+                  blocks.tOrVt[None, None, None, v_state.index], zero_init=False, wait_group=-1)
+        self.pingpong_yield(warp_group)
+        warpgroup.wait_group(1)
+        blocks.pipeline_k.consumer_release(kv_state)
+        moved = self.softmax_block(blocks, n_block, apply_mask, convert_p=False)
+        # P_{j-1} (registers read by the in-flight WGMMA) and O may be touched only after it retires.
+        warpgroup.wait_group(0)
+        blocks.pipeline_v.consumer_release(v_state)
         if cutlass.const_expr(rescale_o):
             if cute.arch.vote_any_sync(moved):
                 scale_rows(blocks.acc_o_rc, blocks.row_scale)
-        blocks.p.store(blocks.acc_s.load().to(self.dtype))
+        convert_pairs(blocks.acc_s, blocks.p)
         return kv_state
 
     @cute.jit
@@ -798,7 +790,7 @@ class FlashAttentionForwardSm90:
             apply_mask(scores, n_block=n_block)
         moved = blocks.softmax.step(scores, blocks.row_scale)
         if cutlass.const_expr(convert_p):
-            blocks.p.store(blocks.acc_s.load().to(self.dtype))
+            convert_pairs(blocks.acc_s, blocks.p)
         return moved
 
     # GEMM issue goes round the MMA warp groups in order: group g waits on barrier base + g,
