@@ -71,24 +71,28 @@ def test_bad_variant_is_refused():
     assert variants.ARCHES == ("sm_90a", "sm_100a")
 
 
-@pytest.mark.parametrize("head_dim", sorted(variants.SHORT_CAUSAL))
-def test_short_causal_forwards_take_the_short_tuning(head_dim):
-    tuning, short = variants.SHORT_CAUSAL[head_dim]
+@pytest.mark.parametrize("mask,head_dim", sorted(variants.SHORT_CALLS))
+def test_short_forwards_take_the_short_tuning(mask, head_dim):
+    tuning, short = variants.SHORT_CALLS[(mask, head_dim)]
     assert tuning != "default"
-    assert variants.call_tuning("fwd", "causal", head_dim, short, short) == tuning
-    assert variants.call_tuning("fwd", "causal", head_dim, 1, 7) == tuning
+    assert variants.call_tuning("fwd", mask, head_dim, short, short) == tuning
+    assert variants.call_tuning("fwd", mask, head_dim, 65, 70) == tuning
     # Longer on either side, another mask, the backward, or an explicit tuning: unchanged.
-    assert variants.call_tuning("fwd", "causal", head_dim, short + 1, short) == "default"
-    assert variants.call_tuning("fwd", "causal", head_dim, short, short + 1) == "default"
-    for mask in ("none", "local"):
-        assert variants.call_tuning("fwd", mask, head_dim, short, short) == "default"
-    assert variants.call_tuning("bwd", "causal", head_dim, short, short) == "default"
-    assert variants.call_tuning("fwd", "causal", head_dim, short, short, "linear") == "linear"
+    assert variants.call_tuning("fwd", mask, head_dim, short + 1, short) == "default"
+    assert variants.call_tuning("fwd", mask, head_dim, short, short + 1) == "default"
+    for other in set(variants.MASKS) - {m for m, d in variants.SHORT_CALLS if d == head_dim}:
+        assert variants.call_tuning("fwd", other, head_dim, short, short) == "default"
+    assert variants.call_tuning("bwd", mask, head_dim, short, short) == "default"
+    assert variants.call_tuning("fwd", mask, head_dim, short, short, "linear") == "linear"
     # Every dtype and softcap setting of the rule's calls is compiled.
     for dtype in variants.DTYPES:
         for softcap in (False, True):
-            v = select(dtype, head_dim, head_dim, True, None, None, softcap, tuning=tuning)
+            v = select(dtype, head_dim, head_dim, mask == "causal", None, None, softcap, tuning=tuning)
             assert v in MENU
+
+
+def test_menu_lists_each_variant_once():
+    assert len({v.name for v in MENU}) == len(MENU)
 
 
 def test_other_head_dims_keep_the_default_order():
@@ -102,7 +106,7 @@ def test_decode_sized_forwards_take_the_decode_tuning(head_dim, head_dim_v):
     assert variants.call_tuning("fwd", "none", head_dim, rows, 50_000) == "decode"
     assert variants.call_tuning("fwd", "none", head_dim, 1, 1) == "decode"
     # More rows, a mask, the backward, or an explicit tuning: unchanged.
-    assert variants.call_tuning("fwd", "none", head_dim, rows + 1, 1) == "default"
+    assert variants.call_tuning("fwd", "none", head_dim, rows + 1, 50_000) == "default"
     assert variants.call_tuning("fwd", "local", head_dim, 1, 100) == "default"
     assert variants.call_tuning("bwd", "none", head_dim, 1, 100) == "default"
     assert variants.call_tuning("fwd", "none", head_dim, 1, 100, "lpt") == "lpt"

@@ -34,6 +34,7 @@ TUNINGS: dict[str, dict] = {
     "nopingpong": {"pingpong": False},
     "pingpong": {"pingpong": True},  # d128 under a mask, where its default is off
     "poly25": {"exp2_poly_share": 0.25},  # a quarter of the exponentials on the FMA pipes
+    "poly12": {"exp2_poly_share": 0.125},  # an eighth
     "lpt": {"scheduler": "lpt"},  # persistent CTAs, LPT tile order
     "linear": {"scheduler": "linear"},  # one CTA per tile in grid order, masked calls too
     "wg2": {"mma_warp_groups": 2, "tile_n": 128},  # d64 with 128-row tiles (forward v2's shape)
@@ -79,7 +80,7 @@ TUNINGS: dict[str, dict] = {
 # (kind, head dim, tunings) of the ablations, bf16, masks none and causal. d256's row for the
 # atomic dQ is dq_atomic_2stage: with atomics, its shared memory goes back to two stages.
 ABLATIONS = (
-    ("fwd", 128, ("tau0", "nopingpong", "pingpong", "poly25", "lpt", "linear", "lpt_so",
+    ("fwd", 128, ("tau0", "nopingpong", "pingpong", "poly25", "poly12", "lpt", "linear", "lpt_so",
                      "lpt_so_l2s8", "n128", "n176", "n192", "lpt_so_overlap")),
     ("fwd", 64, ("wg2", "linear", "lpt", "lpt_so", "n96", "n128", "nopingpong", "lpt_so_overlap")),
     ("fwd", 256, ("lpt", "linear", "n80")),
@@ -89,9 +90,10 @@ ABLATIONS = (
 )
 
 
-# Causal forward calls with both lengths at most the bound run the head dim's short tuning: the
-# persistent LPT order with O apart from Q, whose next tile's loads overlap a tile's tail. Chosen
-# by measurement (bf16, 16k tokens, TF/s; docs/perf-log.md "short causal calls"):
+# Forward calls of a (mask, head dim) with both lengths at most the bound run its short tuning.
+# Chosen by measurement (bf16, 16k tokens, TF/s).
+# Causal: the persistent LPT order with O apart from Q, whose next tile's loads overlap a tile's
+# tail (docs/perf-log.md "short causal calls"):
 # - d64, "short_wg2" up to 4k: 211/290/353 at s = 1k/2k/4k against 183/258/334 for the default
 #   (192-row tiles, one CTA per tile) and 182/279/343 for the same order on 192-row tiles. Why
 #   the smaller tile wins is not established; candidates: a 192-row tile's padding (12.5% of the
@@ -101,7 +103,15 @@ ABLATIONS = (
 #   the bound is 2k.
 # - d128, "short" up to 2k: 321/414 against 275/388 at 1k/2k; at 4k even (481 vs 480 without
 #   ping-pong), at 8k/16k it loses (527/559 against 550/598).
-SHORT_CAUSAL = {64: ("short_wg2", 2048), 128: ("short", 2048)}
+# Without a mask:
+# - d128, 128-key blocks ("n128") up to 1k: 469 against 446 for the default's 176 at 1k (six
+#   blocks per tile row, the last 82% padding); even at 2k (538 against 544), a loss from 4k
+#   (582 against 592). docs/perf-log.md "P converted through asm", run 2.
+SHORT_CALLS = {
+    ("causal", 64): ("short_wg2", 2048),
+    ("causal", 128): ("short", 2048),
+    ("none", 128): ("n128", 1024),
+}
 # Forward calls without a mask and with at most this many query rows (as the kernel sees them:
 # GQA-packed, fa4_jax/pack_gqa.py) run the "decode" tuning, compiled at every head dim.
 DECODE_ROWS = 64
@@ -110,14 +120,14 @@ DECODE_ROWS = 64
 def call_tuning(kind: str, mask: str, head_dim: int, seqlen_q: int, seqlen_k: int,
                 tuning: str = "default") -> str:
     """The tuning a call runs: "decode" for a forward of at most DECODE_ROWS query rows without
-    a mask, the head dim's short tuning for a short causal forward (SHORT_CAUSAL), else
+    a mask, the short tuning of a short forward's mask and head dim (SHORT_CALLS), else
     `tuning`."""
     if kind != "fwd" or tuning != "default":
         return tuning
     if mask == "none" and seqlen_q <= DECODE_ROWS:
         return "decode"
-    short_tuning, longest = SHORT_CAUSAL.get(head_dim, (tuning, 0))
-    if mask == "causal" and max(seqlen_q, seqlen_k) <= longest:
+    short_tuning, longest = SHORT_CALLS.get((mask, head_dim), (tuning, 0))
+    if max(seqlen_q, seqlen_k) <= longest:
         return short_tuning
     return tuning
 
@@ -156,7 +166,8 @@ class Variant:
         return {"name": self.name, **dataclasses.asdict(self)}
 
 
-MENU: tuple[Variant, ...] = tuple(
+# dict.fromkeys: a short rule's bf16 variant may also be an ablation row.
+MENU: tuple[Variant, ...] = tuple(dict.fromkeys(tuple(
     Variant("sm_90a", dtype, d, dv, mask, softcap, kind)
     for kind in KINDS
     for dtype, (d, dv), mask, softcap in itertools.product(
@@ -165,13 +176,13 @@ MENU: tuple[Variant, ...] = tuple(
     Variant("sm_90a", "bf16", d, d, mask, False, kind, tuning)
     for kind, d, tunings in ABLATIONS for tuning in tunings for mask in ("none", "causal")
 ) + tuple(
-    Variant("sm_90a", dtype, d, d, "causal", softcap, "fwd", short_tuning)
-    for (d, (short_tuning, _)), dtype, softcap in itertools.product(
-        SHORT_CAUSAL.items(), DTYPES, (False, True))
+    Variant("sm_90a", dtype, d, d, mask, softcap, "fwd", short_tuning)
+    for ((mask, d), (short_tuning, _)), dtype, softcap in itertools.product(
+        SHORT_CALLS.items(), DTYPES, (False, True))
 ) + tuple(
     Variant("sm_90a", dtype, d, dv, "none", softcap, "fwd", "decode")
     for dtype, (d, dv), softcap in itertools.product(DTYPES, HEAD_DIMS["fwd"], (False, True))
-)
+)))
 
 
 def mask_kind(causal: bool, window_left: int | None, window_right: int | None) -> str:

@@ -62,20 +62,21 @@ def _check_forward(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_
         assert not np.array_equal(np.asarray(out), np.asarray(other_out))
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_short_causal_calls_run_the_short_variant(next_key, head_dim):
-    # The causal tests at short lengths below exercise the head dim's short variant
-    # (variants.call_tuning); this pins that they do, and that longer calls keep the default.
+@pytest.mark.parametrize("mask,head_dim", [("causal", 64), ("causal", 128), ("none", 128)])
+def test_short_calls_run_the_short_variant(next_key, mask, head_dim):
+    # The tests at short lengths below exercise the short variants (variants.call_tuning); this
+    # pins that they do, and that longer calls keep the default.
     from fa4_jax import ffi
-    from fa4_jax.aot.variants import SHORT_CAUSAL
+    from fa4_jax.aot.variants import SHORT_CALLS
     from fa4_jax.api import attention_params
 
-    short_tuning, longest = SHORT_CAUSAL[head_dim]
+    short_tuning, longest = SHORT_CALLS[(mask, head_dim)]
+    causal = mask == "causal"
     for seqlen, want in ((1000, short_tuning), (longest + 1, "default")):
         q, k, v = qkv(next_key, 1, seqlen, seqlen, 2, 2, head_dim, jnp.bfloat16)
-        params = attention_params(q, k, v, causal=True, implementation="cute")
+        params = attention_params(q, k, v, causal=causal, implementation="cute")
         assert ffi._forward_tuning(q, k, v, params, "default") == want
-        _check_forward(next_key, 1, seqlen, seqlen, 2, 2, head_dim, jnp.bfloat16, causal=True)
+        _check_forward(next_key, 1, seqlen, seqlen, 2, 2, head_dim, jnp.bfloat16, causal=causal)
 
 
 @pytest.mark.parametrize("causal", [False, True])
