@@ -190,7 +190,7 @@ def _length_operands(seq_lengths, q, k, by_query, by_key):
 
 
 def _forward_tuning(q, k, v, params, tuning: str) -> str:
-    """`tuning`, or the decode or short-causal variant that `variants.call_tuning` picks for the
+    """`tuning`, or the decode or short-call variant that `variants.call_tuning` picks for the
     call's shape, when that variant is compiled."""
     from fa4_jax.aot.variants import call_tuning, mask_kind
 
