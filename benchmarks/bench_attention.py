@@ -632,13 +632,17 @@ def plot(results: list[dict], peers: list[str], settings: Settings, out_dir: str
         for ax in axes.flat:
             for handle, label in zip(*ax.get_legend_handles_labels()):
                 legend.setdefault(label, handle)
-        fig.legend(legend.values(), legend.keys(), loc="lower center", ncol=len(legend),
+        # At most three entries a row: with ablation rows one row ran past the figure's edge.
+        columns = min(len(legend), 3)
+        legend_rows = -(-len(legend) // columns) if legend else 0
+        fig.legend(legend.values(), legend.keys(), loc="lower center", ncol=max(columns, 1),
                    frameon=False)
         fig.suptitle(f"Attention {'forward' if mode == 'fwd' else 'forward + backward'}, "
                      f"{settings.dtype}, {settings.tokens} tokens, hidden {settings.hidden}")
-        fig.tight_layout(rect=(0, 0.06, 1, 1))
+        # ~0.25 inch per legend row under the panels, plus a margin for the x labels.
+        fig.tight_layout(rect=(0, (0.25 * legend_rows + 0.2) / fig.get_figheight(), 1, 1))
         path = os.path.join(out_dir, f"attention_{mode}.png")
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=110, bbox_inches="tight")
         plt.close(fig)
         paths.append(path)
     return paths
