@@ -113,8 +113,9 @@ MMA_REGISTERS = {1: 240, 2: 240, 3: 160}
 #   Under a causal mask ping-pong off: 483/589 vs 466/586 at s4k/s16k with LPT order (and
 #   514/592 vs 480/583 in the linear order), since the diagonal blocks' uneven softmax phases
 #   make the turn-taking wait. At d64 it stays on (331/427 vs 335/437 off).
-# - d256: 128 x 64, ping-pong off: the 128-register O accumulator leaves no room for S and P of
-#   two blocks at once (FlashAttention-3's choice too).
+# - d256: 128 x 64, ping-pong off (FlashAttention-3's choice too). Both ping-pong and 128 x 80
+#   fit since P's conversion stopped spilling, but neither pays: 677/719 and 660/718 against
+#   676/725 at s4k/s16k, causal 590/688 and 591/644 against 597/691.
 # - masked calls (causal, local) visit tiles longest-first, one CTA per tile ("lpt_single"):
 #   d128 causal 526/604 vs 480/583 linear at s4k/s16k, d256 665/714 vs 606/645. The persistent
 #   "lpt" lost there (516/561) and without a mask (558 vs 638): a static stride balances the
