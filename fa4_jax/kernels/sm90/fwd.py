@@ -120,9 +120,12 @@ MMA_REGISTERS = {1: 240, 2: 240, 3: 160}
 #   d128 causal 526/604 vs 480/583 linear at s4k/s16k, d256 665/714 vs 606/645. The persistent
 #   "lpt" lost there (516/561) and without a mask (558 vs 638): a static stride balances the
 #   causal tail worse than the hardware's dynamic CTA dispatch.
-# - d96 and d192/dv128 are not measured yet. d96: the d128 shape (O is 48 registers, S 64), and
-#   its 48 KB K/V stage leaves room for three stages (168 KB). d192/dv128 (DeepSeek's shape): the
-#   registers of d128 (Q·Kᵀ only has more k-steps), an 80 KB K/V stage, so two stages (208 KB).
+# - d96: the d128 shape (O is 48 registers, S 64), and its 48 KB K/V stage leaves room for three
+#   stages (168 KB). 1.13-1.20x cuDNN at s4k/s16k (494/525, causal 439/499); one run's
+#   alternatives were within 1-5% either way (176-key blocks on two stages 492/538, causal
+#   435/523; ping-pong off 504/545, causal 426/489), so it stays.
+# - d192/dv128 (DeepSeek's shape) is not measured yet: the registers of d128 (Q·Kᵀ only has
+#   more k-steps), an 80 KB K/V stage, so two stages (208 KB).
 TILE_CONFIGS = {
     (64, 64): TileConfig(192, 128, 3, True, SoftmaxConfig(rescale_threshold=8.0), mma_warp_groups=3),
     (96, 96): TileConfig(128, 128, 3, True, SoftmaxConfig(rescale_threshold=8.0)),
