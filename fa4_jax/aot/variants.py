@@ -22,10 +22,10 @@ HEAD_DIMS = {
     "bwd": ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256)),
 }
 # Named overrides of a kernel's tuned settings, passed to its constructor as keyword arguments.
-# "default" is what users get, and "short", "short_wg2" and "decode" where `call_tuning` picks
-# them by a call's shape; the others exist for the ablations in docs/perf-log.md, are compiled
-# only where ABLATIONS lists them, and are reachable only through the benchmark
-# (`ffi.forward(..., tuning=NAME)`, `--fa4-tunings`).
+# "default" is what users get, and "short", "short_wg2", "n128" and "decode" where `call_tuning`
+# picks them by a call's shape (SHORT_CALLS, DECODE_ROWS); the others exist for the ablations in
+# docs/perf-log.md, are compiled only where ABLATIONS lists them, and are reachable only through
+# the benchmark (`ffi.forward(..., tuning=NAME)`, `--fa4-tunings`).
 # On 128-key blocks: at d128 O's own buffer leaves no room for two 176-key K/V stages (240 KB).
 _LPT_SEPARATE_O = {"scheduler": "lpt", "separate_o": True, "tile_n": 128}
 TUNINGS: dict[str, dict] = {
@@ -53,7 +53,7 @@ TUNINGS: dict[str, dict] = {
     "lpt_so_overlap": {**_LPT_SEPARATE_O, "pingpong": True, "overlap_tiles": True},
     # The short rule's kernel on 128-row tiles (two MMA warp groups, 128-key blocks): what
     # `call_tuning` picks for short causal forward calls at d64.
-    "short_wg2": {**_LPT_SEPARATE_O, "pingpong": True, "mma_warp_groups": 2, "tile_n": 128},
+    "short_wg2": {**_LPT_SEPARATE_O, "pingpong": True, "mma_warp_groups": 2},
     # One MMA warp group (64-row tiles): what `call_tuning` picks for decode-sized calls, whose
     # few rows (a GQA-packed group's heads) leave most of a 128- or 192-row tile as padding.
     # Measured (docs/perf-log.md, "Decode tiles"): d64 decode 285 vs 435 us on 192-row tiles,
@@ -62,8 +62,8 @@ TUNINGS: dict[str, dict] = {
     # Key block widths (the knob sets both masks'), against the defaults: d128 176 without a mask
     # and 128 under one, d64 128, d256 64.
     "n96": {"tile_n": 96},  # d64's default before P's conversion stopped spilling
-    # d128 without a mask: the default before that. At d64 the default's own width, under a name
-    # that escapes `call_tuning`'s short rule.
+    # d128 without a mask: the default before that, and what `call_tuning` picks for short calls
+    # there. At d64 the default's own width, under a name that escapes the short rule.
     "n128": {"tile_n": 128},
     "n176": {"tile_n": 176},  # d128 under a mask
     "n192": {"tile_n": 192},
