@@ -9,7 +9,8 @@ fa4_jax.aot.variants.TUNINGS, for ablations), and with --fa4-bwd-tunings A,B, "f
 under tuning A, default and deterministic mode; "default" names the untuned backward through the
 same path, the like-for-like baseline). Only the JAX peers count as "best peer".
 Grid (ANCHORS.md): batch·seqlen = 16384 tokens, heads = 2048 / head_dim, head dims 64/128/256,
-seqlen 1024/4096/16384, causal and not, forward and forward+backward.
+seqlen 1024/4096/16384, causal and not, forward and forward+backward. Head dim 192 runs with
+value head dim 128 (DeepSeek's shape, the library's one d ≠ dv variant; HEAD_DIM_V).
 
 Run on the H200 from the repository root (one command; it stops starting measurements after
 --time-budget-s = 420 s, and `timeout` makes it write what it has and exit by 8 minutes regardless):
@@ -28,7 +29,8 @@ GPU's clocks drop while the next peer compiles); the first call's time minus a w
 reported as compile time. Dispatch is counted, so short calls (1k tokens) read a few percent low
 against CUDA-event timing, exactly as in ANCHORS.md.
 
-FLOPs: forward 4·b·h·sq·sk·d, halved when causal; forward+backward counts 3.5× the forward.
+FLOPs: forward 2·b·h·sq·sk·(d + dv), halved when causal; forward+backward counts 3.5× the
+forward.
 """
 from __future__ import annotations
 
@@ -53,6 +55,8 @@ MODES = ("fwd", "fwd_bwd")
 FWD_BWD_FLOP_FACTOR = 3.5
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
 INPUT_SETS = 2  # rotate between two input sets so no call finds its inputs already in L2
+# Value head dim by head dim where they differ (fa4_jax.aot.variants.HEAD_DIMS).
+HEAD_DIM_V = {192: 128}
 
 # Defaults of the two ways to run: the ANCHORS.md grid on the H200, and tiny shapes on the CPU.
 PRESETS = {
@@ -106,18 +110,31 @@ class Case:
     heads: int
 
     @property
+    def head_dim_v(self) -> int:
+        return HEAD_DIM_V.get(self.head_dim, self.head_dim)
+
+    @property
     def shape(self) -> tuple[int, int, int, int]:
+        """q's and k's shape."""
         return (self.batch, self.seqlen, self.heads, self.head_dim)
 
     @property
+    def value_shape(self) -> tuple[int, int, int, int]:
+        """v's, the output's and its cotangent's shape."""
+        return (self.batch, self.seqlen, self.heads, self.head_dim_v)
+
+    @property
     def flops(self) -> float:
-        forward = 4 * self.batch * self.heads * self.seqlen * self.seqlen * self.head_dim
+        # Q·Kᵀ costs 2·s²·d per head, P·V 2·s²·dv.
+        forward = 2 * self.batch * self.heads * self.seqlen * self.seqlen * (self.head_dim + self.head_dim_v)
         if self.causal:
             forward /= 2
         return forward * (FWD_BWD_FLOP_FACTOR if self.mode == "fwd_bwd" else 1)
 
     def label(self) -> str:
-        return (f"{self.mode:7s} d={self.head_dim:<3d} s={self.seqlen:<5d} "
+        dims = (f"{self.head_dim}" if self.head_dim_v == self.head_dim
+                else f"{self.head_dim}/{self.head_dim_v}")
+        return (f"{self.mode:7s} d={dims:<7s} s={self.seqlen:<5d} "
                 f"{'causal' if self.causal else 'full  '} b={self.batch} h={self.heads}")
 
 
@@ -215,12 +232,28 @@ def fa4_jax_bwd_tuning_candidates(tuning: str, deterministic: bool):
     return candidates
 
 
+def with_value_padded(attend: Callable) -> Callable:
+    """attend for a v narrower than q and k, by zero-padding v to their head dim and slicing the
+    output back: what a JAX user does for d192/dv128, since jax.nn.dot_product_attention and
+    attention_mgpu take one head dim. The wasted P·V work on the zeros is not counted in the
+    case's FLOPs."""
+    def padded(q, k, v):
+        head_dim_v = v.shape[-1]
+        if head_dim_v == q.shape[-1]:
+            return attend(q, k, v)
+        widths = [(0, 0)] * (v.ndim - 1) + [(0, q.shape[-1] - head_dim_v)]
+        return attend(q, k, jnp.pad(v, widths))[..., :head_dim_v]
+
+    return padded
+
+
 def dot_product_attention_candidates(implementation: str):
     def candidates(case: Case, settings: Settings) -> list[Candidate]:
         if implementation == "xla" and case.seqlen > settings.max_xla_seqlen:
             raise Skip(f"XLA materialises the scores: not run above seqlen "
                        f"{settings.max_xla_seqlen} (OOM or minutes, as in ANCHORS.md)")
 
+        @with_value_padded
         def attend(q, k, v):
             return jax.nn.dot_product_attention(
                 q, k, v, is_causal=case.causal, implementation=implementation)
@@ -261,8 +294,9 @@ def mgpu_candidates(case: Case, settings: Settings) -> list[Candidate]:
     def candidate(config: dict) -> Candidate:
         tuning = attention_mgpu.TuningConfig(**config)
         # The kernel keeps its tiles in fp16 whatever the input dtype, so it is fed fp16.
-        return Candidate(config, lambda q, k, v: attention_mgpu.attention(q, k, v, tuning),
-                         jnp.float16)
+        return Candidate(
+            config, with_value_padded(lambda q, k, v: attention_mgpu.attention(q, k, v, tuning)),
+            jnp.float16)
 
     return [candidate(config) for config in mgpu_configs(case)]
 
@@ -326,7 +360,9 @@ def make_step(attend: Callable, mode: str) -> Callable:
 def make_input_sets(case: Case, dtype, seed: int) -> list[tuple]:
     """INPUT_SETS fresh standard-normal (q, k, v, do) sets; the same values for every dtype."""
     keys = jax.random.split(jax.random.key(seed), INPUT_SETS * 4)
-    tensors = [jax.random.normal(key, case.shape, jnp.float32).astype(dtype) for key in keys]
+    shapes = (case.shape, case.shape, case.value_shape, case.value_shape) * INPUT_SETS
+    tensors = [jax.random.normal(key, shape, jnp.float32).astype(dtype)
+               for key, shape in zip(keys, shapes)]
     jax.block_until_ready(tensors)  # else the first timed call would wait for the generation
     return [tuple(tensors[4 * i:4 * i + 4]) for i in range(INPUT_SETS)]
 
@@ -398,9 +434,9 @@ def cases_in_priority_order(settings: Settings, modes, head_dims, seqlens, causa
 
 
 def record(case: Case, peer: str, status: str, **fields) -> dict:
-    return dict(mode=case.mode, head_dim=case.head_dim, seqlen=case.seqlen, causal=case.causal,
-                batch=case.batch, heads=case.heads, flops=case.flops, peer=peer, status=status,
-                **fields)
+    return dict(mode=case.mode, head_dim=case.head_dim, head_dim_v=case.head_dim_v,
+                seqlen=case.seqlen, causal=case.causal, batch=case.batch, heads=case.heads,
+                flops=case.flops, peer=peer, status=status, **fields)
 
 
 def measure_candidates(case: Case, candidates: list[Candidate], input_sets_of: Callable,
@@ -622,7 +658,8 @@ def plot(results: list[dict], peers: list[str], settings: Settings, out_dir: str
             ax.set_xscale("log", base=2)
             ax.set_xticks(seqlens, [str(s) for s in seqlens])
             ax.minorticks_off()
-            ax.set_title(f"d={d}, {'causal' if causal else 'non-causal'}")
+            dims = f"{d}" if HEAD_DIM_V.get(d, d) == d else f"{d}, dv={HEAD_DIM_V[d]}"
+            ax.set_title(f"d={dims}, {'causal' if causal else 'non-causal'}")
             ax.set_xlabel("seqlen")
             ax.set_ylabel("TFLOP/s")
             ax.set_ylim(bottom=0)

@@ -1,0 +1,34 @@
+"""CPU tier: the attention benchmark's harness (benchmarks/bench_attention.py) on the reference,
+including DeepSeek's d192/dv128 shape, which the JAX peers take with v zero-padded."""
+import json
+
+import jax
+import numpy as np
+
+from benchmarks import bench_attention
+from fa4_jax import reference
+
+
+def test_dry_run_times_d192_with_value_head_dim_128(tmp_path):
+    argv = ["--dry-run", "--modes", "fwd,fwd_bwd", "--head-dims", "64,192", "--seqlens", "128",
+            "--causal", "no", "--peers", "fa4_jax,xla", "--out", str(tmp_path)]
+    assert bench_attention.main(argv) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert {(r["head_dim"], r["head_dim_v"]) for r in rows} == {(64, 64), (192, 128)}
+    for row in rows:
+        assert row["status"] == "ok" and row["tflops"] > 0, row
+        # Q·Kᵀ at d plus P·V at dv, per (batch, head, query, key); 3.5 forwards with the backward.
+        forward = 2 * row["batch"] * row["heads"] * 128 * 128 * (row["head_dim"] + row["head_dim_v"])
+        factor = bench_attention.FWD_BWD_FLOP_FACTOR if row["mode"] == "fwd_bwd" else 1
+        assert row["flops"] == forward * factor
+
+
+def test_padded_value_gives_the_narrow_output():
+    q, k, v = (jax.random.normal(key, shape) for key, shape in zip(
+        jax.random.split(jax.random.key(0), 3), [(2, 33, 3, 192), (2, 33, 3, 192), (2, 33, 3, 128)]))
+    padded = bench_attention.with_value_padded(
+        lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True))
+    out = padded(q, k, v)
+    want, _ = reference.attention_reference(q, k, v, causal=True)
+    assert out.shape == (2, 33, 3, 128)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=2e-5, atol=2e-5)
