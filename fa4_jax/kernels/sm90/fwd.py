@@ -59,12 +59,11 @@ class TileConfig:
     kv_stages: int
     pingpong: bool
     softmax: SoftmaxConfig
-    # Tile order without a mask, and with a causal/local one (the "scheduler" knob sets both).
+    # Tile order without a mask. Under a causal/local mask the masked_* fields replace their
+    # unmasked twins (MASKED_FIELDS, `for_mask`); None: the same as without a mask.
     scheduler: str = "linear"
     masked_scheduler: str = "lpt_single"
-    # Ping-pong under a causal/local mask (`pingpong` is the unmasked setting; the knob sets both).
     masked_pingpong: bool = True
-    # Key block width under a causal/local mask; None: tile_n (the tile_n knob sets both).
     masked_tile_n: int | None = None
     # MMA warp groups of 64 query rows each: tile_m = 64 · mma_warp_groups.
     mma_warp_groups: int = 2
@@ -81,6 +80,15 @@ class TileConfig:
     # (`mma_tile_boundary`), instead of draining before the next tile ramps up.
     overlap_tiles: bool = False
 
+    def for_mask(self, masked: bool) -> "TileConfig":
+        """The settings a kernel with (masked) or without a causal/local mask runs."""
+        if not masked:
+            return self
+        return dataclasses.replace(self, **{
+            field: getattr(self, twin) for field, twin in MASKED_FIELDS.items()
+            if getattr(self, twin) is not None
+        })
+
     def smem_bytes(self, head_dim: int, head_dim_v: int, elem_bytes: int = 2) -> int:
         """Q and O (one buffer unless separate_o) plus the K/V ring, as laid out by SharedStorage."""
         q_o = (self.tile_m * (head_dim + head_dim_v) if self.separate_o
@@ -88,6 +96,9 @@ class TileConfig:
         return elem_bytes * (q_o + self.kv_stages * self.tile_n * (head_dim + head_dim_v))
 
 
+# TileConfig fields that a causal/local mask may set apart: field -> its masked twin. A tuning
+# knob of the field's name sets both.
+MASKED_FIELDS = {"scheduler": "masked_scheduler", "pingpong": "masked_pingpong", "tile_n": "masked_tile_n"}
 # Constructor overrides of a TileConfig, for ablation variants compiled side by side.
 TUNING_KNOBS = ("pingpong", "rescale_threshold", "exp2_poly_share", "scheduler", "mma_warp_groups",
                 "tile_n", "kv_stages", "separate_o", "l2_section_mb", "overlap_tiles")
@@ -239,30 +250,23 @@ class FlashAttentionForwardSm90:
         self.has_softcap = has_softcap
         config = TILE_CONFIGS[(head_dim, head_dim_v)]
         softmax_tuning = {k: float(tuning[k]) for k in ("rescale_threshold", "exp2_poly_share") if k in tuning}
-        config = dataclasses.replace(
-            config,
-            softmax=dataclasses.replace(config.softmax, **softmax_tuning),
-            **{k: tuning[k] for k in ("pingpong", "scheduler", "tile_n", "kv_stages", "separate_o",
-                                      "l2_section_mb", "overlap_tiles") if k in tuning},
-        )
-        if "scheduler" in tuning:
-            config = dataclasses.replace(config, masked_scheduler=tuning["scheduler"])
-        if "pingpong" in tuning:
-            config = dataclasses.replace(config, masked_pingpong=tuning["pingpong"])
-        if "tile_n" in tuning:
-            config = dataclasses.replace(config, masked_tile_n=tuning["tile_n"])
-        if (self.causal or self.local) and config.masked_tile_n is not None:
-            config = dataclasses.replace(config, tile_n=config.masked_tile_n)
-        if config.tile_n % 16 or not 16 <= config.tile_n <= 256:
-            raise ValueError(f"{config}: tile_n must be a multiple of 16 (P·V's k16 blocks), at most 256")
+        knobs = {k: tuning[k] for k in ("pingpong", "scheduler", "tile_n", "kv_stages", "separate_o",
+                                        "l2_section_mb", "overlap_tiles") if k in tuning}
+        knobs.update({MASKED_FIELDS[k]: tuning[k] for k in MASKED_FIELDS if k in tuning})
         if "mma_warp_groups" in tuning:
-            config = dataclasses.replace(
-                config, mma_warp_groups=int(tuning["mma_warp_groups"]), tile_m=64 * int(tuning["mma_warp_groups"])
-            )
+            groups = int(tuning["mma_warp_groups"])
+            knobs.update(mma_warp_groups=groups, tile_m=64 * groups)
+        config = dataclasses.replace(
+            config, softmax=dataclasses.replace(config.softmax, **softmax_tuning), **knobs
+        )
         if config.mma_warp_groups not in MMA_REGISTERS or config.tile_m != 64 * config.mma_warp_groups:
             raise ValueError(f"{config}: tile_m must be 64 per MMA warp group, 1 to 3 groups")
+        # Both ping-pong settings: an ablation row compiles its tuning at both masks.
         if (config.pingpong or config.masked_pingpong) and config.mma_warp_groups == 1:
             raise ValueError(f"{config}: ping-pong needs two or more MMA warp groups")
+        config = config.for_mask(self.causal or self.local)
+        if config.tile_n % 16 or not 16 <= config.tile_n <= 256:
+            raise ValueError(f"{config}: tile_n must be a multiple of 16 (P·V's k16 blocks), at most 256")
         if not 0.0 <= config.softmax.exp2_poly_share <= 1.0 or config.softmax.rescale_threshold < 0.0:
             raise ValueError(f"bad softmax tuning {config.softmax}")
         self.config = config
@@ -270,14 +274,14 @@ class FlashAttentionForwardSm90:
             raise ValueError(f"{config} needs more than {SM90_SMEM_BYTES} bytes of shared memory")
         self.tile_m, self.tile_n, self.kv_stages = config.tile_m, config.tile_n, config.kv_stages
         self.scheduler = TileScheduler(
-            config.masked_scheduler if self.causal or self.local else config.scheduler,
+            config.scheduler,
             self.tile_m, reverse_m=self.causal or self.local,
             kv_bytes_per_key=(head_dim + head_dim_v) * dtype.width // 8,
             l2_bytes=config.l2_section_mb * 2**20,
         )
         if config.overlap_tiles and not (self.scheduler.kind == "lpt" and config.separate_o):
             raise ValueError(f"{config}: overlap_tiles needs the persistent 'lpt' order and separate_o")
-        self.pingpong = config.masked_pingpong if self.causal or self.local else config.pingpong
+        self.pingpong = config.pingpong
         self.mma_warp_groups = tuple(range(1, config.mma_warp_groups + 1))
         self.mma_registers = MMA_REGISTERS[config.mma_warp_groups]
         self.num_mma_threads = len(self.mma_warp_groups) * self.threads_per_warp_group
