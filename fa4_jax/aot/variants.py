@@ -77,6 +77,16 @@ TUNINGS: dict[str, dict] = {
     # d256 before the TMA dQ reduce: double-buffered Q/dO (and dSᵀ/Pᵀ) rings, dQ by atomics
     # (the reduce's 64 KB sdQ fits only with single buffers).
     "dq_atomic_2stage": {"dq_tma_reduce": False, "stages": 2, "pds_stages": 2},
+    # Deterministic: sdQ freed once the dQ add is complete (d128's default), or once the TMA has
+    # read it (d64's and d256's).
+    "det_free_late": {"det_free_sdq_on_read": False},
+    "det_free_early": {"det_free_sdq_on_read": True},
+    # The next query block's Sᵀ issued before this block's dQ hand-over (d96's and d192's
+    # default), or after it (the others').
+    "scores_ahead": {"scores_ahead": True},
+    "scores_late": {"scores_ahead": False},
+    # d64 on 64-row query tiles (dV issued during dSᵀ's pass), its shape before the 128-row tiles.
+    "m64": {"tile_m": 64, "dv_during_ds": True},
 }
 # (kind, head dim, tunings) of the ablations, bf16, masks none and causal. d256's row for the
 # atomic dQ is dq_atomic_2stage: with atomics, its shared memory goes back to two stages.
@@ -85,9 +95,11 @@ ABLATIONS = (
                      "lpt_so_l2s8", "n176", "n192", "lpt_so_overlap")),
     ("fwd", 64, ("wg2", "linear", "lpt", "lpt_so", "n96", "n128", "nopingpong", "lpt_so_overlap")),
     ("fwd", 256, ("lpt", "linear", "n80")),
-    ("bwd", 64, ("det_asc", "dq_atomic")),
-    ("bwd", 128, ("det_asc", "dq_atomic")),
-    ("bwd", 256, ("det_asc", "dq_atomic_2stage")),
+    ("bwd", 64, ("det_asc", "dq_atomic", "m64", "det_free_late")),
+    ("bwd", 128, ("det_asc", "dq_atomic", "det_free_early", "scores_ahead")),
+    ("bwd", 96, ("scores_late",)),
+    ("bwd", 192, ("scores_late",)),
+    ("bwd", 256, ("det_asc", "dq_atomic_2stage", "det_free_late")),
 )
 
 
@@ -173,7 +185,7 @@ MENU: tuple[Variant, ...] = tuple(
     for dtype, (d, dv), mask, softcap in itertools.product(
         DTYPES, HEAD_DIMS[kind], MASKS, (False, True))
 ) + tuple(
-    Variant("sm_90a", "bf16", d, d, mask, False, kind, tuning)
+    Variant("sm_90a", "bf16", d, dict(HEAD_DIMS[kind])[d], mask, False, kind, tuning)
     for kind, d, tunings in ABLATIONS for tuning in tunings for mask in ("none", "causal")
 ) + tuple(
     Variant("sm_90a", dtype, d, d, mask, softcap, "fwd", short_tuning)

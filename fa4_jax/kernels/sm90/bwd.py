@@ -16,10 +16,12 @@ the group inside the CTA). Warp-role table:
   query block Q with its LSElog2 row slice and dO with its D slice through a `stages`-deep ring of
   mbarrier-guarded buffers (`pipeline_q`, `pipeline_do`, one slot index for both).
 - warp groups 1..2 (`mma_warp_groups`), per query block:
-    Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ, issued together (WGMMA from shared memory; transposed so that
-    keys are the M mode); Pᵀ = exp2(Sᵀ·scale_log2 − LSElog2) while the dPᵀ GEMM runs (causal /
-    window mask first, only on tiles that cross the band: BlockInfo.tile_needs_mask);
-    dV += Pᵀ·dO issued, then dSᵀ = Pᵀ∘(dPᵀ − D) while it runs; dK += dSᵀ·Q;
+    Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (WGMMA from shared memory; transposed so that keys are the M
+    mode; with `scores_ahead` Sᵀ is issued while the previous block's dQ is handed over);
+    Pᵀ = exp2(Sᵀ·scale_log2 − LSElog2) while the dPᵀ GEMM runs (causal / window mask first,
+    only on tiles that cross the band: BlockInfo.tile_needs_mask);
+    dV += Pᵀ·dO issued, then dSᵀ = Pᵀ∘(dPᵀ − D) while it runs (`dv_during_ds`; else dV after
+    dSᵀ); dK += dSᵀ·Q;
     dSᵀ to shared memory (stmatrix), a named barrier, then dQ_partial = dS·K (WGMMA, dS read as
     an M-major view of dSᵀ); dQ_partial added into mdQaccum: at d64/d128/d256 (`dq_tma_reduce`)
     through a shared fp32 tile and one TMA reduce-add issued by a dQ-writer warp of warp group
@@ -34,7 +36,8 @@ the group inside the CTA). Warp-role table:
   feeds P, and only dSᵀ goes to shared memory. Otherwise (d = 192, 256: dK and dV of 64 keys
   would be 64·(d + dv)/128 fp32 registers per thread, too many) the warp groups split dK/dV
   (and Sᵀ, dPᵀ) along the other mode, so Pᵀ and dSᵀ both go through shared memory.
-  The dQ GEMM gives each warp group all tile_m rows and half of d.
+  The dQ GEMM gives each warp group 64 query rows: all of them and half of d on 64-row tiles,
+  its half of the rows and all of d on 128-row tiles (d64).
 - epilogue (the MMA warp groups): dK·softmax_scale and dV to shared memory (reusing K's and V's
   buffers once every GEMM has retired), then TMA stores, which drop rows past seqlen_k.
 
@@ -99,12 +102,37 @@ class TileConfig:
     # of d (d64, d128, d256; not d96, d192).
     # Measured at d128 4k/16k: 521/555 TF/s fwd+bwd vs 443/468 with red.global (backward v1).
     dq_tma_reduce: bool = False
+    # dkv_from_registers: dV's WGMMA is issued as soon as Pᵀ is in registers, so that it runs
+    # while dSᵀ is computed. It then holds Pᵀ's registers and dV's accumulator through that
+    # pass; at 128 query rows (Sᵀ and dPᵀ 64 fp32 each, dK and dV 32 each, Pᵀ and dSᵀ 32 each)
+    # that is more than 240 registers and ptxas serializes every WGMMA of the kernel (C7512),
+    # so there dV is issued after dSᵀ, beside dK.
+    dv_during_ds: bool = True
+    # Deterministic dq_tma_reduce: the dQ writer hands sdQ back to the MMA warp groups once its
+    # TMA has read it, so they fill it with the next block's dQ while the add lands; False: once
+    # the add is complete and the turn passed on (backward v2), so that a CTA's step cannot be
+    # shorter than the add's round trip to L2. (Without determinism sdQ is always freed on read.)
+    # Measured (docs/perf-log.md, "when the writer hands sdQ back"): +4-6% at d256, even at d64,
+    # 4-7% slower at d128.
+    det_free_sdq_on_read: bool = True
+    # The next query block's Sᵀ GEMM is issued as soon as this block's GEMMs have retired, so
+    # that it runs while this block's dQ goes to sdQ (or to global memory) and the threads meet
+    # at its barriers; False: after that hand-over, where the exponentials wait for it. Needs a
+    # second Q/dO stage (the next block's Q is loaded while this block's is still read). dPᵀ
+    # stays at the top of the block: issued ahead too, it would be one more tile_m / 2 fp32
+    # registers held beside dQ's, dK's and dV's. Measured (docs/perf-log.md, "Sᵀ issued
+    # ahead"): +3-6% at d96 and d192 without a mask, whose dQ goes out by per-thread atomics
+    # from the MMA warps; even at d128 (a short hand-over to the writer warp) and 4-7% slower
+    # there deterministically; at d64's 128 rows ptxas serializes the WGMMAs (C7512).
+    scores_ahead: bool = False
 
 
-# tile_m is 64 everywhere: the dQ GEMM gives each MMA warp group half of d with all tile_m rows,
-# and a WGMMA has 64 rows. Shared memory, 2-byte elements, under the 227 KB of an sm_90 CTA:
+# A WGMMA has 64 rows: the Sᵀ/dPᵀ GEMMs put keys on them (64 per warp group with
+# dkv_from_registers), the dQ GEMM query rows (one 64-row tile per warp group: tile_m 64 splits d
+# between the warp groups, tile_m 128 splits the rows). Shared memory, 2-byte elements, under the
+# 227 KB of an sm_90 CTA:
 #   2 · (stages·tile_m·(d + dv) + tile_n·(d + dv) + pds_stages·tile_n·tile_m·(1, or 2 with P))
-#   d64:  2·(2·64·128 + 128·128 + 2·128·64)   =  96 KB
+#   d64, 128 rows: 2·(2·128·128 + 128·128 + 2·128·128) = 160 KB, + 32 KB of fp32 sdQ = 192 KB
 #   d96:  2·(2·64·192 + 128·192 + 2·128·64)   = 128 KB
 #   d128: 2·(2·64·256 + 128·256 + 2·128·64)   = 160 KB
 #   d192/dv128: 2·(2·64·320 + 64·320 + 2·2·64·64) = 152 KB
@@ -114,19 +142,24 @@ class TileConfig:
 #         342/358 with two stages and per-thread atomics (+33%; causal 411/481 vs 316/359;
 #         deterministic +24-33%), docs/perf-log.md "Backward d256".
 # Registers per MMA thread (240 budget): with dkv_from_registers a warp group holds dK and dV of
-# 64 keys (d128: 64 + 64 fp32), Sᵀ and dPᵀ (32 + 32) and their 16-bit copies: unconstrained,
-# ptxas would take 236-240 at d128 (250-255 with softcap) and fits all of them in 240 without
-# spills. d192 and d256 with 64 keys per warp group would need 160 and 256 for dK + dV alone,
-# hence tile_n = 64 with dK/dV split along d (d256: 64 + 64) and P/dS through shared memory:
-# d256 takes ~220, d192 ~155.
-# FlashAttention-3's Hopper backward uses the same shapes (64 x 128 for d <= 128, 64 x 64 for
-# d256). Not yet measured here.
+# 64 keys (d128: 64 + 64 fp32), Sᵀ and dPᵀ (tile_m / 2 each) and their 16-bit copies:
+# unconstrained, ptxas would take 236-240 at d128 (250-255 with softcap) and fits all of them in
+# 240 without spills. d64 on 128 rows (FlashAttention-3's shape there) fits with dv_during_ds
+# off (237 registers) and runs forward+backward 8-13% faster than on 64 rows, deterministic
+# 19-28% (docs/perf-log.md, "Backward d64 on 128 × 128 tiles"). d192 and d256 with 64 keys
+# per warp group would need 160 and 256 for dK + dV alone, hence tile_n = 64 with dK/dV split
+# along d (d256: 64 + 64) and P/dS through shared memory: d256 takes ~220, d192 ~155.
 TILE_CONFIGS = {
-    64: TileConfig(64, 128, 2, True, 2, dq_tma_reduce=True),
-    96: TileConfig(64, 128, 2, True, 2),
-    128: TileConfig(64, 128, 2, True, 2, dq_tma_reduce=True),
-    192: TileConfig(64, 64, 2, False, 2),
+    64: TileConfig(128, 128, 2, True, 2, dq_tma_reduce=True, dv_during_ds=False),
+    96: TileConfig(64, 128, 2, True, 2, scores_ahead=True),
+    128: TileConfig(64, 128, 2, True, 2, dq_tma_reduce=True, det_free_sdq_on_read=False),
+    192: TileConfig(64, 64, 2, False, 2, scores_ahead=True),
     256: TileConfig(64, 64, 1, False, 1, dq_tma_reduce=True),
+}
+# With softcap the one pass over Sᵀ and dPᵀ keeps both in fp32 until the end; on d64's 128 rows
+# that spills (168 bytes of stack), so softcap keeps 64-row tiles there.
+SOFTCAP_TILE_CONFIGS = {
+    64: TileConfig(64, 128, 2, True, 2, dq_tma_reduce=True),
 }
 
 LOG2_E = math.log2(math.e)
@@ -207,19 +240,26 @@ class FlashAttentionBackwardSm90:
         self.causal = mask == "causal"
         self.local = mask == "local"
         self.has_softcap = has_softcap
-        self.config = dataclasses.replace(TILE_CONFIGS[head_dim], **tuning)
+        config = SOFTCAP_TILE_CONFIGS.get(head_dim) if has_softcap else None
+        self.config = dataclasses.replace(config or TILE_CONFIGS[head_dim], **tuning)
         self.tile_m, self.tile_n, self.stages = self.config.tile_m, self.config.tile_n, self.config.stages
         self.num_mma_threads = len(self.mma_warp_groups) * self.threads_per_warp_group
         self.num_threads = self.num_mma_threads + self.threads_per_warp_group
-        assert self.tile_m % BWD_SEMAPHORE_ROWS == 0 and 128 % self.tile_m == 0
+        assert self.tile_m in (64, 128) and self.tile_m % BWD_SEMAPHORE_ROWS == 0
         assert self.stages % self.config.pds_stages == 0
-        # Each MMA warp group's half of sdQ must be whole 128-byte swizzle atoms (32 fp32).
-        assert not self.config.dq_tma_reduce or (head_dim // 2) % 32 == 0, "dq_tma_reduce: d64, d128 or d256"
+        assert self.stages >= 2 or not self.config.scores_ahead, "scores_ahead needs two Q/dO stages"
         # Columns of dK, dV and dQ one MMA warp group computes.
         wgs = len(self.mma_warp_groups)
         split_dkv = 1 if self.config.dkv_from_registers else wgs
         self.dk_cols, self.dv_cols = head_dim // split_dkv, head_dim_v // split_dkv
-        self.dq_cols = head_dim // wgs
+        # The dQ GEMM (tile_m x d) gives each warp group one 64-row WGMMA tile: 128-row tiles split
+        # by rows (each warp group 64 rows x all of d), 64-row tiles by columns (all rows x d / 2).
+        # Split by rows, each warp group reads its dS rows and all of K once; two 64-row atoms
+        # per warp group would read K twice.
+        self.dq_row_groups = self.tile_m // 64
+        self.dq_cols = head_dim * self.dq_row_groups // wgs
+        # Each MMA warp group's part of sdQ must be whole 128-byte swizzle atoms (32 fp32).
+        assert not self.config.dq_tma_reduce or self.dq_cols % 32 == 0, "dq_tma_reduce: d64, d128 or d256"
         self.preprocess = BackwardPreprocess(dtype, head_dim_v)
         self.postprocess = BackwardPostprocess(dtype, head_dim)
 
@@ -248,9 +288,10 @@ class FlashAttentionBackwardSm90:
             self.dtype, self.dtype, K, MN, Float32, dkv_atoms, (dkv_rows, self.dv_cols), dkv_a
         )
         # A = dS viewed from the dSᵀ buffer (queries contiguous: MN-major), B = K viewed as
-        # (d, keys), d contiguous: MN-major. Each warp group: all tile_m rows x half of d.
+        # (d, keys), d contiguous: MN-major. Each warp group: 64 rows x dq_cols.
+        dq_atoms = (self.dq_row_groups, wgs // self.dq_row_groups, 1)
         tiled_mma_dq = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, MN, MN, Float32, (1, wgs, 1), (self.tile_m, self.dq_cols)
+            self.dtype, self.dtype, MN, MN, Float32, dq_atoms, (64, self.dq_cols)
         )
         return tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq
 
@@ -631,20 +672,39 @@ class FlashAttentionBackwardSm90:
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipeline_kv.consumer_wait(kv_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        for head_in_group in cutlass.range(group, unroll=1):
-            head = head_kv * group + head_in_group
-            gdQaccum = mdQaccum[batch, head, None, None]
-            for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
-                needs_mask = cutlass.Boolean(False)
-                if cutlass.const_expr(block_info.has_right_bound):
-                    needs_mask = block_info.tile_needs_mask(
-                        m_block, n_block, seqlen_q, seqlen_k, window_left, window_right
-                    )
-                self.query_block(blocks, state, m_block, needs_mask, apply_mask, key_tail, mask_key_tail)
-                self.accumulate_dq(
-                    blocks, gdQaccum, mSemaphore, m_block, n_block, head, batch,
-                    seqlen_q, seqlen_k, window_left, window_right, deterministic, block_info,
-                )
+        # The CTA's (q head of the group, query block) pairs, flattened: `index` runs over them.
+        coords = functools.partial(self.block_coords, blocks_per_head=m_block_max - m_block_min,
+                                   m_block_min=m_block_min, head_kv=head_kv, group=group)
+        dkv_step = functools.partial(
+            self.dkv_step, blocks=blocks, coords=coords, n_block=n_block, seqlen_q=seqlen_q,
+            seqlen_k=seqlen_k, window_left=window_left, window_right=window_right,
+            block_info=block_info, apply_mask=apply_mask, key_tail=key_tail, mask_key_tail=mask_key_tail,
+        )
+        dq_step = functools.partial(
+            self.dq_step, blocks=blocks, coords=coords, mdQaccum=mdQaccum, mSemaphore=mSemaphore,
+            n_block=n_block, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+            window_left=window_left, window_right=window_right, deterministic=deterministic,
+            block_info=block_info,
+        )
+        blocks_total = group * (m_block_max - m_block_min)
+        if cutlass.const_expr(self.config.scores_ahead):
+            # Rotated by half a block, so that each iteration issues block `index`'s Sᵀ, hands
+            # over block index − 1's dQ while it runs, then awaits it: an in-flight WGMMA carried
+            # across the loop's back edge made ptxas serialize every WGMMA (C7514).
+            if blocks_total > 0:
+                self.issue_scores(blocks, state)
+                dkv_step(state=state, index=0)
+                for index in cutlass.range(1, blocks_total, unroll=1):
+                    state.advance()
+                    self.issue_scores(blocks, state)
+                    dq_step(index=index - 1)
+                    dkv_step(state=state, index=index)
+                dq_step(index=blocks_total - 1)
+        else:
+            for index in cutlass.range(blocks_total, unroll=1):
+                self.issue_scores(blocks, state)
+                dkv_step(state=state, index=index)
+                dq_step(index=index)
                 state.advance()
 
         self.epilogue(
@@ -664,14 +724,47 @@ class FlashAttentionBackwardSm90:
         mask.apply_key_tail(tile, blocks.score_coords0, blocks.thread_origin[0], n_block, seqlen_k, fill=fill)
 
     @cute.jit
+    def block_coords(self, index, blocks_per_head, m_block_min, head_kv, group):
+        """(q head, query block) of the CTA's `index`-th block: its group's q heads in turn, each
+        over the query blocks that see this key block."""
+        head_in_group = index // blocks_per_head
+        return head_kv * group + head_in_group, m_block_min + index - head_in_group * blocks_per_head
+
+    @cute.jit
+    def dkv_step(self, blocks, state, index, coords, n_block, seqlen_q, seqlen_k, window_left,
+                 window_right, block_info, apply_mask, key_tail, mask_key_tail):
+        """Block `index`'s dK/dV updates and its dQ share in blocks.acc_dq."""
+        _, m_block = coords(index)
+        needs_mask = cutlass.Boolean(False)
+        if cutlass.const_expr(block_info.has_right_bound):
+            needs_mask = block_info.tile_needs_mask(m_block, n_block, seqlen_q, seqlen_k, window_left, window_right)
+        self.query_block(blocks, state, m_block, needs_mask, apply_mask, key_tail, mask_key_tail)
+
+    @cute.jit
+    def dq_step(self, blocks, index, coords, mdQaccum, mSemaphore, n_block, batch, seqlen_q,
+                seqlen_k, window_left, window_right, deterministic, block_info):
+        """Block `index`'s dQ share (blocks.acc_dq) handed over to global memory."""
+        head, m_block = coords(index)
+        self.accumulate_dq(
+            blocks, mdQaccum[batch, head, None, None], mSemaphore, m_block, n_block, head, batch,
+            seqlen_q, seqlen_k, window_left, window_right, deterministic, block_info,
+        )
+
+    @cute.jit
+    def issue_scores(self, blocks, state):
+        """Sᵀ = K·Qᵀ of the query block in `state`, issued, not awaited."""
+        blocks.pipeline_q.consumer_wait(state)
+        wgmma_gemm(blocks.tiled_mma_sdp, blocks.acc_s, blocks.tSrK, blocks.tSrQ[None, None, None, state.index],
+                  zero_init=True, wait_group=-1)
+
+    @cute.jit
     def query_block(self, blocks, state, m_block, needs_mask, apply_mask, key_tail, mask_key_tail):
-        """dV and dK updates, and this query block's dQ share in blocks.acc_dq."""
+        """dV and dK updates, and this query block's dQ share in blocks.acc_dq (its Sᵀ GEMM
+        already issued: `issue_scores`)."""
         stage = state.index
         # Consecutive query blocks alternate dSᵀ buffers (stages is a multiple of pds_stages).
         pds_index = stage % self.config.pds_stages
-        blocks.pipeline_q.consumer_wait(state)
-        wgmma_gemm(blocks.tiled_mma_sdp, blocks.acc_s, blocks.tSrK, blocks.tSrQ[None, None, None, stage],
-                  zero_init=True, wait_group=-1)
+        # dPᵀ = V·dOᵀ, issued behind Sᵀ.
         blocks.pipeline_do.consumer_wait(state)
         wgmma_gemm(blocks.tiled_mma_sdp, blocks.acc_dp, blocks.tdPrV, blocks.tdPrdO[None, None, None, stage],
                   zero_init=True, wait_group=-1)
@@ -717,17 +810,21 @@ class FlashAttentionBackwardSm90:
         blocks.p.store(blocks.acc_s.load().to(self.dtype))
         if cutlass.const_expr(self.has_softcap):
             blocks.ds.store(blocks.acc_dp.load().to(self.dtype))
-        if cutlass.const_expr(self.config.dkv_from_registers):
+        dv_from_registers_early = self.config.dkv_from_registers and self.config.dv_during_ds
+        if cutlass.const_expr(dv_from_registers_early):
             wgmma_gemm(blocks.tiled_mma_dv, blocks.acc_dv, acc_as_operand_a(blocks.p),
                       blocks.tdVrdO[None, None, None, stage], zero_init=False, wait_group=-1)
         if cutlass.const_expr(not self.has_softcap):
             # dPᵀ is done (the dV GEMM, if issued, may still run).
-            warpgroup.wait_group(1 if cutlass.const_expr(self.config.dkv_from_registers) else 0)
+            warpgroup.wait_group(1 if cutlass.const_expr(dv_from_registers_early) else 0)
             for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
                 d_value = blocks.sdPsum[self._query_of(blocks, c), stage]
                 for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
                     dp[r, c] = scores[r, c] * (dp[r, c] - d_value)
             blocks.ds.store(blocks.acc_dp.load().to(self.dtype))
+        if cutlass.const_expr(self.config.dkv_from_registers and not self.config.dv_during_ds):
+            wgmma_gemm(blocks.tiled_mma_dv, blocks.acc_dv, acc_as_operand_a(blocks.p),
+                      blocks.tdVrdO[None, None, None, stage], zero_init=False, wait_group=-1)
         if cutlass.const_expr(self.config.dkv_from_registers):
             wgmma_gemm(blocks.tiled_mma_dk, blocks.acc_dk, acc_as_operand_a(blocks.ds),
                       blocks.tdKrQ[None, None, None, stage], zero_init=False, wait_group=-1)
@@ -841,8 +938,9 @@ class FlashAttentionBackwardSm90:
     ):
         """dq_tma_reduce: one warp walks the MMA warp groups' query blocks and, for each that this
         key block adds into, reduce-adds sdQ into mdQaccum with one TMA, in turn when
-        deterministic. sdQ is free again once the TMA has read it (or, deterministic, once the
-        add is complete and the turn is passed on)."""
+        deterministic, the turn then passed on once the add is complete. sdQ is free again
+        once the TMA has read it, or, deterministic without det_free_sdq_on_read, once the turn
+        is passed on."""
         no_cluster = cute.make_layout(1)
         lane = cute.arch.lane_idx()
         # sdQ starts empty; the MMA warp groups consume this arrival at their first hand-over
@@ -870,6 +968,12 @@ class FlashAttentionBackwardSm90:
                     # The whole warp: the TMA copy elects its issuing lane itself (elect.sync).
                     cute.copy(tma_atom_dq, tdQsdQ, tdQgdQ[None, m_block])
                     cute.arch.cp_async_bulk_commit_group()
+                    free_early = cutlass.Boolean(self.config.det_free_sdq_on_read)
+                    if deterministic == 0:
+                        free_early = cutlass.Boolean(True)
+                    if free_early:
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                        cute.arch.barrier_arrive(barrier_id=self.dq_empty_barrier_id, number_of_threads=self._dq_sync_threads())
                     if deterministic != 0:
                         # The add is complete in global memory before the turn is passed on
                         # (as in the red.global path: every lane fences, then one releases).
@@ -879,9 +983,8 @@ class FlashAttentionBackwardSm90:
                         cute.arch.sync_warp()
                         if lane == 0:
                             cute.arch.atomic_add(semaphore, Int32(1), sem="release", scope="gpu")
-                    else:
-                        cute.arch.cp_async_bulk_wait_group(0, read=True)
-                    cute.arch.barrier_arrive(barrier_id=self.dq_empty_barrier_id, number_of_threads=self._dq_sync_threads())
+                    if not free_early:
+                        cute.arch.barrier_arrive(barrier_id=self.dq_empty_barrier_id, number_of_threads=self._dq_sync_threads())
         cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     def _descending_turns(self) -> bool:

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Nsight Compute on the attention kernels of fa4_jax and cuDNN, one call each, on the H200 (built
+# library carried): L2 and DRAM throughput against peak, tensor-pipe activity, and the stall
+# reasons. A case's fourth field 1 profiles the backward's main kernel instead of the forward. ncu reads hardware
+# counters only on the Firecracker runtime (/work/.library/device/KINDS.md); --clock-control none
+# leaves the clocks alone. Reports (text) under $OUT/ncu.
+#   usage: bash scripts/profile_attention.sh ["d s causal [backward]" ...]
+#   default: "128 16384 0" "128 1024 1"
+set -uo pipefail
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+out=${OUT:-.device_out}/ncu
+mkdir -p "$out"
+cases=("$@")
+[ ${#cases[@]} -eq 0 ] && cases=("128 16384 0" "128 1024 1")
+for case in "${cases[@]}"; do
+  read -r d s causal backward <<< "$case"
+  flag=""; [ "$causal" = 1 ] && flag="--causal"
+  # The main kernel is the call's longest launch; the filters keep pre/postprocess kernels out.
+  kernels="regex:FlashAttentionForwardSm90|sdpa|fmha|flash|attention"; pass=fwd
+  if [ "${backward:-0}" = 1 ]; then
+    flag="$flag --backward"; kernels="regex:FlashAttentionBackwardSm90_|bprop|dgrad|bwd"; pass=bwd
+  fi
+  for peer in fa4_jax cudnn; do
+    name="${peer}_${pass}_d${d}_s${s}_c${causal}"
+    # Skip the compiling call's launch.
+    timeout "${NCU_TIMEOUT:-150}" ncu --clock-control none --launch-skip 1 --launch-count 1 \
+      --kernel-name-base demangled -k "$kernels" \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+      --section WarpStateStats --section Occupancy \
+      python3 scripts/profile_attention.py --peer "$peer" --head-dim "$d" --seqlen "$s" $flag \
+      > "$out/$name.txt" 2>&1
+    echo "== $name: $(grep -m1 -E 'Duration' "$out/$name.txt" | tr -s ' ')"
+    grep -E "Memory Throughput|DRAM Throughput|L2 Cache Throughput|Compute \(SM\) Throughput|Achieved Occupancy" \
+      "$out/$name.txt" | tr -s ' ' | head -8
+  done
+done
