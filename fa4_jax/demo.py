@@ -344,20 +344,21 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
-def resolve_config(args) -> DemoConfig:
+def resolve_config(args) -> tuple[DemoConfig, Mesh]:
+    """The config with the command line's overrides, and the device mesh it trains on."""
     overrides = {"steps": args.steps, "seq_len": args.seq_len, "batch": args.batch}
     config = dataclasses.replace(CONFIGS[args.config],
                                  **{k: v for k, v in overrides.items() if v is not None})
     if config.steps < 1 or config.seq_len < 1 or config.batch < 1:
         raise SystemExit("--steps, --seq-len and --batch must be positive")
     try:
-        data_ways = make_mesh(config.num_heads, args.head_ways).shape["data"]
+        mesh = make_mesh(config.num_heads, args.head_ways)
     except ValueError as error:
         raise SystemExit(f"--head-ways: {error}") from None
-    if config.batch % data_ways:
+    if config.batch % mesh.shape["data"]:
         raise SystemExit(f"--batch {config.batch} must be a multiple of the mesh's data axis "
-                         f"({data_ways}; data parallel over the batch)")
-    return config
+                         f"({mesh.shape['data']}; data parallel over the batch)")
+    return config, mesh
 
 
 class _MessageRecorder(logging.Handler):
@@ -392,8 +393,7 @@ def fa4_backend_choice(config: DemoConfig) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    config = resolve_config(args)
-    mesh = make_mesh(config.num_heads, args.head_ways)
+    config, mesh = resolve_config(args)
     sampler, vocab_size = make_sampler(config, mesh)
     # cuDNN's attention takes only half precision; XLA's is the baseline everywhere else.
     on_gpu = jax.default_backend() == "gpu"
