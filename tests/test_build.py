@@ -94,7 +94,7 @@ def test_sm90_cubin_holds_pipelined_hgmma(library, variant):
     hgmma, waits = sass.count("HGMMA"), sass.count("WARPGROUP.DEPBAR")
     assert waits <= hgmma // 2, (
         f"{variant.name}: {waits} WGMMA waits for {hgmma} HGMMA: ptxas serialized the WGMMAs "
-        "(feed its PTX to `ptxas -v` for the C751x reason)")
+        f"(why: python scripts/ptxas_report.py {variant.name})")
 
 
 def test_second_build_is_all_cached(library):

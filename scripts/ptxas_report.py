@@ -1,0 +1,127 @@
+"""Why ptxas serialized a kernel's WGMMAs, or spilled: one variant compiled with its PTX kept,
+then fed to the CUDA toolkit's ptxas with -v.
+
+    python scripts/ptxas_report.py bwd_sm90a_bf16_d64_dv64
+    python scripts/ptxas_report.py bwd_sm90a_bf16_d128_dv128 --tuning '{"scores_ahead": true}'
+
+The DSL runs ptxas in-process and keeps its messages to itself, so a kernel whose WGMMAs ptxas
+had to serialize (every HGMMA followed by a wait: tests/test_build.py checks the menu for it)
+compiles without a word. ptxas -v names the cause, e.g. "C7512 ... insufficient register
+resources", "C7514 ... non wgmma instructions reading accumulator registers ... between start
+and end of the pipeline stage". Prints those lines and each kernel's registers and spills;
+exits 1 if there is a C75xx message. ("Used N registers" is the launch's bound, 65536 / threads;
+setmaxnreg lets the MMA warp groups use more, up to their budget.) --tuning replaces the variant's tuning settings (the keyword
+arguments of its kernel's constructor) for this compile only; nothing goes into the build cache.
+"""
+import argparse
+import dataclasses
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from fa4_jax.aot import compile as aot_compile, toolchain, variants  # noqa: E402
+
+# Run in a child process: LD_PRELOAD (the DSL runtime shim) and the DSL's dump settings only take
+# effect at process start.
+_CHILD = """
+import json, sys
+from fa4_jax.aot import compile as aot_compile, variants
+job = json.loads(sys.argv[1])
+variant = variants.Variant(**job["variant"])
+if job["tuning"] is not None:
+    variants.TUNINGS[variant.tuning] = job["tuning"]
+aot_compile.compile_variant(variant, job["kernel"], job["out_dir"])
+"""
+
+
+def find_ptxas() -> str:
+    candidates = [os.path.join(os.environ.get("CUDA_HOME", ""), "bin", "ptxas"),
+                  shutil.which("ptxas") or "", "/usr/local/cuda/bin/ptxas"]
+    found = next((c for c in candidates if c and os.access(c, os.X_OK)), None)
+    if found is None:
+        sys.exit("no ptxas: set CUDA_HOME to a CUDA toolkit, or put its bin/ on PATH")
+    return found
+
+
+def ptxas_messages(ptx_path: str, arch: str) -> str:
+    """ptxas -v's output on the PTX, its .version lowered to what this ptxas reads if needed."""
+    ptxas = find_ptxas()
+    text = Path(ptx_path).read_text()
+    for _ in range(2):
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as ptx:
+            ptx.write(text)
+        proc = subprocess.run([ptxas, f"-arch={arch}", "-v", ptx.name, "-o", os.devnull],
+                              capture_output=True, text=True)
+        os.unlink(ptx.name)
+        # The DSL may emit a newer PTX ISA than the toolkit's ptxas knows; the kernels use
+        # nothing from it, so the older version number is enough.
+        newest = re.search(r"Unsupported \.version [\d.]+; current version is '([\d.]+)'", proc.stderr)
+        if not newest:
+            return proc.stdout + proc.stderr
+        text = re.sub(r"^\.version [\d.]+", f".version {newest.group(1)}", text, flags=re.M)
+    raise RuntimeError(f"ptxas could not read {ptx_path}:\n{proc.stderr}")
+
+
+def summarize(messages: str) -> tuple[list[str], bool]:
+    """The C75xx lines and each kernel's register and spill line, kernel names shortened."""
+    lines, serialized, kernel = [], False, "?"
+    for line in messages.splitlines():
+        name = re.search(r"Function properties for (\S+)", line)
+        if name:
+            kernel = next((k for k in ("ForwardSm90", "BackwardSm90", "BackwardPreprocess",
+                                       "BackwardPostprocess") if k in name.group(1)), name.group(1)[:60])
+        text = re.sub(r"^ptxas info\s*:\s*", "", line.strip())
+        if re.search(r"\(C75\d\d\)", text):
+            serialized = True
+            lines.append(re.sub(r" (in|for) the function '.*", "", text))
+        elif "spill" in text or text.startswith("Used"):
+            lines.append(f"{kernel}: {text}")
+    return lines, serialized
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("variant", help="a menu variant's name (fa4_jax/_lib/variants.json)")
+    parser.add_argument("--tuning", type=json.loads, help="constructor settings, as JSON")
+    args = parser.parse_args(argv)
+    by_name = {v.name: v for v in variants.MENU}
+    if args.variant not in by_name:
+        parser.error(f"unknown variant {args.variant!r}; e.g. {next(iter(by_name))}")
+    variant = by_name[args.variant]
+    kernel = aot_compile.KERNELS[(variant.kind, variant.arch)]
+
+    with tempfile.TemporaryDirectory(prefix="fa4_ptxas_") as out_dir:
+        shim = toolchain.build_runtime_shim(out_dir)
+        env = toolchain.compile_env(shim, out_dir)
+        env["CUTE_DSL_KEEP"] = "ptx,cubin"
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+        job = {"variant": dataclasses.asdict(variant), "kernel": kernel,
+               "out_dir": out_dir, "tuning": args.tuning}
+        print(f"compiling {variant.name} ({kernel}, tuning {args.tuning or variant.tuning_kwargs})",
+              flush=True)
+        proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(job)], env=env,
+                              cwd=str(REPO), capture_output=True, text=True)
+        if proc.returncode:
+            print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
+            return 2
+        ptx = glob.glob(os.path.join(out_dir, "*.ptx"))
+        if len(ptx) != 1:
+            print(f"expected one PTX file in {out_dir}, found {ptx}", file=sys.stderr)
+            return 2
+        lines, serialized = summarize(ptxas_messages(ptx[0], variant.arch))
+    print("\n".join(lines))
+    print("WGMMAs serialized: see the C75xx lines" if serialized else "no C75xx message")
+    return 1 if serialized else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

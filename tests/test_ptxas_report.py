@@ -1,0 +1,40 @@
+"""CPU tier: scripts/ptxas_report.py reads ptxas -v's messages right (canned ptxas output)."""
+import importlib.util
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ptxas_report.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("ptxas_report", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+MESSAGES = """\
+ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized due to non wgmma instructions reading accumulator registers of  a wgmma between start and end of the pipeline stage in the function 'kernel_cutlass_kernel_fa4_jaxkernelssm90bwdFlashAttentionBackwardSm90_object_at__X'
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'kernel_cutlass_kernel_fa4_jaxkernelsbwd_preBackwardPreprocess_object_at__Y' for 'sm_90a'
+ptxas info    : Function properties for kernel_cutlass_kernel_fa4_jaxkernelsbwd_preBackwardPreprocess_object_at__Y
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 21 registers, used 0 barriers
+ptxas info    : Function properties for kernel_cutlass_kernel_fa4_jaxkernelssm90bwdFlashAttentionBackwardSm90_object_at__X
+    128 bytes stack frame, 512 bytes spill stores, 128 bytes spill loads
+ptxas info    : Used 168 registers, used 6 barriers
+"""
+
+
+def test_serialization_and_spills_are_reported_per_kernel():
+    lines, serialized = load_script().summarize(MESSAGES)
+    assert serialized
+    assert lines[0].startswith("(C7514) Potential Performance Loss") and "function" not in lines[0]
+    assert "BackwardPreprocess: 0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in lines
+    assert "BackwardSm90: 128 bytes stack frame, 512 bytes spill stores, 128 bytes spill loads" in lines
+    assert "BackwardSm90: Used 168 registers, used 6 barriers" in lines
+
+
+def test_a_clean_compile_is_not_reported_as_serialized():
+    clean = "\n".join(line for line in MESSAGES.splitlines() if "C7514" not in line)
+    lines, serialized = load_script().summarize(clean)
+    assert not serialized and len(lines) == 4
