@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Nsight Compute on the attention kernels of fa4_jax and cuDNN, one call each, on the H200 (built
 # library carried): L2 and DRAM throughput against peak, tensor-pipe activity, and the stall
-# reasons. A case's fourth field 1 profiles the backward's main kernel instead of the forward. ncu reads hardware
-# counters only on the Firecracker runtime (/work/.library/device/KINDS.md); --clock-control none
-# leaves the clocks alone. Reports (text) under $OUT/ncu.
+# reasons (sampled per instruction: SourceCounters, which the WarpStateStats section alone does
+# not break down). A case's fourth field 1 profiles the backward's main kernel instead of the
+# forward. ncu reads hardware counters only on the Firecracker runtime
+# (/work/.library/device/KINDS.md); --clock-control none leaves the clocks alone. Reports (text)
+# go into one file, $OUT/ncu/reports.txt: the device returns only a few files per call.
 #   usage: bash scripts/profile_attention.sh ["d s causal [backward]" ...]
 #   default: "128 16384 0" "128 1024 1"
 set -uo pipefail
@@ -26,11 +28,13 @@ for case in "${cases[@]}"; do
     timeout "${NCU_TIMEOUT:-150}" ncu --clock-control none --launch-skip 1 --launch-count 1 \
       --kernel-name-base demangled -k "$kernels" \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
-      --section WarpStateStats --section Occupancy \
+      --section WarpStateStats --section SchedulerStats --section SourceCounters --section Occupancy \
       python3 scripts/profile_attention.py --peer "$peer" --head-dim "$d" --seqlen "$s" $flag \
       > "$out/$name.txt" 2>&1
     echo "== $name: $(grep -m1 -E 'Duration' "$out/$name.txt" | tr -s ' ')"
-    grep -E "Memory Throughput|DRAM Throughput|L2 Cache Throughput|Compute \(SM\) Throughput|Achieved Occupancy" \
-      "$out/$name.txt" | tr -s ' ' | head -8
+    grep -E "Memory Throughput|DRAM Throughput|L2 Cache Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Warp Cycles Per Issued|Issue Slots Busy" \
+      "$out/$name.txt" | tr -s ' ' | head -10
+    { echo "===== $name"; cat "$out/$name.txt"; } >> "$out/reports.txt"
+    rm "$out/$name.txt"
   done
 done
