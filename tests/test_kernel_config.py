@@ -1,4 +1,5 @@
-"""CPU tier: the forward kernel's constructor refuses tunings it cannot compile correctly.
+"""CPU tier: the kernels' constructors refuse tunings they cannot compile correctly, and resolve
+the per-head-dim settings as the tile tables say.
 
 Builds the kernel objects only (no compile); needs the DSL, so it skips where cutlass is absent.
 """
@@ -39,3 +40,29 @@ def test_d128_key_blocks_are_narrower_under_a_mask(mask, width):
     assert _kernel(mask).tile_n == width
     # The knob sets both widths, so an ablation row means the same block at every mask.
     assert _kernel(mask, tile_n=192).tile_n == 192
+
+
+def _backward(head_dim=64, mask="none", softcap=False, **tuning):
+    from fa4_jax.kernels.sm90.bwd import FlashAttentionBackwardSm90
+
+    return FlashAttentionBackwardSm90(cutlass.BFloat16, head_dim, head_dim, mask, softcap, **tuning)
+
+
+@pytest.mark.parametrize("head_dim, tuning", [
+    (128, dict(tile_m=96)),  # one or two 64-row WGMMA tiles per warp group only
+    (256, dict(scores_ahead=True)),  # d256 has one Q/dO stage: the next Q cannot load ahead
+    (128, dict(stages=3)),  # pds_stages 2 does not divide it
+    (96, dict(dq_tma_reduce=True)),  # 48 dQ columns per warp group: no whole swizzle atoms
+    (64, dict(no_such_knob=1)),
+])
+def test_bad_backward_tunings_are_refused(head_dim, tuning):
+    with pytest.raises((ValueError, TypeError)):
+        _backward(head_dim, **tuning)
+
+
+def test_d64_backward_tiles_are_128_rows_except_with_softcap():
+    # 128-row tiles split the dQ GEMM by rows; softcap's fp32 pass would spill on them.
+    plain, capped = _backward(64), _backward(64, softcap=True)
+    assert (plain.tile_m, plain.dq_row_groups, plain.dq_cols) == (128, 2, 64)
+    assert (capped.tile_m, capped.dq_row_groups, capped.dq_cols) == (64, 1, 32)
+    assert not plain.config.dv_during_ds and capped.config.dv_during_ds

@@ -245,9 +245,7 @@ class FlashAttentionBackwardSm90:
         self.tile_m, self.tile_n, self.stages = self.config.tile_m, self.config.tile_n, self.config.stages
         self.num_mma_threads = len(self.mma_warp_groups) * self.threads_per_warp_group
         self.num_threads = self.num_mma_threads + self.threads_per_warp_group
-        assert self.tile_m in (64, 128) and self.tile_m % BWD_SEMAPHORE_ROWS == 0
-        assert self.stages % self.config.pds_stages == 0
-        assert self.stages >= 2 or not self.config.scores_ahead, "scores_ahead needs two Q/dO stages"
+        self._check_config()
         # Columns of dK, dV and dQ one MMA warp group computes.
         wgs = len(self.mma_warp_groups)
         split_dkv = 1 if self.config.dkv_from_registers else wgs
@@ -259,9 +257,24 @@ class FlashAttentionBackwardSm90:
         self.dq_row_groups = self.tile_m // 64
         self.dq_cols = head_dim * self.dq_row_groups // wgs
         # Each MMA warp group's part of sdQ must be whole 128-byte swizzle atoms (32 fp32).
-        assert not self.config.dq_tma_reduce or self.dq_cols % 32 == 0, "dq_tma_reduce: d64, d128 or d256"
+        if self.config.dq_tma_reduce and self.dq_cols % 32:
+            raise ValueError(f"{self.config}: dq_tma_reduce needs {self.dq_cols} columns of dQ per "
+                             "warp group to be a multiple of 32 (d64, d128, d256)")
         self.preprocess = BackwardPreprocess(dtype, head_dim_v)
         self.postprocess = BackwardPostprocess(dtype, head_dim)
+
+    def _check_config(self):
+        """Refuses settings the kernel cannot run correctly, naming the setting."""
+        config = self.config
+        if config.tile_m not in (64, 128) or config.tile_m % BWD_SEMAPHORE_ROWS:
+            raise ValueError(f"{config}: tile_m must be 64 or 128 (one or two 64-row WGMMA tiles "
+                             f"per warp group, whole {BWD_SEMAPHORE_ROWS}-row semaphores)")
+        if config.stages % config.pds_stages:
+            raise ValueError(f"{config}: stages must be a multiple of pds_stages (consecutive "
+                             "query blocks alternate dSᵀ buffers by stage)")
+        if config.scores_ahead and config.stages < 2:
+            raise ValueError(f"{config}: scores_ahead needs two Q/dO stages (the next block's Q "
+                             "loads while this block's is still read)")
 
     def _tiled_mmas(self):
         """Sᵀ/dPᵀ, dK, dV and dQ WGMMAs for the two MMA warp groups."""
