@@ -9,6 +9,7 @@ pytest.importorskip("cutlass")
 
 import cutlass  # noqa: E402
 
+from fa4_jax.kernels.sm90.bwd import FlashAttentionBackwardSm90  # noqa: E402
 from fa4_jax.kernels.sm90.fwd import FlashAttentionForwardSm90  # noqa: E402
 
 
@@ -43,8 +44,6 @@ def test_d128_key_blocks_are_narrower_under_a_mask(mask, width):
 
 
 def _backward(head_dim=64, mask="none", softcap=False, **tuning):
-    from fa4_jax.kernels.sm90.bwd import FlashAttentionBackwardSm90
-
     return FlashAttentionBackwardSm90(cutlass.BFloat16, head_dim, head_dim, mask, softcap, **tuning)
 
 

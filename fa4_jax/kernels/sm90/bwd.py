@@ -159,7 +159,7 @@ TILE_CONFIGS = {
 # With softcap the one pass over Sᵀ and dPᵀ keeps both in fp32 until the end; on d64's 128 rows
 # that spills (168 bytes of stack), so softcap keeps 64-row tiles there.
 SOFTCAP_TILE_CONFIGS = {
-    64: TileConfig(64, 128, 2, True, 2, dq_tma_reduce=True),
+    64: dataclasses.replace(TILE_CONFIGS[64], tile_m=64, dv_during_ds=True),
 }
 
 LOG2_E = math.log2(math.e)
@@ -823,10 +823,14 @@ class FlashAttentionBackwardSm90:
         blocks.p.store(blocks.acc_s.load().to(self.dtype))
         if cutlass.const_expr(self.has_softcap):
             blocks.ds.store(blocks.acc_dp.load().to(self.dtype))
-        dv_from_registers_early = self.config.dkv_from_registers and self.config.dv_during_ds
-        if cutlass.const_expr(dv_from_registers_early):
+
+        def issue_dv_from_registers():
             wgmma_gemm(blocks.tiled_mma_dv, blocks.acc_dv, acc_as_operand_a(blocks.p),
                       blocks.tdVrdO[None, None, None, stage], zero_init=False, wait_group=-1)
+
+        dv_from_registers_early = self.config.dkv_from_registers and self.config.dv_during_ds
+        if cutlass.const_expr(dv_from_registers_early):
+            issue_dv_from_registers()
         if cutlass.const_expr(not self.has_softcap):
             # dPᵀ is done (the dV GEMM, if issued, may still run).
             warpgroup.wait_group(1 if cutlass.const_expr(dv_from_registers_early) else 0)
@@ -836,8 +840,7 @@ class FlashAttentionBackwardSm90:
                     dp[r, c] = scores[r, c] * (dp[r, c] - d_value)
             blocks.ds.store(blocks.acc_dp.load().to(self.dtype))
         if cutlass.const_expr(self.config.dkv_from_registers and not self.config.dv_during_ds):
-            wgmma_gemm(blocks.tiled_mma_dv, blocks.acc_dv, acc_as_operand_a(blocks.p),
-                      blocks.tdVrdO[None, None, None, stage], zero_init=False, wait_group=-1)
+            issue_dv_from_registers()
         if cutlass.const_expr(self.config.dkv_from_registers):
             wgmma_gemm(blocks.tiled_mma_dk, blocks.acc_dk, acc_as_operand_a(blocks.ds),
                       blocks.tdKrQ[None, None, None, stage], zero_init=False, wait_group=-1)
