@@ -650,10 +650,11 @@ def plot(results: list[dict], peers: list[str], settings: Settings, out_dir: str
                                 and (r["mode"], r["head_dim"], r["causal"]) == (mode, d, causal))
                 if points:
                     ax.plot(*zip(*points), marker="o", label=peer_label(peer, settings))
-            if settings.matches_anchors:
-                upstream = sorted((s, cols["fa4_upstream"])
-                                  for (dd, s, c), cols in anchors.ANCHORS[mode].items()
-                                  if (dd, c) == (d, causal))
+            upstream = sorted((s, cols["fa4_upstream"])
+                              for (dd, s, c), cols in anchors.ANCHORS[mode].items()
+                              if (dd, c) == (d, causal)) if settings.matches_anchors else []
+            # ANCHORS.md has no d96 or d192 rows; an empty zip would plot the format string.
+            if upstream:
                 ax.plot(*zip(*upstream), "k--", label="FA4 upstream (ANCHORS.md)")
             ax.set_xscale("log", base=2)
             ax.set_xticks(seqlens, [str(s) for s in seqlens])

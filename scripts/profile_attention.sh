@@ -7,7 +7,7 @@
 # (/work/.library/device/KINDS.md); --clock-control none leaves the clocks alone. Reports (text)
 # go into one file, $OUT/ncu/reports.txt: the device returns only a few files per call.
 #   usage: bash scripts/profile_attention.sh ["d s causal [backward]" ...]
-#   default: "128 16384 0" "128 1024 1"
+#   default: "128 16384 0" "128 1024 1"; NCU_PEERS="fa4_jax" profiles ours only
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-.device_out}/ncu
@@ -22,15 +22,20 @@ for case in "${cases[@]}"; do
   if [ "${backward:-0}" = 1 ]; then
     flag="$flag --backward"; kernels="regex:FlashAttentionBackwardSm90_|bprop|dgrad|bwd"; pass=bwd
   fi
-  for peer in fa4_jax cudnn; do
+  for peer in ${NCU_PEERS:-fa4_jax cudnn}; do
     name="${peer}_${pass}_d${d}_s${s}_c${causal}"
-    # Skip the compiling call's launch.
+    # Skip the compiling call's launch. The report is kept for its source page (per-instruction
+    # stall samples), which goes back summarized: the whole page is thousands of rows.
+    report=$(mktemp -d)/$name
     timeout "${NCU_TIMEOUT:-150}" ncu --clock-control none --launch-skip 1 --launch-count 1 \
-      --kernel-name-base demangled -k "$kernels" \
+      --kernel-name-base demangled -k "$kernels" -o "$report" \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
       --section WarpStateStats --section SchedulerStats --section SourceCounters --section Occupancy \
       python3 scripts/profile_attention.py --peer "$peer" --head-dim "$d" --seqlen "$s" $flag \
       > "$out/$name.txt" 2>&1
+    ncu -i "$report.ncu-rep" --print-details all >> "$out/$name.txt" 2>&1
+    ncu -i "$report.ncu-rep" --page source --csv --print-source sass 2>&1 \
+      | python3 scripts/ncu_source_summary.py --top "${NCU_TOP:-40}" >> "$out/$name.txt" 2>&1
     echo "== $name: $(grep -m1 -E 'Duration' "$out/$name.txt" | tr -s ' ')"
     grep -E "Memory Throughput|DRAM Throughput|L2 Cache Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Warp Cycles Per Issued|Issue Slots Busy" \
       "$out/$name.txt" | tr -s ' ' | head -10

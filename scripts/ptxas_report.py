@@ -71,6 +71,20 @@ def ptxas_messages(ptx_path: str, arch: str) -> str:
     raise RuntimeError(f"ptxas could not read {ptx_path}:\n{proc.stderr}")
 
 
+def write_sass(out_dir: str, path: str) -> None:
+    """The kept cubin's SASS, e.g. to count shared-memory stores (STS vs STS.64) in a loop."""
+    cubin = glob.glob(os.path.join(out_dir, "*.cubin"))
+    # The toolkit's, else the nvidia-cuda-cuobjdump wheel's (a dependency of the DSL's CUDA libs).
+    import nvidia
+    wheels = [p for d in nvidia.__path__ for p in glob.glob(os.path.join(d, "cu*", "bin", "cuobjdump"))]
+    cuobjdump = shutil.which("cuobjdump") or next(iter(wheels), None)
+    if cuobjdump is None:
+        sys.exit("no cuobjdump: put the CUDA toolkit's bin/ on PATH")
+    sass = subprocess.run([cuobjdump, "-sass", cubin[0]], capture_output=True, text=True, check=True)
+    Path(path).write_text(sass.stdout)
+    print(f"SASS: {path}")
+
+
 def summarize(messages: str) -> tuple[list[str], bool]:
     """The C75xx lines and each kernel's register and spill line, kernel names shortened."""
     lines, serialized, kernel = [], False, "?"
@@ -92,6 +106,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("variant", help="a menu variant's name (fa4_jax/_lib/variants.json)")
     parser.add_argument("--tuning", type=json.loads, help="constructor settings, as JSON")
+    parser.add_argument("--sass", metavar="FILE",
+                        help="also write the compiled cubin's disassembly (cuobjdump -sass) here")
     args = parser.parse_args(argv)
     by_name = {v.name: v for v in variants.MENU}
     if args.variant not in by_name:
@@ -118,6 +134,8 @@ def main(argv=None) -> int:
             print(f"expected one PTX file in {out_dir}, found {ptx}", file=sys.stderr)
             return 2
         lines, serialized = summarize(ptxas_messages(ptx[0], variant.arch))
+        if args.sass:
+            write_sass(out_dir, args.sass)
     print("\n".join(lines))
     print("WGMMAs serialized: see the C75xx lines" if serialized else "no C75xx message")
     return 1 if serialized else 0

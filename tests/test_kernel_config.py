@@ -51,7 +51,7 @@ def _backward(head_dim=64, mask="none", softcap=False, **tuning):
     (128, dict(tile_m=96)),  # one or two 64-row WGMMA tiles per warp group only
     (256, dict(scores_ahead=True)),  # d256 has one Q/dO stage: the next Q cannot load ahead
     (128, dict(stages=3)),  # pds_stages 2 does not divide it
-    (96, dict(dq_tma_reduce=True)),  # 48 dQ columns per warp group: no whole swizzle atoms
+    (128, dict(row_stats_ahead=-1)),
     (64, dict(no_such_knob=1)),
 ])
 def test_bad_backward_tunings_are_refused(head_dim, tuning):

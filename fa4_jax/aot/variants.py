@@ -85,6 +85,8 @@ TUNINGS: dict[str, dict] = {
     # default), or after it (the others').
     "scores_ahead": {"scores_ahead": True},
     "scores_late": {"scores_ahead": False},
+    # d128: LSE and D read ahead of the GEMM waits, as at the other head dims.
+    "stats_ahead": {"row_stats_ahead": 16},
     # d64 on 64-row query tiles (dV issued during dSᵀ's pass), its shape before the 128-row tiles.
     "m64": {"tile_m": 64, "dv_during_ds": True},
 }
@@ -96,9 +98,9 @@ ABLATIONS = (
     ("fwd", 64, ("wg2", "linear", "lpt", "lpt_so", "n96", "n128", "nopingpong", "lpt_so_overlap")),
     ("fwd", 256, ("lpt", "linear", "n80")),
     ("bwd", 64, ("det_asc", "dq_atomic", "m64", "det_free_late")),
-    ("bwd", 128, ("det_asc", "dq_atomic", "det_free_early", "scores_ahead")),
-    ("bwd", 96, ("scores_late",)),
-    ("bwd", 192, ("scores_late",)),
+    ("bwd", 128, ("det_asc", "dq_atomic", "det_free_early", "scores_ahead", "stats_ahead")),
+    ("bwd", 96, ("scores_late", "dq_atomic")),
+    ("bwd", 192, ("scores_late", "dq_atomic")),
     ("bwd", 256, ("det_asc", "dq_atomic_2stage", "det_free_late")),
 )
 

@@ -98,9 +98,9 @@ class TileConfig:
     # (FlashAttention-3's scheme), instead of per-thread red.global.add.v2.f32 from the MMA warp
     # groups; in deterministic mode that warp, not the MMA warps, waits for the turn. Needs
     # tile_m·d·4 bytes more shared memory (d128: 32 KB; d256: 64 KB, which fits only with
-    # single-buffered Q/dO and dSᵀ/Pᵀ), and whole 128-byte swizzle atoms per warp group's half
-    # of d (d64, d128, d256; not d96, d192).
-    # Measured at d128 4k/16k: 521/555 TF/s fwd+bwd vs 443/468 with red.global (backward v1).
+    # single-buffered Q/dO and dSᵀ/Pᵀ), and a multiple of 8 dQ columns per warp group.
+    # Measured at d128 4k/16k: 521/555 TF/s fwd+bwd vs 443/468 with red.global (backward v1);
+    # d96 +8-12% and d192/dv128 +5-7% (session 8, with 8-column sdQ atoms).
     dq_tma_reduce: bool = False
     # dkv_from_registers: dV's WGMMA is issued as soon as Pᵀ is in registers, so that it runs
     # while dSᵀ is computed. It then holds Pᵀ's registers and dV's accumulator through that
@@ -125,6 +125,14 @@ class TileConfig:
     # from the MMA warps; even at d128 (a short hand-over to the writer warp) and 4-7% slower
     # there deterministically; at d64's 128 rows ptxas serializes the WGMMAs (C7512).
     scores_ahead: bool = False
+    # Columns of a thread's Sᵀ/dPᵀ fragment whose LSE and D values are read from shared memory
+    # before the GEMM waits instead of at their use (ptxas leaves a load that follows a wait
+    # after it, and at d128 the exponentials' first FFMAs waited on it: ~10% of the kernel's
+    # stall samples, short scoreboard). 16 is all of a 64-row tile; all 32 of d64's 128 rows
+    # spill. Measured (docs/perf-log.md, "where a d128 step stalls"): d256 +1-2.5%; d128 +0-4%
+    # by default but 7-11% slower deterministically, d64 even by default and 1-4% slower
+    # deterministically, so those two read them at their use (0).
+    row_stats_ahead: int = 16
 
 
 # A WGMMA has 64 rows: the Sᵀ/dPᵀ GEMMs put keys on them (64 per warp group with
@@ -150,10 +158,12 @@ class TileConfig:
 # per warp group would need 160 and 256 for dK + dV alone, hence tile_n = 64 with dK/dV split
 # along d (d256: 64 + 64) and P/dS through shared memory: d256 takes ~220, d192 ~155.
 TILE_CONFIGS = {
-    64: TileConfig(128, 128, 2, True, 2, dq_tma_reduce=True, dv_during_ds=False),
-    96: TileConfig(64, 128, 2, True, 2, scores_ahead=True),
-    128: TileConfig(64, 128, 2, True, 2, dq_tma_reduce=True, det_free_sdq_on_read=False),
-    192: TileConfig(64, 64, 2, False, 2, scores_ahead=True),
+    64: TileConfig(128, 128, 2, True, 2, dq_tma_reduce=True, dv_during_ds=False,
+                   row_stats_ahead=0),
+    96: TileConfig(64, 128, 2, True, 2, dq_tma_reduce=True, scores_ahead=True),
+    128: TileConfig(64, 128, 2, True, 2, dq_tma_reduce=True, det_free_sdq_on_read=False,
+                    row_stats_ahead=0),
+    192: TileConfig(64, 64, 2, False, 2, dq_tma_reduce=True, scores_ahead=True),
     256: TileConfig(64, 64, 1, False, 1, dq_tma_reduce=True),
 }
 # With softcap the one pass over Sᵀ and dPᵀ keeps both in fp32 until the end; on d64's 128 rows
@@ -256,10 +266,16 @@ class FlashAttentionBackwardSm90:
         # per warp group would read K twice.
         self.dq_row_groups = self.tile_m // 64
         self.dq_cols = head_dim * self.dq_row_groups // wgs
-        # Each MMA warp group's part of sdQ must be whole 128-byte swizzle atoms (32 fp32).
-        if self.config.dq_tma_reduce and self.dq_cols % 32:
+        # sdQ's swizzle atom: the widest (32, 16 or 8 fp32 columns: 128, 64 or 32 bytes) that
+        # tiles each MMA warp group's part. The TMA reduce reads the tile in boxes one atom
+        # wide, and narrow boxes are slow: with 8-column atoms everywhere, d256 ran 11-15%
+        # slower and d128 gained nothing, although the 128-byte atoms' register stores take
+        # twice the ideal shared-memory wavefronts (rows r and r ^ 1 of a half warp share
+        # banks). docs/perf-log.md, "where a d128 step stalls".
+        self.dq_atom_cols = next((w for w in (32, 16, 8) if self.dq_cols % w == 0), None)
+        if self.config.dq_tma_reduce and self.dq_atom_cols is None:
             raise ValueError(f"{self.config}: dq_tma_reduce needs {self.dq_cols} columns of dQ per "
-                             "warp group to be a multiple of 32 (d64, d128, d256)")
+                             "warp group to be a multiple of 8")
         self.preprocess = BackwardPreprocess(dtype, head_dim_v)
         self.postprocess = BackwardPostprocess(dtype, head_dim)
 
@@ -272,6 +288,8 @@ class FlashAttentionBackwardSm90:
         if config.stages % config.pds_stages:
             raise ValueError(f"{config}: stages must be a multiple of pds_stages (consecutive "
                              "query blocks alternate dSᵀ buffers by stage)")
+        if config.row_stats_ahead < 0:
+            raise ValueError(f"{config}: row_stats_ahead counts columns read ahead (0: none)")
         if config.scores_ahead and config.stages < 2:
             raise ValueError(f"{config}: scores_ahead needs two Q/dO stages (the next block's Q "
                              "loads while this block's is still read)")
@@ -370,10 +388,10 @@ class FlashAttentionBackwardSm90:
         )
         tma_atom_dq, tma_dq, sdQ_layout, dq_elems = None, None, None, 0
         if cutlass.const_expr(self.config.dq_tma_reduce):
-            # (sq_pad, d, heads, batch) view of the fp32 accumulator; the shared tile is
-            # 128-byte swizzled, so the TMA goes in 32-column boxes.
+            # (sq_pad, d, heads, batch) view of the fp32 accumulator; the TMA goes in boxes one
+            # swizzle atom wide (dq_atom_cols).
             mdQaccum_k = permute_modes(mdQaccum, (2, 3, 1, 0))
-            sdQ_layout = smem_layout(Float32, self.tile_m, self.head_dim)
+            sdQ_layout = smem_layout(Float32, self.tile_m, self.head_dim, atom_cols=self.dq_atom_cols)
             tma_atom_dq, tma_dq = cpasync.make_tiled_tma_atom(
                 cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum_k, sdQ_layout, (self.tile_m, self.head_dim)
             )
@@ -417,6 +435,9 @@ class FlashAttentionBackwardSm90:
 
         # Key blocks are the fastest grid mode, so in deterministic mode a CTA is never resident
         # while one of lower key block (whose dQ adds it waits for) has not been launched yet.
+        # The CTAs of a wave are then mostly one head's, and share its Q and dO in L2: dispatching
+        # the heads' chains interleaved instead cost the deterministic mode 10-28%
+        # (docs/perf-log.md, "interleaving the chains").
         grid = (cute.ceil_div(cute.size(mK_k.shape[0]), self.tile_n), cute.size(mK_k.shape[2]),
                 cute.size(mK_k.shape[3]))
         self.kernel(
@@ -783,6 +804,12 @@ class FlashAttentionBackwardSm90:
                   zero_init=True, wait_group=-1)
         scores = acc_rows_cols(blocks.acc_s)
         dp = acc_rows_cols(blocks.acc_dp)
+
+        def row_stat(table, c):
+            # sLSE or sdPsum of the query row that register column c holds.
+            return table[self._query_of(blocks, c), stage]
+
+        stats_ahead = min(cute.size(scores, mode=[1]), self.config.row_stats_ahead)
         if cutlass.const_expr(self.has_softcap):
             # One pass over Sᵀ and dPᵀ: t = tanh, P, dSᵀ = P ∘ (dPᵀ − D) ∘ (1 − t²), so only one
             # LSE and one D value are live at a time; the mask then zeroes P and dSᵀ (masking the
@@ -809,6 +836,7 @@ class FlashAttentionBackwardSm90:
                 mask_key_tail(scores, fill=0.0)
                 mask_key_tail(dp, fill=0.0)
         else:
+            lse_ahead = [row_stat(blocks.sLSE, c) for c in range(stats_ahead)]
             # Sᵀ is done; the exponentials overlap the dPᵀ GEMM.
             warpgroup.wait_group(1)
             if cutlass.const_expr(self.causal or self.local):
@@ -817,7 +845,7 @@ class FlashAttentionBackwardSm90:
             if key_tail:
                 mask_key_tail(scores)
             for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-                lse_log2 = blocks.sLSE[self._query_of(blocks, c), stage]
+                lse_log2 = lse_ahead[c] if c < stats_ahead else row_stat(blocks.sLSE, c)
                 for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
                     scores[r, c] = cute.math.exp2(scores[r, c] * blocks.scale_log2 - lse_log2, fastmath=True)
         blocks.p.store(blocks.acc_s.load().to(self.dtype))
@@ -832,10 +860,11 @@ class FlashAttentionBackwardSm90:
         if cutlass.const_expr(dv_from_registers_early):
             issue_dv_from_registers()
         if cutlass.const_expr(not self.has_softcap):
+            d_ahead = [row_stat(blocks.sdPsum, c) for c in range(stats_ahead)]
             # dPᵀ is done (the dV GEMM, if issued, may still run).
             warpgroup.wait_group(1 if cutlass.const_expr(dv_from_registers_early) else 0)
             for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
-                d_value = blocks.sdPsum[self._query_of(blocks, c), stage]
+                d_value = d_ahead[c] if c < stats_ahead else row_stat(blocks.sdPsum, c)
                 for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
                     dp[r, c] = scores[r, c] * (dp[r, c] - d_value)
             blocks.ds.store(blocks.acc_dp.load().to(self.dtype))
@@ -889,9 +918,7 @@ class FlashAttentionBackwardSm90:
             if cutlass.const_expr(self.config.dq_tma_reduce):
                 # Wait until the writer's previous TMA has read sdQ, fill it, hand it over.
                 cute.arch.barrier(barrier_id=self.dq_empty_barrier_id, number_of_threads=self._dq_sync_threads())
-                tdQsdQ = blocks.thr_mma_dq.partition_C(blocks.sdQ)
-                for i in cutlass.range_constexpr(cute.size(blocks.acc_dq)):
-                    tdQsdQ[i] = blocks.acc_dq[i]
+                cute.autovec_copy(blocks.acc_dq, blocks.thr_mma_dq.partition_C(blocks.sdQ))
                 # Ordinary stores must be made visible to the TMA (async proxy).
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier_arrive(barrier_id=self.dq_full_barrier_id, number_of_threads=self._dq_sync_threads())
@@ -1042,12 +1069,8 @@ class FlashAttentionBackwardSm90:
             cute.arch.barrier(barrier_id=self.dq_empty_barrier_id, number_of_threads=self._dq_sync_threads())
         # Both warp groups' GEMMs reading K and V have retired (each waits for its own).
         cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.num_mma_threads)
-        tdKsdK = thr_mma_dk.partition_C(sK)
-        for i in cutlass.range_constexpr(cute.size(dk_out)):
-            tdKsdK[i] = dk_out[i]
-        tdVsdV = thr_mma_dv.partition_C(sV)
-        for i in cutlass.range_constexpr(cute.size(dv_out)):
-            tdVsdV[i] = dv_out[i]
+        cute.autovec_copy(dk_out, thr_mma_dk.partition_C(sK))
+        cute.autovec_copy(dv_out, thr_mma_dv.partition_C(sV))
         # Ordinary stores must be made visible to the TMA (async proxy) before the store is issued.
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.num_mma_threads)

@@ -856,9 +856,7 @@ class FlashAttentionForwardSm90:
         cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.num_mma_threads)
         # The thread's slice is rebuilt from an opaque index so its swizzled addresses are
         # computed here, not hoisted out of a persistent kernel's tile loop (see opaque_int32).
-        tOsO = tiled_mma_pv.get_slice(opaque_int32(tidx)).partition_C(sO)
-        for i in cutlass.range_constexpr(cute.size(o_out)):
-            tOsO[i] = o_out[i]
+        cute.autovec_copy(o_out, tiled_mma_pv.get_slice(opaque_int32(tidx)).partition_C(sO))
         # Ordinary stores must be made visible to the TMA (async proxy) before the store is issued.
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.num_mma_threads)

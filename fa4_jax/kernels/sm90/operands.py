@@ -14,13 +14,16 @@ def _swizzle_width(cols: int) -> int:
     return next(w for w in (64, 32, 16, 8) if cols % w == 0)
 
 
-def smem_layout(dtype, rows: int, cols: int, stages: int | None = None, split: int | None = None):
+def smem_layout(dtype, rows: int, cols: int, stages: int | None = None, split: int | None = None,
+                atom_cols: int | None = None):
     """Row-major, swizzled tile (cols contiguous), as TMA writes it and WGMMA reads it.
 
     `split`: the column slice one warp group's WGMMA reads as an MN-major operand; the swizzle
     atom is narrowed when the natural one cuts across slices (d96: 48 of 96, d192: 96 of 192).
+    `atom_cols`: the swizzle atom's width in elements, chosen by the caller (for a tile that
+    threads, not WGMMA, write).
     """
-    major = cols
+    major = cols if atom_cols is None else atom_cols
     if split is not None:
         natural = _swizzle_width(cols)
         if split % natural != 0 and natural % split != 0:
