@@ -23,11 +23,11 @@ the group inside the CTA). Warp-role table:
     dV += Pᵀ·dO issued, then dSᵀ = Pᵀ∘(dPᵀ − D) while it runs (`dv_during_ds`; else dV after
     dSᵀ); dK += dSᵀ·Q;
     dSᵀ to shared memory (stmatrix), a named barrier, then dQ_partial = dS·K (WGMMA, dS read as
-    an M-major view of dSᵀ); dQ_partial added into mdQaccum: at d64/d128/d256 (`dq_tma_reduce`)
-    through a shared fp32 tile and one TMA reduce-add issued by a dQ-writer warp of warp group
-    0, otherwise by per-thread `red.global.add.v2.f32`. In deterministic mode the adds into a
-    (batch, head, query block) go in a fixed key-block order (decreasing under a causal/local
-    mask: `det_descending`), each waiting on mSemaphore for its turn.
+    an M-major view of dSᵀ); dQ_partial added into mdQaccum: with `dq_tma_reduce` (every head
+    dim of the menu) through a shared fp32 tile and TMA reduce-adds issued by a dQ-writer warp of
+    warp group 0, otherwise by per-thread `red.global.add.v2.f32`. In deterministic mode the
+    adds into a (batch, head, query block) go in a fixed key-block order (decreasing under a
+    causal/local mask: `det_descending`), each waiting on mSemaphore for its turn.
     With softcap, Sᵀ and dPᵀ are both awaited and one pass computes t = tanh(Sᵀ·scale/softcap),
     Pᵀ and dSᵀ = Pᵀ∘(dPᵀ − D)∘(1 − t²); the mask then zeroes Pᵀ and dSᵀ (masking the scores
     to −inf first would leave no t for the derivative).
@@ -100,7 +100,7 @@ class TileConfig:
     # tile_m·d·4 bytes more shared memory (d128: 32 KB; d256: 64 KB, which fits only with
     # single-buffered Q/dO and dSᵀ/Pᵀ), and a multiple of 8 dQ columns per warp group.
     # Measured at d128 4k/16k: 521/555 TF/s fwd+bwd vs 443/468 with red.global (backward v1);
-    # d96 +8-12% and d192/dv128 +5-7% (session 8, with 8-column sdQ atoms).
+    # d96 +8-12%, d192/dv128 +32-34% (session 8).
     dq_tma_reduce: bool = False
     # dkv_from_registers: dV's WGMMA is issued as soon as Pᵀ is in registers, so that it runs
     # while dSᵀ is computed. It then holds Pᵀ's registers and dV's accumulator through that
