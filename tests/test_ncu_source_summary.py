@@ -1,9 +1,10 @@
 """CPU tier: scripts/ncu_source_summary.py ranks a canned Nsight Compute source page right."""
 import subprocess
 import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ncu_source_summary.py"
+from tests.scripts import SCRIPTS
+
+SCRIPT = SCRIPTS / "ncu_source_summary.py"
 
 # ncu's own lines first, then a header and one row per instruction (values with thousands commas).
 PAGE = """\

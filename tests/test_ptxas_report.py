@@ -1,15 +1,5 @@
 """CPU tier: scripts/ptxas_report.py reads ptxas -v's messages right (canned ptxas output)."""
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ptxas_report.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("ptxas_report", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.scripts import load_script
 
 
 MESSAGES = """\
@@ -26,7 +16,7 @@ ptxas info    : Used 168 registers, used 6 barriers
 
 
 def test_serialization_and_spills_are_reported_per_kernel():
-    lines, serialized = load_script().summarize(MESSAGES)
+    lines, serialized = load_script("ptxas_report").summarize(MESSAGES)
     assert serialized
     assert lines[0].startswith("(C7514) Potential Performance Loss") and "function" not in lines[0]
     assert "BackwardPreprocess: 0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in lines
@@ -36,5 +26,5 @@ def test_serialization_and_spills_are_reported_per_kernel():
 
 def test_a_clean_compile_is_not_reported_as_serialized():
     clean = "\n".join(line for line in MESSAGES.splitlines() if "C7514" not in line)
-    lines, serialized = load_script().summarize(clean)
+    lines, serialized = load_script("ptxas_report").summarize(clean)
     assert not serialized and len(lines) == 4

@@ -266,14 +266,8 @@ class FlashAttentionBackwardSm90:
         # per warp group would read K twice.
         self.dq_row_groups = self.tile_m // 64
         self.dq_cols = head_dim * self.dq_row_groups // wgs
-        # sdQ's swizzle atom: the widest (32, 16 or 8 fp32 columns: 128, 64 or 32 bytes) that
-        # tiles each MMA warp group's part. The TMA reduce reads the tile in boxes one atom
-        # wide, and narrow boxes are slow: with 8-column atoms everywhere, d256 ran 11-15%
-        # slower and d128 gained nothing, although the 128-byte atoms' register stores take
-        # twice the ideal shared-memory wavefronts (rows r and r ^ 1 of a half warp share
-        # banks). docs/perf-log.md, "where a d128 step stalls".
-        self.dq_atom_cols = next((w for w in (32, 16, 8) if self.dq_cols % w == 0), None)
-        if self.config.dq_tma_reduce and self.dq_atom_cols is None:
+        # sdQ's swizzle atoms must not cross the warp groups' parts (32-byte atoms at least).
+        if self.config.dq_tma_reduce and self.dq_cols % 8:
             raise ValueError(f"{self.config}: dq_tma_reduce needs {self.dq_cols} columns of dQ per "
                              "warp group to be a multiple of 8")
         self.preprocess = BackwardPreprocess(dtype, head_dim_v)
@@ -388,10 +382,14 @@ class FlashAttentionBackwardSm90:
         )
         tma_atom_dq, tma_dq, sdQ_layout, dq_elems = None, None, None, 0
         if cutlass.const_expr(self.config.dq_tma_reduce):
-            # (sq_pad, d, heads, batch) view of the fp32 accumulator; the TMA goes in boxes one
-            # swizzle atom wide (dq_atom_cols).
+            # (sq_pad, d, heads, batch) view of the fp32 accumulator. sdQ takes the widest swizzle
+            # atom that tiles a warp group's part (128 bytes; 64 at d96), and the TMA reads it in
+            # boxes one atom wide. Narrow boxes are slow: with 32-byte atoms everywhere d256 ran
+            # 11-15% slower and d128 gained nothing, although the 128-byte atoms' register
+            # stores take twice the ideal shared-memory wavefronts (rows r and r ^ 1 of a half
+            # warp share banks). docs/perf-log.md, "where a d128 step stalls".
             mdQaccum_k = permute_modes(mdQaccum, (2, 3, 1, 0))
-            sdQ_layout = smem_layout(Float32, self.tile_m, self.head_dim, atom_cols=self.dq_atom_cols)
+            sdQ_layout = smem_layout(Float32, self.tile_m, self.head_dim, split=self.dq_cols)
             tma_atom_dq, tma_dq = cpasync.make_tiled_tma_atom(
                 cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum_k, sdQ_layout, (self.tile_m, self.head_dim)
             )
@@ -820,9 +818,7 @@ class FlashAttentionBackwardSm90:
                 blocks.acc_s[i] = cute.math.tanh(blocks.acc_s[i] * blocks.score_prescale, fastmath=True)
             warpgroup.wait_group(0)
             for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-                query = self._query_of(blocks, c)
-                lse_log2 = blocks.sLSE[query, stage]
-                d_value = blocks.sdPsum[query, stage]
+                lse_log2, d_value = row_stat(blocks.sLSE, c), row_stat(blocks.sdPsum, c)
                 for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
                     capped = scores[r, c]
                     prob = cute.math.exp2(capped * blocks.scale_log2 - lse_log2, fastmath=True)

@@ -9,23 +9,21 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 
-def _swizzle_width(cols: int) -> int:
-    """Elements per row of the widest 2-byte swizzle atom (128, 64 or 32 bytes) that tiles cols."""
-    return next(w for w in (64, 32, 16, 8) if cols % w == 0)
+def _swizzle_width(dtype, cols: int) -> int:
+    """Elements per row of the widest swizzle atom (128, 64 or 32 bytes; else 16) that tiles cols."""
+    return next(w for w in (128, 64, 32, 16) if cols % (w * 8 // dtype.width) == 0) * 8 // dtype.width
 
 
-def smem_layout(dtype, rows: int, cols: int, stages: int | None = None, split: int | None = None,
-                atom_cols: int | None = None):
+def smem_layout(dtype, rows: int, cols: int, stages: int | None = None, split: int | None = None):
     """Row-major, swizzled tile (cols contiguous), as TMA writes it and WGMMA reads it.
 
-    `split`: the column slice one warp group's WGMMA reads as an MN-major operand; the swizzle
-    atom is narrowed when the natural one cuts across slices (d96: 48 of 96, d192: 96 of 192).
-    `atom_cols`: the swizzle atom's width in elements, chosen by the caller (for a tile that
-    threads, not WGMMA, write).
+    `split`: the column slice one warp group reads (as an MN-major WGMMA operand, or writes from
+    its registers); the swizzle atom is narrowed when the natural one cuts across slices (bf16
+    d96: 48 of 96, d192: 96 of 192; fp32 d96: 48 of 96).
     """
-    major = cols if atom_cols is None else atom_cols
+    major = cols
     if split is not None:
-        natural = _swizzle_width(cols)
+        natural = _swizzle_width(dtype, cols)
         if split % natural != 0 and natural % split != 0:
             major = split
     atom = warpgroup.make_smem_layout_atom(
