@@ -385,10 +385,17 @@ class FlashAttentionBackwardSm90:
             # (sq_pad, d, heads, batch) view of the fp32 accumulator. sdQ takes the widest swizzle
             # atom that tiles a warp group's part (128 bytes; 64 at d96), and the TMA reads it in
             # boxes one atom wide. Narrow boxes are slow: with 32-byte atoms everywhere d256 ran
-            # 11-15% slower and d128 gained nothing, although the 128-byte atoms' register
-            # stores take twice the ideal shared-memory wavefronts (rows r and r ^ 1 of a half
-            # warp share banks). docs/perf-log.md, "where a d128 step stalls".
-            mdQaccum_k = permute_modes(mdQaccum, (2, 3, 1, 0))
+            # 11-15% slower and d128 gained nothing. docs/perf-log.md, "where a d128 step stalls".
+            # Rows paired: sdQ line p holds tile row (p // 2) + (tile_m / 2)·(p % 2), so a half
+            # warp's STS.64 (rows r, r ^ 1 at the same columns) land in different banks; the TMA
+            # reads the accumulator through a view whose row mode is split the same way, heads
+            # and batch merged to keep the tensor map within 5 dimensions.
+            rows = self.tile_m
+            batch_count, head_count, seq_pad, _ = mdQaccum.shape
+            mdQaccum_k = cute.make_tensor(mdQaccum.iterator, cute.make_layout(
+                (((2, rows // 2), seq_pad // rows), self.head_dim, head_count * batch_count),
+                stride=((((rows // 2) * self.head_dim, self.head_dim), rows * self.head_dim), 1,
+                        seq_pad * self.head_dim)))
             sdQ_layout = smem_layout(Float32, self.tile_m, self.head_dim, split=self.dq_cols)
             tma_atom_dq, tma_dq = cpasync.make_tiled_tma_atom(
                 cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum_k, sdQ_layout, (self.tile_m, self.head_dim)
@@ -523,9 +530,14 @@ class FlashAttentionBackwardSm90:
         if cutlass.const_expr(not self.config.dkv_from_registers):
             sP = swizzled_tensor(storage.sP, sPdS_layout)
         sLSE = storage.sLSE.get_tensor(sRow_layout)
-        sdQ = None
+        sdQ, sdQ_lines = None, None
         if cutlass.const_expr(self.config.dq_tma_reduce):
-            sdQ = swizzled_tensor(storage.sdQ, sdQ_layout)
+            sdQ_lines = swizzled_tensor(storage.sdQ, sdQ_layout)
+            # The MMA threads' view: tile row r at line 2·(r mod tile_m/2) + r div (tile_m/2).
+            rows = self.tile_m
+            sdQ = cute.make_tensor(sdQ_lines.iterator, cute.composition(
+                sdQ_lines.layout,
+                cute.make_layout(((rows // 2, 2), self.head_dim), stride=((2, 1), rows))))
         sdPsum = storage.sdPsum.get_tensor(sRow_layout)
 
         block_x, head_kv, batch = cute.arch.block_idx()
@@ -559,9 +571,9 @@ class FlashAttentionBackwardSm90:
             if cutlass.const_expr(self.config.dq_tma_reduce):
                 if warp_idx == self.dq_writer_warp:
                     self.dq_writer(
-                        tma_atom_dq, mdQaccum_tma, sdQ, mSemaphore, n_block, head_kv, batch, group,
+                        tma_atom_dq, mdQaccum_tma, sdQ_lines, mSemaphore, n_block, head_kv, batch, group,
                         seqlen_q, seqlen_k, m_block_min, m_block_max, window_left, window_right,
-                        deterministic, block_info,
+                        deterministic, block_info, num_heads,
                     )
         else:
             cute.arch.setmaxregister_increase(self.mma_registers)
@@ -974,6 +986,7 @@ class FlashAttentionBackwardSm90:
     def dq_writer(
         self, tma_atom_dq, mdQaccum, sdQ, mSemaphore, n_block, head_kv, batch, group, seqlen_q,
         seqlen_k, m_block_min, m_block_max, window_left, window_right, deterministic, block_info,
+        num_heads,
     ):
         """dq_tma_reduce: one warp walks the MMA warp groups' query blocks and, for each that this
         key block adds into, reduce-adds sdQ into mdQaccum with one TMA, in turn when
@@ -987,7 +1000,7 @@ class FlashAttentionBackwardSm90:
         cute.arch.barrier_arrive(barrier_id=self.dq_empty_barrier_id, number_of_threads=self._dq_sync_threads())
         for head_in_group in cutlass.range(group, unroll=1):
             head = head_kv * group + head_in_group
-            gdQ = cute.local_tile(mdQaccum[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
+            gdQ = cute.local_tile(mdQaccum[None, None, head + num_heads * batch], (self.tile_m, self.head_dim), (None, 0))
             tdQsdQ, tdQgdQ = cpasync.tma_partition(
                 tma_atom_dq, 0, no_cluster, cute.group_modes(sdQ, 0, 2), cute.group_modes(gdQ, 0, 2)
             )
