@@ -70,7 +70,7 @@ from fa4_jax.kernels.bwd_post import BackwardPostprocess
 from fa4_jax.kernels.bwd_pre import BackwardPreprocess
 from fa4_jax.kernels.bwd_workspace import BWD_SEMAPHORE_ROWS
 from fa4_jax.kernels.common.block_info import BlockInfo
-from fa4_jax.kernels.common.layouts import acc_as_operand_a, acc_rows_cols
+from fa4_jax.kernels.common.layouts import acc_as_operand_a, acc_rows_cols, opaque_int32
 from fa4_jax.kernels.common.mask import AttentionMask
 from fa4_jax.kernels.sm90.operands import (
     permute_modes, smem_layout, swizzled_tensor, tma_pipeline, wgmma_gemm,
@@ -926,7 +926,11 @@ class FlashAttentionBackwardSm90:
             if cutlass.const_expr(self.config.dq_tma_reduce):
                 # Wait until the writer's previous TMA has read sdQ, fill it, hand it over.
                 cute.arch.barrier(barrier_id=self.dq_empty_barrier_id, number_of_threads=self._dq_sync_threads())
-                cute.autovec_copy(blocks.acc_dq, blocks.thr_mma_dq.partition_C(blocks.sdQ))
+                # The stores' 16 swizzled addresses are computed here from an opaque thread
+                # index: hoisted out of the loop they made d128 spill (see opaque_int32).
+                tidx, _, _ = cute.arch.thread_idx()
+                thr_mma_dq = blocks.tiled_mma_dq.get_slice(opaque_int32(tidx - self.threads_per_warp_group))
+                cute.autovec_copy(blocks.acc_dq, thr_mma_dq.partition_C(blocks.sdQ))
                 # Ordinary stores must be made visible to the TMA (async proxy).
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier_arrive(barrier_id=self.dq_full_barrier_id, number_of_threads=self._dq_sync_threads())
