@@ -382,14 +382,15 @@ class FlashAttentionBackwardSm90:
         )
         tma_atom_dq, tma_dq, sdQ_layout, dq_elems = None, None, None, 0
         if cutlass.const_expr(self.config.dq_tma_reduce):
-            # (sq_pad, d, heads, batch) view of the fp32 accumulator. sdQ takes the widest swizzle
-            # atom that tiles a warp group's part (128 bytes; 64 at d96), and the TMA reads it in
-            # boxes one atom wide. Narrow boxes are slow: with 32-byte atoms everywhere d256 ran
-            # 11-15% slower and d128 gained nothing. docs/perf-log.md, "where a d128 step stalls".
+            # sdQ takes the widest swizzle atom that tiles a warp group's part (128 bytes; 64 at
+            # d96), and the TMA reads it in boxes one atom wide. Narrow boxes are slow: with
+            # 32-byte atoms everywhere d256 ran 11-15% slower and d128 gained nothing.
             # Rows paired: sdQ line p holds tile row (p // 2) + (tile_m / 2)·(p % 2), so a half
-            # warp's STS.64 (rows r, r ^ 1 at the same columns) land in different banks; the TMA
-            # reads the accumulator through a view whose row mode is split the same way, heads
-            # and batch merged to keep the tensor map within 5 dimensions.
+            # warp's STS.64 (rows r, r ^ 1 at the same columns) land in different banks: +1-3%
+            # at d64/d128, neutral at d256 (docs/perf-log.md, "sdQ rows paired"). The TMA reads
+            # the accumulator through a (((2, tile_m/2), query blocks), d, heads·batch) view
+            # whose row mode is split the same way; heads and batch are merged to keep the
+            # tensor map within 5 dimensions.
             rows = self.tile_m
             batch_count, head_count, seq_pad, _ = mdQaccum.shape
             mdQaccum_k = cute.make_tensor(mdQaccum.iterator, cute.make_layout(
