@@ -81,6 +81,8 @@ TUNINGS: dict[str, dict] = {
     # read it (d64's and d256's).
     "det_free_late": {"det_free_sdq_on_read": False},
     "det_free_early": {"det_free_sdq_on_read": True},
+    # Deterministic mode without the waits for the turn (not reproducible): what the order costs.
+    "det_unordered": {"det_ordered": False},
     # The next query block's Sᵀ issued before this block's dQ hand-over (d96's and d192's
     # default), or after it (the others').
     "scores_ahead": {"scores_ahead": True},
@@ -97,11 +99,12 @@ ABLATIONS = (
                      "lpt_so_l2s8", "n176", "n192", "lpt_so_overlap")),
     ("fwd", 64, ("wg2", "linear", "lpt", "lpt_so", "n96", "n128", "nopingpong", "lpt_so_overlap")),
     ("fwd", 256, ("lpt", "linear", "n80")),
-    ("bwd", 64, ("det_asc", "dq_atomic", "m64", "det_free_late")),
-    ("bwd", 128, ("det_asc", "dq_atomic", "det_free_early", "scores_ahead", "stats_ahead")),
-    ("bwd", 96, ("scores_late", "dq_atomic")),
-    ("bwd", 192, ("scores_late", "dq_atomic")),
-    ("bwd", 256, ("det_asc", "dq_atomic_2stage", "det_free_late")),
+    ("bwd", 64, ("det_asc", "dq_atomic", "m64", "det_free_late", "det_unordered")),
+    ("bwd", 128, ("det_asc", "dq_atomic", "det_free_early", "scores_ahead", "stats_ahead",
+                  "det_unordered")),
+    ("bwd", 96, ("scores_late", "dq_atomic", "det_unordered")),
+    ("bwd", 192, ("scores_late", "dq_atomic", "det_unordered")),
+    ("bwd", 256, ("det_asc", "dq_atomic_2stage", "det_free_late", "det_unordered")),
 )
 
 

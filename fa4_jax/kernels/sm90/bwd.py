@@ -115,6 +115,11 @@ class TileConfig:
     # Measured (docs/perf-log.md, "when the writer hands sdQ back"): +4-6% at d256, even at d64,
     # 4-7% slower at d128.
     det_free_sdq_on_read: bool = True
+    # Ablation only: False keeps the deterministic mode's per-add costs (the add waited on to
+    # completion, the semaphore released) but not the wait for the turn, so adds land in any
+    # order and results are not reproducible. Against the default mode and the ordered one it
+    # splits the deterministic cost into those per-add costs and the waits for the order.
+    det_ordered: bool = True
     # The next query block's Sᵀ GEMM is issued as soon as this block's GEMMs have retired, so
     # that it runs while this block's dQ goes to sdQ (or to global memory) and the threads meet
     # at its barriers; False: after that hand-over, where the exponentials wait for it. Needs a
@@ -1015,10 +1020,11 @@ class FlashAttentionBackwardSm90:
                     semaphore = _elem_ptr(mSemaphore, (batch, head, m_block * (self.tile_m // BWD_SEMAPHORE_ROWS)))
                     cute.arch.barrier(barrier_id=self.dq_full_barrier_id, number_of_threads=self._dq_sync_threads())
                     if deterministic != 0:
-                        if lane == 0:
-                            done = cute.arch.load(semaphore, Int32, sem="acquire", scope="gpu")
-                            while done != turn:
+                        if cutlass.const_expr(self.config.det_ordered):
+                            if lane == 0:
                                 done = cute.arch.load(semaphore, Int32, sem="acquire", scope="gpu")
+                                while done != turn:
+                                    done = cute.arch.load(semaphore, Int32, sem="acquire", scope="gpu")
                         cute.arch.sync_warp()
                         # The previous key block's adds (acquired above) precede this TMA.
                         cute.arch.fence_proxy("async.global")
