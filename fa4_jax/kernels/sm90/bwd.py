@@ -120,6 +120,15 @@ class TileConfig:
     # order and results are not reproducible. Against the default mode and the ordered one it
     # splits the deterministic cost into those per-add costs and the waits for the order.
     det_ordered: bool = True
+    # Deterministic dq_tma_reduce with sdQ freed on read: the dQ writer passes a query block's
+    # turn on once it has issued its next add (that block's completion awaited then, one add
+    # still in flight), so an add's round trip to L2 overlaps the next step; False: right after
+    # the add, the writer idle until it completes. det_unordered measured that wait as most of
+    # the deterministic cost at d192 (16k: 368 TF/s unordered against 458 by default) and half
+    # of it at d256 causal (421 against 498): an add of 48-64 KB takes longer to land than a
+    # d192/d256 step. The next key block's turn comes one step later: a fill of one step per
+    # CTA of a chain, paid once.
+    det_pass_turn_late: bool = False
     # The next query block's Sᵀ GEMM is issued as soon as this block's GEMMs have retired, so
     # that it runs while this block's dQ goes to sdQ (or to global memory) and the threads meet
     # at its barriers; False: after that hand-over, where the exponentials wait for it. Needs a
@@ -138,6 +147,12 @@ class TileConfig:
     # by default but 7-11% slower deterministically, d64 even by default and 1-4% slower
     # deterministically, so those two read them at their use (0).
     row_stats_ahead: int = 16
+    # The dK GEMM is issued after dQ's, and the dQ hand-over (its stores to sdQ, or its atomics)
+    # runs while dK's GEMM does; False: dK is issued first (from registers, before dSᵀ goes to
+    # shared memory) and the hand-over waits for every GEMM of the block, the tensor pipe idle
+    # through it. Holds dSᵀ's 16-bit registers (dK's operand) through the hand-over. Not with
+    # scores_ahead, which overlaps the hand-over with the next block's Sᵀ instead.
+    dq_during_dk: bool = False
 
 
 # A WGMMA has 64 rows: the Sᵀ/dPᵀ GEMMs put keys on them (64 per warp group with
@@ -164,12 +179,15 @@ class TileConfig:
 # along d (d256: 64 + 64) and P/dS through shared memory: d256 takes ~220, d192 ~155.
 TILE_CONFIGS = {
     64: TileConfig(128, 128, 2, True, 2, dq_tma_reduce=True, dv_during_ds=False,
-                   row_stats_ahead=0),
-    96: TileConfig(64, 128, 2, True, 2, dq_tma_reduce=True, scores_ahead=True),
+                   row_stats_ahead=0, dq_during_dk=True, det_pass_turn_late=True),
+    96: TileConfig(64, 128, 2, True, 2, dq_tma_reduce=True, scores_ahead=True,
+                   det_pass_turn_late=True),
     128: TileConfig(64, 128, 2, True, 2, dq_tma_reduce=True, det_free_sdq_on_read=False,
-                    row_stats_ahead=0),
-    192: TileConfig(64, 64, 2, False, 2, dq_tma_reduce=True, scores_ahead=True),
-    256: TileConfig(64, 64, 1, False, 1, dq_tma_reduce=True),
+                    row_stats_ahead=0, dq_during_dk=True),
+    192: TileConfig(64, 64, 2, False, 2, dq_tma_reduce=True, scores_ahead=True,
+                    det_pass_turn_late=True),
+    256: TileConfig(64, 64, 1, False, 1, dq_tma_reduce=True, dq_during_dk=True,
+                    det_pass_turn_late=True),
 }
 # With softcap the one pass over Sᵀ and dPᵀ keeps both in fp32 until the end; on d64's 128 rows
 # that spills (168 bytes of stack), so softcap keeps 64-row tiles there.
@@ -289,6 +307,12 @@ class FlashAttentionBackwardSm90:
                              "query blocks alternate dSᵀ buffers by stage)")
         if config.row_stats_ahead < 0:
             raise ValueError(f"{config}: row_stats_ahead counts columns read ahead (0: none)")
+        if config.det_pass_turn_late and not (config.dq_tma_reduce and config.det_free_sdq_on_read):
+            raise ValueError(f"{config}: det_pass_turn_late needs dq_tma_reduce with "
+                             "det_free_sdq_on_read (sdQ would stay held until the turn passes)")
+        if config.scores_ahead and config.dq_during_dk:
+            raise ValueError(f"{config}: scores_ahead and dq_during_dk both overlap the dQ hand-over; "
+                             "choose one")
         if config.scores_ahead and config.stages < 2:
             raise ValueError(f"{config}: scores_ahead needs two Q/dO stages (the next block's Q "
                              "loads while this block's is still read)")
@@ -753,8 +777,11 @@ class FlashAttentionBackwardSm90:
         else:
             for index in cutlass.range(blocks_total, unroll=1):
                 self.issue_scores(blocks, state)
-                dkv_step(state=state, index=index)
-                dq_step(index=index)
+                if cutlass.const_expr(self.config.dq_during_dk):
+                    dkv_step(state=state, index=index, hand_over_dq=functools.partial(dq_step, index=index))
+                else:
+                    dkv_step(state=state, index=index)
+                    dq_step(index=index)
                 state.advance()
 
         self.epilogue(
@@ -782,13 +809,14 @@ class FlashAttentionBackwardSm90:
 
     @cute.jit
     def dkv_step(self, blocks, state, index, coords, n_block, seqlen_q, seqlen_k, window_left,
-                 window_right, block_info, apply_mask, key_tail, mask_key_tail):
-        """Block `index`'s dK/dV updates and its dQ share in blocks.acc_dq."""
+                 window_right, block_info, apply_mask, key_tail, mask_key_tail, hand_over_dq=None):
+        """Block `index`'s dK/dV updates and its dQ share in blocks.acc_dq (handed over by
+        `hand_over_dq` during the dK GEMM when dq_during_dk)."""
         _, m_block = coords(index)
         needs_mask = cutlass.Boolean(False)
         if cutlass.const_expr(block_info.has_right_bound):
             needs_mask = block_info.tile_needs_mask(m_block, n_block, seqlen_q, seqlen_k, window_left, window_right)
-        self.query_block(blocks, state, m_block, needs_mask, apply_mask, key_tail, mask_key_tail)
+        self.query_block(blocks, state, m_block, needs_mask, apply_mask, key_tail, mask_key_tail, hand_over_dq)
 
     @cute.jit
     def dq_step(self, blocks, index, coords, mdQaccum, mSemaphore, n_block, batch, seqlen_q,
@@ -808,9 +836,10 @@ class FlashAttentionBackwardSm90:
                   zero_init=True, wait_group=-1)
 
     @cute.jit
-    def query_block(self, blocks, state, m_block, needs_mask, apply_mask, key_tail, mask_key_tail):
+    def query_block(self, blocks, state, m_block, needs_mask, apply_mask, key_tail, mask_key_tail,
+                    hand_over_dq=None):
         """dV and dK updates, and this query block's dQ share in blocks.acc_dq (its Sᵀ GEMM
-        already issued: `issue_scores`)."""
+        already issued: `issue_scores`), handed over by `hand_over_dq` when dq_during_dk."""
         stage = state.index
         # Consecutive query blocks alternate dSᵀ buffers (stages is a multiple of pds_stages).
         pds_index = stage % self.config.pds_stages
@@ -884,9 +913,18 @@ class FlashAttentionBackwardSm90:
             blocks.ds.store(blocks.acc_dp.load().to(self.dtype))
         if cutlass.const_expr(self.config.dkv_from_registers and not self.config.dv_during_ds):
             issue_dv_from_registers()
-        if cutlass.const_expr(self.config.dkv_from_registers):
-            wgmma_gemm(blocks.tiled_mma_dk, blocks.acc_dk, acc_as_operand_a(blocks.ds),
-                      blocks.tdKrQ[None, None, None, stage], zero_init=False, wait_group=-1)
+
+        def issue_dk():
+            if cutlass.const_expr(self.config.dkv_from_registers):
+                wgmma_gemm(blocks.tiled_mma_dk, blocks.acc_dk, acc_as_operand_a(blocks.ds),
+                          blocks.tdKrQ[None, None, None, stage], zero_init=False, wait_group=-1)
+            else:
+                wgmma_gemm(blocks.tiled_mma_dk, blocks.acc_dk, blocks.tdKrdS[None, None, None, pds_index],
+                          blocks.tdKrQ[None, None, None, stage], zero_init=False, wait_group=-1)
+
+        dq_during_dk = self.config.dq_during_dk
+        if cutlass.const_expr(self.config.dkv_from_registers and not dq_during_dk):
+            issue_dk()
 
         # dSᵀ (and Pᵀ) to shared memory for the GEMMs that read all of it from both warp groups.
         if cutlass.const_expr(self.config.pds_stages == 1):
@@ -901,10 +939,16 @@ class FlashAttentionBackwardSm90:
         if cutlass.const_expr(not self.config.dkv_from_registers):
             wgmma_gemm(blocks.tiled_mma_dv, blocks.acc_dv, blocks.tdVrP[None, None, None, pds_index],
                       blocks.tdVrdO[None, None, None, stage], zero_init=False, wait_group=-1)
-            wgmma_gemm(blocks.tiled_mma_dk, blocks.acc_dk, blocks.tdKrdS[None, None, None, pds_index],
-                      blocks.tdKrQ[None, None, None, stage], zero_init=False, wait_group=-1)
+            if cutlass.const_expr(not dq_during_dk):
+                issue_dk()
         wgmma_gemm(blocks.tiled_mma_dq, blocks.acc_dq, blocks.tdQrdS[None, None, None, pds_index],
-                  blocks.tdQrK, zero_init=True, wait_group=0)
+                  blocks.tdQrK, zero_init=True, wait_group=-1 if cutlass.const_expr(dq_during_dk) else 0)
+        if cutlass.const_expr(dq_during_dk):
+            issue_dk()
+            # dQ (and dV) retired; dK runs through the hand-over.
+            warpgroup.wait_group(1)
+            hand_over_dq()
+            warpgroup.wait_group(0)
         # Every GEMM reading this slot's Q and dO (and P, dS registers) has retired.
         blocks.pipeline_q.consumer_release(state)
         blocks.pipeline_do.consumer_release(state)
@@ -950,7 +994,7 @@ class FlashAttentionBackwardSm90:
         gdQ = cute.local_tile(gdQaccum, (self.tile_m, self.head_dim), (m_block, 0))
         tdQgdQ = blocks.thr_mma_dq.partition_C(gdQ)
         if deterministic != 0:
-            semaphore = _elem_ptr(mSemaphore, (batch, head, m_block * (self.tile_m // BWD_SEMAPHORE_ROWS)))
+            semaphore = self._semaphore(mSemaphore, batch, head, m_block)
             if self._is_first_mma_thread():
                 done = cute.arch.load(semaphore, Int32, sem="acquire", scope="gpu")
                 while done != turn:
@@ -1000,11 +1044,14 @@ class FlashAttentionBackwardSm90:
     ):
         """dq_tma_reduce: one warp walks the MMA warp groups' query blocks and, for each that this
         key block adds into, reduce-adds sdQ into mdQaccum with one TMA, in turn when
-        deterministic, the turn then passed on once the add is complete. sdQ is free again
-        once the TMA has read it, or, deterministic without det_free_sdq_on_read, once the turn
-        is passed on."""
+        deterministic, the turn then passed on once the add is complete (det_pass_turn_late: and
+        the next add issued). sdQ is free again once the TMA has read it, or, deterministic
+        without det_free_sdq_on_read, once the turn is passed on."""
         no_cluster = cute.make_layout(1)
         lane = cute.arch.lane_idx()
+        pass_turn_late = self.config.det_pass_turn_late
+        # det_pass_turn_late: the (head, query block) whose turn is still to be passed on.
+        pending_head, pending_m_block = Int32(-1), Int32(0)
         # sdQ starts empty; the MMA warp groups consume this arrival at their first hand-over
         # (every later one follows a TMA; the last is consumed in their epilogue).
         cute.arch.barrier_arrive(barrier_id=self.dq_empty_barrier_id, number_of_threads=self._dq_sync_threads())
@@ -1017,10 +1064,10 @@ class FlashAttentionBackwardSm90:
             for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
                 adds, turn = self._dq_turn(block_info, m_block, n_block, seqlen_q, seqlen_k, window_left, window_right)
                 if adds:
-                    semaphore = _elem_ptr(mSemaphore, (batch, head, m_block * (self.tile_m // BWD_SEMAPHORE_ROWS)))
                     cute.arch.barrier(barrier_id=self.dq_full_barrier_id, number_of_threads=self._dq_sync_threads())
                     if deterministic != 0:
                         if cutlass.const_expr(self.config.det_ordered):
+                            semaphore = self._semaphore(mSemaphore, batch, head, m_block)
                             if lane == 0:
                                 done = cute.arch.load(semaphore, Int32, sem="acquire", scope="gpu")
                                 while done != turn:
@@ -1038,17 +1085,35 @@ class FlashAttentionBackwardSm90:
                         cute.arch.cp_async_bulk_wait_group(0, read=True)
                         cute.arch.barrier_arrive(barrier_id=self.dq_empty_barrier_id, number_of_threads=self._dq_sync_threads())
                     if deterministic != 0:
-                        # The add is complete in global memory before the turn is passed on
-                        # (as in the red.global path: every lane fences, then one releases).
-                        cute.arch.cp_async_bulk_wait_group(0, read=False)
-                        cute.arch.fence_proxy("async.global")
-                        cute.arch.fence_acq_rel_gpu()
-                        cute.arch.sync_warp()
-                        if lane == 0:
-                            cute.arch.atomic_add(semaphore, Int32(1), sem="release", scope="gpu")
+                        if cutlass.const_expr(pass_turn_late):
+                            if pending_head >= 0:
+                                self._pass_turn(mSemaphore, batch, pending_head, pending_m_block, lane, adds_in_flight=1)
+                            pending_head, pending_m_block = head, m_block
+                        else:
+                            self._pass_turn(mSemaphore, batch, head, m_block, lane, adds_in_flight=0)
                     if not free_early:
                         cute.arch.barrier_arrive(barrier_id=self.dq_empty_barrier_id, number_of_threads=self._dq_sync_threads())
+        if cutlass.const_expr(pass_turn_late):
+            if pending_head >= 0:
+                self._pass_turn(mSemaphore, batch, pending_head, pending_m_block, lane, adds_in_flight=0)
         cute.arch.cp_async_bulk_wait_group(0, read=False)
+
+    @cute.jit
+    def _semaphore(self, mSemaphore, batch, head, m_block):
+        """The deterministic turn counter of query block m_block's dQ rows."""
+        return _elem_ptr(mSemaphore, (batch, head, m_block * (self.tile_m // BWD_SEMAPHORE_ROWS)))
+
+    @cute.jit
+    def _pass_turn(self, mSemaphore, batch, head, m_block, lane, adds_in_flight: cutlass.Constexpr[int]):
+        """Once the dQ add into (head, m_block) is complete in global memory (at most
+        `adds_in_flight` later adds still pending), passes its turn on to the next key block
+        (as in the red.global path: every lane fences, then one releases)."""
+        cute.arch.cp_async_bulk_wait_group(adds_in_flight, read=False)
+        cute.arch.fence_proxy("async.global")
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.sync_warp()
+        if lane == 0:
+            cute.arch.atomic_add(self._semaphore(mSemaphore, batch, head, m_block), Int32(1), sem="release", scope="gpu")
 
     def _descending_turns(self) -> bool:
         """Deterministic dQ adds go from the highest key block down (det_descending, masked)."""
