@@ -50,11 +50,8 @@ def _backward(head_dim=64, mask="none", softcap=False, **tuning):
 @pytest.mark.parametrize("head_dim, tuning", [
     (128, dict(tile_m=96)),  # one or two 64-row WGMMA tiles per warp group only
     # d256 has one Q/dO stage: the next Q cannot load ahead.
-    (256, dict(scores_ahead=True, dq_during_dk=False)),
-    (128, dict(scores_ahead=True)),  # and dq_during_dk: two overlaps of one hand-over
-    # Passing the turn late holds sdQ until then unless it is freed on read (d128's default).
-    (128, dict(det_pass_turn_late=True)),
-    (64, dict(dq_tma_reduce=False)),  # the late pass is the dQ writer's, not the atomics'
+    (256, dict(scores_ahead=True)),
+    (64, dict(scores_ahead=True)),  # and d64's dq_during_dk: two overlaps of one hand-over
     (128, dict(stages=3)),  # pds_stages 2 does not divide it
     (128, dict(row_stats_ahead=-1)),
     (64, dict(no_such_knob=1)),

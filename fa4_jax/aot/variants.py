@@ -73,29 +73,24 @@ TUNINGS: dict[str, dict] = {
     # turned back to v1's. det_asc changes only deterministic masked calls; the benchmark times
     # every backward tuning both ways (fa4_jax_bwd:NAME, fa4_jax_bwd_det:NAME).
     "det_asc": {"det_descending": False},  # deterministic causal/local: dQ adds in increasing order
-    "dq_atomic": {"dq_tma_reduce": False, "det_pass_turn_late": False},  # dQ by per-thread red.global.add from the MMA warps
+    "dq_atomic": {"dq_tma_reduce": False},  # dQ by per-thread red.global.add from the MMA warps
     # d256 before the TMA dQ reduce: double-buffered Q/dO (and dSᵀ/Pᵀ) rings, dQ by atomics
     # (the reduce's 64 KB sdQ fits only with single buffers).
-    "dq_atomic_2stage": {"dq_tma_reduce": False, "stages": 2, "pds_stages": 2,
-                         "det_pass_turn_late": False},
+    "dq_atomic_2stage": {"dq_tma_reduce": False, "stages": 2, "pds_stages": 2},
     # Deterministic: sdQ freed once the dQ add is complete (d128's default), or once the TMA has
     # read it (d64's and d256's).
-    "det_free_late": {"det_free_sdq_on_read": False, "det_pass_turn_late": False},
+    "det_free_late": {"det_free_sdq_on_read": False},
     "det_free_early": {"det_free_sdq_on_read": True},
-    # Deterministic: the turn passed on right after each add completes (d128's default), or
-    # once the next add is issued (the others').
-    "det_pass_now": {"det_pass_turn_late": False},
-    "det_pass_late": {"det_free_sdq_on_read": True, "det_pass_turn_late": True},
     # Deterministic mode without the waits for the turn (not reproducible): what the order costs.
     "det_unordered": {"det_ordered": False},
     # The next query block's Sᵀ issued before this block's dQ hand-over (d96's and d192's
     # default), or after it (the others').
-    "scores_ahead": {"scores_ahead": True, "dq_during_dk": False},
+    "scores_ahead": {"scores_ahead": True},
     "scores_late": {"scores_ahead": False},
-    # The dQ hand-over after every GEMM of the block (dK issued before dQ), as before session 9
-    # at d64/d128/d256; and during the dK GEMM instead of the next block's Sᵀ at d96/d192.
+    # The dQ hand-over after every GEMM of the block (dK issued before dQ: the others' order),
+    # or during the dK GEMM (d64's).
     "dq_after_dk": {"dq_during_dk": False},
-    "dq_during_dk": {"dq_during_dk": True, "scores_ahead": False},
+    "dq_during_dk": {"dq_during_dk": True},
     # d128: LSE and D read ahead of the GEMM waits, as at the other head dims.
     "stats_ahead": {"row_stats_ahead": 16},
     # d64 on 64-row query tiles (dV issued during dSᵀ's pass), its shape before the 128-row tiles.
@@ -108,14 +103,12 @@ ABLATIONS = (
                      "lpt_so_l2s8", "n176", "n192", "lpt_so_overlap")),
     ("fwd", 64, ("wg2", "linear", "lpt", "lpt_so", "n96", "n128", "nopingpong", "lpt_so_overlap")),
     ("fwd", 256, ("lpt", "linear", "n80")),
-    ("bwd", 64, ("det_asc", "dq_atomic", "m64", "det_free_late", "det_unordered", "dq_after_dk",
-                 "det_pass_now")),
+    ("bwd", 64, ("det_asc", "dq_atomic", "m64", "det_free_late", "det_unordered", "dq_after_dk")),
     ("bwd", 128, ("det_asc", "dq_atomic", "det_free_early", "scores_ahead", "stats_ahead",
-                  "det_unordered", "dq_after_dk", "det_pass_late")),
-    ("bwd", 96, ("scores_late", "dq_atomic", "det_unordered", "dq_during_dk", "det_pass_now")),
-    ("bwd", 192, ("scores_late", "dq_atomic", "det_unordered", "dq_during_dk", "det_pass_now")),
-    ("bwd", 256, ("det_asc", "dq_atomic_2stage", "det_free_late", "det_unordered", "dq_after_dk",
-                  "det_pass_now")),
+                  "det_unordered", "dq_during_dk")),
+    ("bwd", 96, ("scores_late", "dq_atomic", "det_unordered")),
+    ("bwd", 192, ("scores_late", "dq_atomic", "det_unordered")),
+    ("bwd", 256, ("det_asc", "dq_atomic_2stage", "det_free_late", "det_unordered")),
 )
 
 

@@ -306,7 +306,8 @@ def test_backward_ablation_tunings(next_key, head_dim, head_dim_v, tuning, causa
     for name, grad, want, want_lowp in zip(("dq", "dk", "dv"), got, ref, lowp):
         assert np.isfinite(np.asarray(grad, np.float32)).all(), f"{name}: non-finite entries"
         assert_close_by_rule(grad, want, want_lowp, name=f"{tuning} {name}")
-    if deterministic:
+    # det_unordered drops the order on purpose (it measures what the order costs).
+    if deterministic and tuning != "det_unordered":
         first = [np.asarray(g) for g in got]
         for _ in range(5):
             for name, want, again in zip(("dq", "dk", "dv"), first, grads(q, k, v, d_out, d_lse)):

@@ -120,15 +120,6 @@ class TileConfig:
     # order and results are not reproducible. Against the default mode and the ordered one it
     # splits the deterministic cost into those per-add costs and the waits for the order.
     det_ordered: bool = True
-    # Deterministic dq_tma_reduce with sdQ freed on read: the dQ writer passes a query block's
-    # turn on once it has issued its next add (that block's completion awaited then, one add
-    # still in flight), so an add's round trip to L2 overlaps the next step; False: right after
-    # the add, the writer idle until it completes. det_unordered measured that wait as most of
-    # the deterministic cost at d192 (16k: 368 TF/s unordered against 458 by default) and half
-    # of it at d256 causal (421 against 498): an add of 48-64 KB takes longer to land than a
-    # d192/d256 step. The next key block's turn comes one step later: a fill of one step per
-    # CTA of a chain, paid once.
-    det_pass_turn_late: bool = False
     # The next query block's Sᵀ GEMM is issued as soon as this block's GEMMs have retired, so
     # that it runs while this block's dQ goes to sdQ (or to global memory) and the threads meet
     # at its barriers; False: after that hand-over, where the exponentials wait for it. Needs a
@@ -151,7 +142,10 @@ class TileConfig:
     # runs while dK's GEMM does; False: dK is issued first (from registers, before dSᵀ goes to
     # shared memory) and the hand-over waits for every GEMM of the block, the tensor pipe idle
     # through it. Holds dSᵀ's 16-bit registers (dK's operand) through the hand-over. Not with
-    # scores_ahead, which overlaps the hand-over with the next block's Sᵀ instead.
+    # scores_ahead, which overlaps the hand-over with the next block's Sᵀ instead. Measured
+    # (docs/perf-log.md, "the dQ hand-over during the dK GEMM"): d64 +1-2%; d128 even without a
+    # mask and 1-3% slower under one; d256 11-14% slower. The other warp group's GEMMs already
+    # fill most of a hand-over.
     dq_during_dk: bool = False
 
 
@@ -179,15 +173,12 @@ class TileConfig:
 # along d (d256: 64 + 64) and P/dS through shared memory: d256 takes ~220, d192 ~155.
 TILE_CONFIGS = {
     64: TileConfig(128, 128, 2, True, 2, dq_tma_reduce=True, dv_during_ds=False,
-                   row_stats_ahead=0, dq_during_dk=True, det_pass_turn_late=True),
-    96: TileConfig(64, 128, 2, True, 2, dq_tma_reduce=True, scores_ahead=True,
-                   det_pass_turn_late=True),
+                   row_stats_ahead=0, dq_during_dk=True),
+    96: TileConfig(64, 128, 2, True, 2, dq_tma_reduce=True, scores_ahead=True),
     128: TileConfig(64, 128, 2, True, 2, dq_tma_reduce=True, det_free_sdq_on_read=False,
-                    row_stats_ahead=0, dq_during_dk=True),
-    192: TileConfig(64, 64, 2, False, 2, dq_tma_reduce=True, scores_ahead=True,
-                    det_pass_turn_late=True),
-    256: TileConfig(64, 64, 1, False, 1, dq_tma_reduce=True, dq_during_dk=True,
-                    det_pass_turn_late=True),
+                    row_stats_ahead=0),
+    192: TileConfig(64, 64, 2, False, 2, dq_tma_reduce=True, scores_ahead=True),
+    256: TileConfig(64, 64, 1, False, 1, dq_tma_reduce=True),
 }
 # With softcap the one pass over Sᵀ and dPᵀ keeps both in fp32 until the end; on d64's 128 rows
 # that spills (168 bytes of stack), so softcap keeps 64-row tiles there.
@@ -307,9 +298,6 @@ class FlashAttentionBackwardSm90:
                              "query blocks alternate dSᵀ buffers by stage)")
         if config.row_stats_ahead < 0:
             raise ValueError(f"{config}: row_stats_ahead counts columns read ahead (0: none)")
-        if config.det_pass_turn_late and not (config.dq_tma_reduce and config.det_free_sdq_on_read):
-            raise ValueError(f"{config}: det_pass_turn_late needs dq_tma_reduce with "
-                             "det_free_sdq_on_read (sdQ would stay held until the turn passes)")
         if config.scores_ahead and config.dq_during_dk:
             raise ValueError(f"{config}: scores_ahead and dq_during_dk both overlap the dQ hand-over; "
                              "choose one")
@@ -1044,14 +1032,10 @@ class FlashAttentionBackwardSm90:
     ):
         """dq_tma_reduce: one warp walks the MMA warp groups' query blocks and, for each that this
         key block adds into, reduce-adds sdQ into mdQaccum with one TMA, in turn when
-        deterministic, the turn then passed on once the add is complete (det_pass_turn_late: and
-        the next add issued). sdQ is free again once the TMA has read it, or, deterministic
+        deterministic, the turn then passed on once the add is complete. sdQ is free again once the TMA has read it, or, deterministic
         without det_free_sdq_on_read, once the turn is passed on."""
         no_cluster = cute.make_layout(1)
         lane = cute.arch.lane_idx()
-        pass_turn_late = self.config.det_pass_turn_late
-        # det_pass_turn_late: the (head, query block) whose turn is still to be passed on.
-        pending_head, pending_m_block = Int32(-1), Int32(0)
         # sdQ starts empty; the MMA warp groups consume this arrival at their first hand-over
         # (every later one follows a TMA; the last is consumed in their epilogue).
         cute.arch.barrier_arrive(barrier_id=self.dq_empty_barrier_id, number_of_threads=self._dq_sync_threads())
@@ -1085,17 +1069,9 @@ class FlashAttentionBackwardSm90:
                         cute.arch.cp_async_bulk_wait_group(0, read=True)
                         cute.arch.barrier_arrive(barrier_id=self.dq_empty_barrier_id, number_of_threads=self._dq_sync_threads())
                     if deterministic != 0:
-                        if cutlass.const_expr(pass_turn_late):
-                            if pending_head >= 0:
-                                self._pass_turn(mSemaphore, batch, pending_head, pending_m_block, lane, adds_in_flight=1)
-                            pending_head, pending_m_block = head, m_block
-                        else:
-                            self._pass_turn(mSemaphore, batch, head, m_block, lane, adds_in_flight=0)
+                        self._pass_turn(mSemaphore, batch, head, m_block, lane)
                     if not free_early:
                         cute.arch.barrier_arrive(barrier_id=self.dq_empty_barrier_id, number_of_threads=self._dq_sync_threads())
-        if cutlass.const_expr(pass_turn_late):
-            if pending_head >= 0:
-                self._pass_turn(mSemaphore, batch, pending_head, pending_m_block, lane, adds_in_flight=0)
         cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
@@ -1104,11 +1080,12 @@ class FlashAttentionBackwardSm90:
         return _elem_ptr(mSemaphore, (batch, head, m_block * (self.tile_m // BWD_SEMAPHORE_ROWS)))
 
     @cute.jit
-    def _pass_turn(self, mSemaphore, batch, head, m_block, lane, adds_in_flight: cutlass.Constexpr[int]):
-        """Once the dQ add into (head, m_block) is complete in global memory (at most
-        `adds_in_flight` later adds still pending), passes its turn on to the next key block
-        (as in the red.global path: every lane fences, then one releases)."""
-        cute.arch.cp_async_bulk_wait_group(adds_in_flight, read=False)
+    def _pass_turn(self, mSemaphore, batch, head, m_block, lane):
+        """Once the dQ writer's adds are complete in global memory, passes the turn of
+        (head, m_block) on to the next key block (as in the red.global path: every lane fences,
+        then one releases). Passing it only after the next add is issued, so that the round trip
+        overlaps a step, was 15-25% slower: docs/perf-log.md, "the deterministic cost split"."""
+        cute.arch.cp_async_bulk_wait_group(0, read=False)
         cute.arch.fence_proxy("async.global")
         cute.arch.fence_acq_rel_gpu()
         cute.arch.sync_warp()
