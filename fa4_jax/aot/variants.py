@@ -73,14 +73,20 @@ TUNINGS: dict[str, dict] = {
     # turned back to v1's. det_asc changes only deterministic masked calls; the benchmark times
     # every backward tuning both ways (fa4_jax_bwd:NAME, fa4_jax_bwd_det:NAME).
     "det_asc": {"det_descending": False},  # deterministic causal/local: dQ adds in increasing order
-    "dq_atomic": {"dq_tma_reduce": False},  # dQ by per-thread red.global.add from the MMA warps
+    # dQ by per-thread red.global.add from the MMA warps.
+    "dq_atomic": {"dq_tma_reduce": False, "dq_writers": 1},
     # d256 before the TMA dQ reduce: double-buffered Q/dO (and dSᵀ/Pᵀ) rings, dQ by atomics
     # (the reduce's 64 KB sdQ fits only with single buffers).
-    "dq_atomic_2stage": {"dq_tma_reduce": False, "stages": 2, "pds_stages": 2},
+    "dq_atomic_2stage": {"dq_tma_reduce": False, "stages": 2, "pds_stages": 2,
+                         "dq_writers": 1},
     # Deterministic: sdQ freed once the dQ add is complete (d128's default), or once the TMA has
     # read it (d64's and d256's).
-    "det_free_late": {"det_free_sdq_on_read": False},
+    "det_free_late": {"det_free_sdq_on_read": False, "dq_writers": 1},
     "det_free_early": {"det_free_sdq_on_read": True},
+    # Deterministic: one dQ writer warp (the others' default), or two taking the adds in turn
+    # (d192's and d256's).
+    "dq_writer1": {"dq_writers": 1},
+    "dq_writers2": {"dq_writers": 2},
     # Deterministic mode without the waits for the turn (not reproducible): what the order costs.
     "det_unordered": {"det_ordered": False},
     # The next query block's Sᵀ issued before this block's dQ hand-over (d96's and d192's
@@ -106,9 +112,9 @@ ABLATIONS = (
     ("bwd", 64, ("det_asc", "dq_atomic", "m64", "det_free_late", "det_unordered", "dq_after_dk")),
     ("bwd", 128, ("det_asc", "dq_atomic", "det_free_early", "scores_ahead", "stats_ahead",
                   "det_unordered", "dq_during_dk")),
-    ("bwd", 96, ("scores_late", "dq_atomic", "det_unordered")),
-    ("bwd", 192, ("scores_late", "dq_atomic", "det_unordered")),
-    ("bwd", 256, ("det_asc", "dq_atomic_2stage", "det_free_late", "det_unordered")),
+    ("bwd", 96, ("scores_late", "dq_atomic", "det_unordered", "dq_writers2")),
+    ("bwd", 192, ("scores_late", "dq_atomic", "det_unordered", "dq_writer1")),
+    ("bwd", 256, ("det_asc", "dq_atomic_2stage", "det_free_late", "det_unordered", "dq_writer1")),
 )
 
 

@@ -120,6 +120,13 @@ class TileConfig:
     # order and results are not reproducible. Against the default mode and the ordered one it
     # splits the deterministic cost into those per-add costs and the waits for the order.
     det_ordered: bool = True
+    # Deterministic dq_tma_reduce: warps of the producer group that take the dQ adds in turn,
+    # each waiting for its own adds to complete before passing their turns on, so that with
+    # two one add's round trip to L2 overlaps the next add instead of holding the only writer
+    # (det_unordered measured that wait as most of the deterministic cost at d192 and half of
+    # it at d256 under a mask). Both walk every block; a token barrier between them keeps one
+    # writer at a time on the hand-over barriers. Needs sdQ freed on read.
+    dq_writers: int = 1
     # The next query block's Sᵀ GEMM is issued as soon as this block's GEMMs have retired, so
     # that it runs while this block's dQ goes to sdQ (or to global memory) and the threads meet
     # at its barriers; False: after that hand-over, where the exponentials wait for it. Needs a
@@ -177,8 +184,8 @@ TILE_CONFIGS = {
     96: TileConfig(64, 128, 2, True, 2, dq_tma_reduce=True, scores_ahead=True),
     128: TileConfig(64, 128, 2, True, 2, dq_tma_reduce=True, det_free_sdq_on_read=False,
                     row_stats_ahead=0),
-    192: TileConfig(64, 64, 2, False, 2, dq_tma_reduce=True, scores_ahead=True),
-    256: TileConfig(64, 64, 1, False, 1, dq_tma_reduce=True),
+    192: TileConfig(64, 64, 2, False, 2, dq_tma_reduce=True, scores_ahead=True, dq_writers=2),
+    256: TileConfig(64, 64, 1, False, 1, dq_tma_reduce=True, dq_writers=2),
 }
 # With softcap the one pass over Sᵀ and dPᵀ keeps both in fp32 until the end; on d64's 128 rows
 # that spills (168 bytes of stack), so softcap keeps 64-row tiles there.
@@ -239,6 +246,7 @@ class FlashAttentionBackwardSm90:
     producer_warp_group = 0
     mma_warp_groups = (1, 2)
     threads_per_warp_group = 128
+    threads_per_warp = 32
     # setmaxnreg budgets: the producer needs few registers; the MMA groups hold dK, dV, Sᵀ, dPᵀ.
     producer_registers = 24
     mma_registers = 240
@@ -251,7 +259,9 @@ class FlashAttentionBackwardSm90:
     # the writer's TMA has read it (the writer arrives, they sync).
     dq_full_barrier_id = 4
     dq_empty_barrier_id = 5
-    dq_writer_warp = 1  # of the producer warp group (warp 0 loads)
+    # dq_writers = 2: writer w waits on token barrier w for the other's TMA to have read sdQ.
+    dq_token_barrier_ids = (6, 7)
+    dq_writer_warps = (1, 2)  # of the producer warp group (warp 0 loads)
 
     def __init__(self, dtype, head_dim: int, head_dim_v: int, mask: str, has_softcap: bool, **tuning):
         if mask not in ("none", "causal", "local"):
@@ -298,6 +308,11 @@ class FlashAttentionBackwardSm90:
                              "query blocks alternate dSᵀ buffers by stage)")
         if config.row_stats_ahead < 0:
             raise ValueError(f"{config}: row_stats_ahead counts columns read ahead (0: none)")
+        if config.dq_writers not in (1, 2) or (
+                config.dq_writers == 2 and not (config.dq_tma_reduce and config.det_free_sdq_on_read)):
+            raise ValueError(f"{config}: dq_writers is 1, or 2 with dq_tma_reduce and "
+                             "det_free_sdq_on_read (a writer holding sdQ to its add's completion "
+                             "would hold the other too)")
         if config.scores_ahead and config.dq_during_dk:
             raise ValueError(f"{config}: scores_ahead and dq_during_dk both overlap the dQ hand-over; "
                              "choose one")
@@ -587,12 +602,13 @@ class FlashAttentionBackwardSm90:
                     m_block_min, m_block_max,
                 )
             if cutlass.const_expr(self.config.dq_tma_reduce):
-                if warp_idx == self.dq_writer_warp:
-                    self.dq_writer(
-                        tma_atom_dq, mdQaccum_tma, sdQ_lines, mSemaphore, n_block, head_kv, batch, group,
-                        seqlen_q, seqlen_k, m_block_min, m_block_max, window_left, window_right,
-                        deterministic, block_info, num_heads,
-                    )
+                for writer in cutlass.range_constexpr(self.config.dq_writers):
+                    if warp_idx == self.dq_writer_warps[writer]:
+                        self.dq_writer(
+                            tma_atom_dq, mdQaccum_tma, sdQ_lines, mSemaphore, n_block, head_kv, batch,
+                            group, seqlen_q, seqlen_k, m_block_min, m_block_max, window_left,
+                            window_right, deterministic, block_info, num_heads, writer,
+                        )
         else:
             cute.arch.setmaxregister_increase(self.mma_registers)
             tidx, _, _ = cute.arch.thread_idx()
@@ -998,7 +1014,7 @@ class FlashAttentionBackwardSm90:
             self.red_add(blocks.acc_dq, tdQgdQ)
 
     def _dq_sync_threads(self) -> int:
-        return self.num_mma_threads + 32
+        return self.num_mma_threads + self.threads_per_warp
 
     @cute.jit
     def _dq_turn(self, block_info, m_block, n_block, seqlen_q, seqlen_k, window_left, window_right):
@@ -1028,17 +1044,22 @@ class FlashAttentionBackwardSm90:
     def dq_writer(
         self, tma_atom_dq, mdQaccum, sdQ, mSemaphore, n_block, head_kv, batch, group, seqlen_q,
         seqlen_k, m_block_min, m_block_max, window_left, window_right, deterministic, block_info,
-        num_heads,
+        num_heads, writer: cutlass.Constexpr[int],
     ):
         """dq_tma_reduce: one warp walks the MMA warp groups' query blocks and, for each that this
         key block adds into, reduce-adds sdQ into mdQaccum with one TMA, in turn when
-        deterministic, the turn then passed on once the add is complete. sdQ is free again once the TMA has read it, or, deterministic
-        without det_free_sdq_on_read, once the turn is passed on."""
+        deterministic, the turn then passed on once the add is complete. sdQ is free again once
+        the TMA has read it, or, deterministic without det_free_sdq_on_read, once the turn is
+        passed on. With dq_writers = 2 this is writer `writer` of two, taking every other add."""
         no_cluster = cute.make_layout(1)
         lane = cute.arch.lane_idx()
+        writers = self.config.dq_writers
+        token_threads = writers * self.threads_per_warp
+        adds_seen = Int32(0)
         # sdQ starts empty; the MMA warp groups consume this arrival at their first hand-over
         # (every later one follows a TMA; the last is consumed in their epilogue).
-        cute.arch.barrier_arrive(barrier_id=self.dq_empty_barrier_id, number_of_threads=self._dq_sync_threads())
+        if cutlass.const_expr(writer == 0):
+            cute.arch.barrier_arrive(barrier_id=self.dq_empty_barrier_id, number_of_threads=self._dq_sync_threads())
         for head_in_group in cutlass.range(group, unroll=1):
             head = head_kv * group + head_in_group
             gdQ = cute.local_tile(mdQaccum[None, None, head + num_heads * batch], (self.tile_m, self.head_dim), (None, 0))
@@ -1048,30 +1069,48 @@ class FlashAttentionBackwardSm90:
             for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
                 adds, turn = self._dq_turn(block_info, m_block, n_block, seqlen_q, seqlen_k, window_left, window_right)
                 if adds:
-                    cute.arch.barrier(barrier_id=self.dq_full_barrier_id, number_of_threads=self._dq_sync_threads())
-                    if deterministic != 0:
-                        if cutlass.const_expr(self.config.det_ordered):
-                            semaphore = self._semaphore(mSemaphore, batch, head, m_block)
-                            if lane == 0:
-                                done = cute.arch.load(semaphore, Int32, sem="acquire", scope="gpu")
-                                while done != turn:
+                    mine = cutlass.Boolean(True)
+                    if cutlass.const_expr(writers > 1):
+                        mine = adds_seen % writers == writer
+                    if mine:
+                        if cutlass.const_expr(writers > 1):
+                            # The other writer's TMA has read sdQ (and left the hand-over barriers).
+                            if adds_seen > 0:
+                                cute.arch.barrier(barrier_id=self.dq_token_barrier_ids[writer], number_of_threads=token_threads)
+                        cute.arch.barrier(barrier_id=self.dq_full_barrier_id, number_of_threads=self._dq_sync_threads())
+                        if deterministic != 0:
+                            if cutlass.const_expr(self.config.det_ordered):
+                                semaphore = self._semaphore(mSemaphore, batch, head, m_block)
+                                if lane == 0:
                                     done = cute.arch.load(semaphore, Int32, sem="acquire", scope="gpu")
-                        cute.arch.sync_warp()
-                        # The previous key block's adds (acquired above) precede this TMA.
-                        cute.arch.fence_proxy("async.global")
-                    # The whole warp: the TMA copy elects its issuing lane itself (elect.sync).
-                    cute.copy(tma_atom_dq, tdQsdQ, tdQgdQ[None, m_block])
-                    cute.arch.cp_async_bulk_commit_group()
-                    free_early = cutlass.Boolean(self.config.det_free_sdq_on_read)
-                    if deterministic == 0:
-                        free_early = cutlass.Boolean(True)
-                    if free_early:
-                        cute.arch.cp_async_bulk_wait_group(0, read=True)
-                        cute.arch.barrier_arrive(barrier_id=self.dq_empty_barrier_id, number_of_threads=self._dq_sync_threads())
-                    if deterministic != 0:
-                        self._pass_turn(mSemaphore, batch, head, m_block, lane)
-                    if not free_early:
-                        cute.arch.barrier_arrive(barrier_id=self.dq_empty_barrier_id, number_of_threads=self._dq_sync_threads())
+                                    while done != turn:
+                                        done = cute.arch.load(semaphore, Int32, sem="acquire", scope="gpu")
+                            cute.arch.sync_warp()
+                            # The previous key block's adds (acquired above) precede this TMA.
+                            cute.arch.fence_proxy("async.global")
+                        # The whole warp: the TMA copy elects its issuing lane itself (elect.sync).
+                        cute.copy(tma_atom_dq, tdQsdQ, tdQgdQ[None, m_block])
+                        cute.arch.cp_async_bulk_commit_group()
+                        free_early = cutlass.Boolean(self.config.det_free_sdq_on_read)
+                        if deterministic == 0:
+                            free_early = cutlass.Boolean(True)
+                        if free_early:
+                            cute.arch.cp_async_bulk_wait_group(0, read=True)
+                            cute.arch.barrier_arrive(barrier_id=self.dq_empty_barrier_id, number_of_threads=self._dq_sync_threads())
+                            if cutlass.const_expr(writers > 1):
+                                cute.arch.barrier_arrive(barrier_id=self.dq_token_barrier_ids[1 - writer], number_of_threads=token_threads)
+                        if deterministic != 0:
+                            self._pass_turn(mSemaphore, batch, head, m_block, lane)
+                        if not free_early:
+                            cute.arch.barrier_arrive(barrier_id=self.dq_empty_barrier_id, number_of_threads=self._dq_sync_threads())
+                    if cutlass.const_expr(writers > 1):
+                        adds_seen += 1
+        if cutlass.const_expr(writers > 1):
+            # The last add's token, taken by the writer whose turn the next add would be: every
+            # arrival on the token barriers is matched before the CTA exits.
+            if adds_seen > 0:
+                if adds_seen % writers == writer:
+                    cute.arch.barrier(barrier_id=self.dq_token_barrier_ids[writer], number_of_threads=token_threads)
         cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
