@@ -83,10 +83,9 @@ TUNINGS: dict[str, dict] = {
     # read it (d64's and d256's).
     "det_free_late": {"det_free_sdq_on_read": False, "dq_writers": 1},
     "det_free_early": {"det_free_sdq_on_read": True},
-    # Deterministic: one dQ writer warp (the others' default), or two taking the adds in turn
-    # (d192's and d256's).
+    # Deterministic: one dQ writer warp instead of two taking the adds in turn (d96's, d192's
+    # and d256's default).
     "dq_writer1": {"dq_writers": 1},
-    "dq_writers2": {"dq_writers": 2},
     # Deterministic mode without the waits for the turn (not reproducible): what the order costs.
     "det_unordered": {"det_ordered": False},
     # The next query block's Sᵀ issued before this block's dQ hand-over (d96's and d192's
@@ -112,7 +111,7 @@ ABLATIONS = (
     ("bwd", 64, ("det_asc", "dq_atomic", "m64", "det_free_late", "det_unordered", "dq_after_dk")),
     ("bwd", 128, ("det_asc", "dq_atomic", "det_free_early", "scores_ahead", "stats_ahead",
                   "det_unordered", "dq_during_dk")),
-    ("bwd", 96, ("scores_late", "dq_atomic", "det_unordered", "dq_writers2")),
+    ("bwd", 96, ("scores_late", "dq_atomic", "det_unordered", "dq_writer1")),
     ("bwd", 192, ("scores_late", "dq_atomic", "det_unordered", "dq_writer1")),
     ("bwd", 256, ("det_asc", "dq_atomic_2stage", "det_free_late", "det_unordered", "dq_writer1")),
 )

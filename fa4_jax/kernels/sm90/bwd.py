@@ -125,7 +125,9 @@ class TileConfig:
     # two one add's round trip to L2 overlaps the next add instead of holding the only writer
     # (det_unordered measured that wait as most of the deterministic cost at d192 and half of
     # it at d256 under a mask). Both walk every block; a token barrier between them keeps one
-    # writer at a time on the hand-over barriers. Needs sdQ freed on read.
+    # writer at a time on the hand-over barriers. Needs sdQ freed on read. Measured
+    # (docs/perf-log.md, "two dQ writers"), deterministic, 1k/4k/16k: d192 +10/13/18%, d256
+    # +6/8/18% (causal +9/12/21%), d96 +10/8/9%; the default mode unchanged.
     dq_writers: int = 1
     # The next query block's Sᵀ GEMM is issued as soon as this block's GEMMs have retired, so
     # that it runs while this block's dQ goes to sdQ (or to global memory) and the threads meet
@@ -181,7 +183,7 @@ class TileConfig:
 TILE_CONFIGS = {
     64: TileConfig(128, 128, 2, True, 2, dq_tma_reduce=True, dv_during_ds=False,
                    row_stats_ahead=0, dq_during_dk=True),
-    96: TileConfig(64, 128, 2, True, 2, dq_tma_reduce=True, scores_ahead=True),
+    96: TileConfig(64, 128, 2, True, 2, dq_tma_reduce=True, scores_ahead=True, dq_writers=2),
     128: TileConfig(64, 128, 2, True, 2, dq_tma_reduce=True, det_free_sdq_on_read=False,
                     row_stats_ahead=0),
     192: TileConfig(64, 64, 2, False, 2, dq_tma_reduce=True, scores_ahead=True, dq_writers=2),
