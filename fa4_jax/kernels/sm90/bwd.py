@@ -121,8 +121,8 @@ class TileConfig:
     # splits the deterministic cost into those per-add costs and the waits for the order.
     det_ordered: bool = True
     # Deterministic dq_tma_reduce: warps of the producer group that take the dQ adds in turn,
-    # each waiting for its own adds to complete before passing their turns on, so that with
-    # two one add's round trip to L2 overlaps the next add instead of holding the only writer
+    # each waiting for its own adds to complete before passing their turns on, so that one
+    # add's round trip to L2 overlaps the next add instead of holding up the only writer
     # (det_unordered measured that wait as most of the deterministic cost at d192 and half of
     # it at d256 under a mask). Both walk every block; a token barrier between them keeps one
     # writer at a time on the hand-over barriers. Needs sdQ freed on read. Measured
@@ -1071,10 +1071,10 @@ class FlashAttentionBackwardSm90:
             for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
                 adds, turn = self._dq_turn(block_info, m_block, n_block, seqlen_q, seqlen_k, window_left, window_right)
                 if adds:
-                    mine = cutlass.Boolean(True)
+                    writes_this_add = cutlass.Boolean(True)
                     if cutlass.const_expr(writers > 1):
-                        mine = adds_seen % writers == writer
-                    if mine:
+                        writes_this_add = adds_seen % writers == writer
+                    if writes_this_add:
                         if cutlass.const_expr(writers > 1):
                             # The other writer's TMA has read sdQ (and left the hand-over barriers).
                             if adds_seen > 0:
