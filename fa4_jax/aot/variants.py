@@ -74,11 +74,10 @@ TUNINGS: dict[str, dict] = {
     # every backward tuning both ways (fa4_jax_bwd:NAME, fa4_jax_bwd_det:NAME).
     "det_asc": {"det_descending": False},  # deterministic causal/local: dQ adds in increasing order
     # dQ by per-thread red.global.add from the MMA warps.
-    "dq_atomic": {"dq_tma_reduce": False, "dq_writers": 1},
+    "dq_atomic": {"dq_tma_reduce": False},
     # d256 before the TMA dQ reduce: double-buffered Q/dO (and dSᵀ/Pᵀ) rings, dQ by atomics
     # (the reduce's 64 KB sdQ fits only with single buffers).
-    "dq_atomic_2stage": {"dq_tma_reduce": False, "stages": 2, "pds_stages": 2,
-                         "dq_writers": 1},
+    "dq_atomic_2stage": {"dq_tma_reduce": False, "stages": 2, "pds_stages": 2},
     # Deterministic: sdQ freed once the dQ add is complete (d128's default), or once the TMA has
     # read it (d64's and d256's).
     "det_free_late": {"det_free_sdq_on_read": False, "dq_writers": 1},

@@ -310,11 +310,11 @@ class FlashAttentionBackwardSm90:
                              "query blocks alternate dSᵀ buffers by stage)")
         if config.row_stats_ahead < 0:
             raise ValueError(f"{config}: row_stats_ahead counts columns read ahead (0: none)")
+        # (Without dq_tma_reduce there are no writer warps and dq_writers is not read.)
         if config.dq_writers not in (1, 2) or (
-                config.dq_writers == 2 and not (config.dq_tma_reduce and config.det_free_sdq_on_read)):
-            raise ValueError(f"{config}: dq_writers is 1, or 2 with dq_tma_reduce and "
-                             "det_free_sdq_on_read (a writer holding sdQ to its add's completion "
-                             "would hold the other too)")
+                config.dq_writers == 2 and config.dq_tma_reduce and not config.det_free_sdq_on_read):
+            raise ValueError(f"{config}: dq_writers is 1, or 2 with det_free_sdq_on_read (a writer "
+                             "holding sdQ to its add's completion would hold the other too)")
         if config.scores_ahead and config.dq_during_dk:
             raise ValueError(f"{config}: scores_ahead and dq_during_dk both overlap the dQ hand-over; "
                              "choose one")
@@ -1002,9 +1002,7 @@ class FlashAttentionBackwardSm90:
         if deterministic != 0:
             semaphore = self._semaphore(mSemaphore, batch, head, m_block)
             if self._is_first_mma_thread():
-                done = cute.arch.load(semaphore, Int32, sem="acquire", scope="gpu")
-                while done != turn:
-                    done = cute.arch.load(semaphore, Int32, sem="acquire", scope="gpu")
+                self._wait_for_turn(semaphore, turn)
             cute.arch.barrier(barrier_id=self.dq_turn_barrier_id, number_of_threads=self.num_mma_threads)
             self.red_add(blocks.acc_dq, tdQgdQ)
             # Every thread's adds are visible GPU-wide before the next key block's turn.
@@ -1082,11 +1080,8 @@ class FlashAttentionBackwardSm90:
                         cute.arch.barrier(barrier_id=self.dq_full_barrier_id, number_of_threads=self._dq_sync_threads())
                         if deterministic != 0:
                             if cutlass.const_expr(self.config.det_ordered):
-                                semaphore = self._semaphore(mSemaphore, batch, head, m_block)
                                 if lane == 0:
-                                    done = cute.arch.load(semaphore, Int32, sem="acquire", scope="gpu")
-                                    while done != turn:
-                                        done = cute.arch.load(semaphore, Int32, sem="acquire", scope="gpu")
+                                    self._wait_for_turn(self._semaphore(mSemaphore, batch, head, m_block), turn)
                             cute.arch.sync_warp()
                             # The previous key block's adds (acquired above) precede this TMA.
                             cute.arch.fence_proxy("async.global")
@@ -1121,11 +1116,19 @@ class FlashAttentionBackwardSm90:
         return _elem_ptr(mSemaphore, (batch, head, m_block * (self.tile_m // BWD_SEMAPHORE_ROWS)))
 
     @cute.jit
+    def _wait_for_turn(self, semaphore, turn):
+        """Spins until `turn` key blocks have added into the semaphore's query block (one thread;
+        the acquire orders their adds before what the caller issues next)."""
+        done = cute.arch.load(semaphore, Int32, sem="acquire", scope="gpu")
+        while done != turn:
+            done = cute.arch.load(semaphore, Int32, sem="acquire", scope="gpu")
+
+    @cute.jit
     def _pass_turn(self, mSemaphore, batch, head, m_block, lane):
         """Once the dQ writer's adds are complete in global memory, passes the turn of
         (head, m_block) on to the next key block (as in the red.global path: every lane fences,
         then one releases). Passing it only after the next add is issued, so that the round trip
-        overlaps a step, was 15-25% slower: docs/perf-log.md, "the deterministic cost split"."""
+        overlaps a step, was 2-26% slower: docs/perf-log.md, "the deterministic cost split"."""
         cute.arch.cp_async_bulk_wait_group(0, read=False)
         cute.arch.fence_proxy("async.global")
         cute.arch.fence_acq_rel_gpu()
