@@ -99,6 +99,11 @@ TUNINGS: dict[str, dict] = {
     "stats_ahead": {"row_stats_ahead": 16},
     # d64 on 64-row query tiles (dV issued during dSᵀ's pass), its shape before the 128-row tiles.
     "m64": {"tile_m": 64, "dv_during_ds": True},
+    # sdQ and mdQaccum in fragment order, a hand-over per warp group, plain bulk reduces; and
+    # with it, at d64/d128, two dQ writers taking the deterministic adds in turn (which needs
+    # sdQ freed on read).
+    "dq_fragment": {"dq_fragment_order": True},
+    "dq_fragment_w2": {"dq_fragment_order": True, "det_free_sdq_on_read": True, "dq_writers": 2},
 }
 # (kind, head dim, tunings) of the ablations, bf16, masks none and causal. d256's row for the
 # atomic dQ is dq_atomic_2stage: with atomics, its shared memory goes back to two stages.
@@ -107,12 +112,14 @@ ABLATIONS = (
                      "lpt_so_l2s8", "n176", "n192", "lpt_so_overlap")),
     ("fwd", 64, ("wg2", "linear", "lpt", "lpt_so", "n96", "n128", "nopingpong", "lpt_so_overlap")),
     ("fwd", 256, ("lpt", "linear", "n80")),
-    ("bwd", 64, ("det_asc", "dq_atomic", "m64", "det_free_late", "det_unordered", "dq_after_dk")),
+    ("bwd", 64, ("det_asc", "dq_atomic", "m64", "det_free_late", "det_unordered", "dq_after_dk",
+                 "dq_fragment", "dq_fragment_w2")),
     ("bwd", 128, ("det_asc", "dq_atomic", "det_free_early", "scores_ahead", "stats_ahead",
-                  "det_unordered", "dq_during_dk")),
-    ("bwd", 96, ("scores_late", "dq_atomic", "det_unordered", "dq_writer1")),
-    ("bwd", 192, ("scores_late", "dq_atomic", "det_unordered", "dq_writer1")),
-    ("bwd", 256, ("det_asc", "dq_atomic_2stage", "det_free_late", "det_unordered", "dq_writer1")),
+                  "det_unordered", "dq_during_dk", "dq_fragment", "dq_fragment_w2")),
+    ("bwd", 96, ("scores_late", "dq_atomic", "det_unordered", "dq_writer1", "dq_fragment")),
+    ("bwd", 192, ("scores_late", "dq_atomic", "det_unordered", "dq_writer1", "dq_fragment")),
+    ("bwd", 256, ("det_asc", "dq_atomic_2stage", "det_free_late", "det_unordered", "dq_writer1",
+                  "dq_fragment")),
 )
 
 

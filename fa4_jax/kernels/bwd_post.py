@@ -1,13 +1,20 @@
-"""Backward postprocess (arch-independent): dQ = softmax_scale · dQaccum, fp32 -> the io dtype.
+"""Backward postprocess: dQ = softmax_scale · dQaccum, fp32 -> the io dtype.
 
-mdQaccum [b, h, sq_pad, d] (fp32, row-major, filled by the main kernel's atomic adds) ->
-mdQ [b, sq, h, d]. Each thread converts `chunk` contiguous elements per step (32-byte loads,
-16-byte stores); rows >= seqlen_q are padding and are not written. Rows past the batch entry's
-valid query rows (mSeqUsedQ [b]: a ragged batch's padding) are written as 0.
+mdQaccum [b, h, sq_pad, d] (fp32, filled by the main kernel's adds) -> mdQ [b, sq, h, d]; rows
+>= seqlen_q are padding and are not written. Rows past the batch entry's valid query rows
+(mSeqUsedQ [b]: a ragged batch's padding) are written as 0.
+
+In tile order (row-major rows) each thread converts `chunk` contiguous elements per step (32-byte
+loads, 16-byte stores). In fragment order (the Hopper backward's dq_fragment_order) each query
+block of `fragment_tile_m` rows holds the main kernel's dQ accumulators as
+layouts.fragment_order_view lays them out; one CTA per block, running the main kernel's dQ tiled
+MMA, reads each thread's accumulator back with 16-byte loads and stores its adjacent column pairs.
 """
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
+
+from fa4_jax.kernels.common.layouts import FRAGMENT_GROUP_THREADS, fragment_order_view
 
 
 class BackwardPostprocess:
@@ -15,17 +22,26 @@ class BackwardPostprocess:
     rows_per_block = 64
     chunk = 8
 
-    def __init__(self, dtype, head_dim: int):
+    def __init__(self, dtype, head_dim: int, fragment_tile_m: int | None = None):
         assert head_dim % self.chunk == 0, "whole chunks per row"
         self.dtype = dtype
         self.head_dim = head_dim
+        self.fragment_tile_m = fragment_tile_m
         self.chunks_per_row = head_dim // self.chunk
         assert self.rows_per_block * self.chunks_per_row % self.threads == 0, "whole steps per block"
         self.steps = self.rows_per_block * self.chunks_per_row // self.threads
 
     @cute.jit
-    def __call__(self, mdQaccum, mdQ, mSeqUsedQ, softmax_scale: Float32, stream):
+    def __call__(self, mdQaccum, mdQ, mSeqUsedQ, softmax_scale: Float32, stream, tiled_mma_dq=None):
+        """tiled_mma_dq: the main kernel's dQ MMA, which defines fragment order (else unused)."""
         sq_pad, heads, batch = mdQaccum.shape[2], mdQaccum.shape[1], mdQaccum.shape[0]
+        if cutlass.const_expr(self.fragment_tile_m is not None):
+            self.kernel_fragment_order(mdQaccum, mdQ, mSeqUsedQ, softmax_scale, tiled_mma_dq).launch(
+                grid=(sq_pad // self.fragment_tile_m, heads, batch),
+                block=[cute.size(tiled_mma_dq), 1, 1],
+                stream=stream,
+            )
+            return
         self.kernel(mdQaccum, mdQ, mSeqUsedQ, softmax_scale).launch(
             grid=(cute.ceil_div(sq_pad, self.rows_per_block), heads, batch),
             block=[self.threads, 1, 1],
@@ -51,3 +67,32 @@ class BackwardPostprocess:
                     values = cute.local_tile(accum, (1, self.chunk), (row, col_chunk)).load()
                     result.store((values * softmax_scale).to(self.dtype))
                 cute.local_tile(out, (1, self.chunk), (row, col_chunk)).store(result.load())
+
+    @cute.kernel
+    def kernel_fragment_order(self, mdQaccum, mdQ, mSeqUsedQ, softmax_scale: Float32,
+                              tiled_mma_dq: cute.TiledMma):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        seqlen_q = mdQ.shape[1]
+        seq_used_q = mSeqUsedQ[batch]
+        tile = (self.fragment_tile_m, self.head_dim)
+        thr_mma = tiled_mma_dq.get_slice(tidx)
+        coords = thr_mma.partition_C(cute.make_identity_tensor(tile))
+        acc = thr_mma.make_fragment_C(thr_mma.partition_shape_C(tile))
+        accum = mdQaccum[batch, head, None, None]
+        slab = cute.local_tile(accum, tile, (m_block, 0)).iterator
+        groups = cute.size(tiled_mma_dq) // FRAGMENT_GROUP_THREADS
+        cute.autovec_copy(fragment_order_view(slab, acc.shape, tidx, groups), acc)
+        out = mdQ[batch, None, head, None]
+        # Registers 2i and 2i + 1 of a WGMMA accumulator are adjacent columns of one row.
+        for i in cutlass.range_constexpr(0, cute.size(acc), 2):
+            row_in_tile, col = coords[i]
+            row = m_block * self.fragment_tile_m + row_in_tile
+            if row < seqlen_q:
+                pair = cute.make_rmem_tensor(2, Float32)
+                pair.fill(0.0)
+                if row < seq_used_q:
+                    pair[0] = acc[i] * softmax_scale
+                    pair[1] = acc[i + 1] * softmax_scale
+                dst = cute.make_tensor(out.iterator + cute.crd2idx((row, col), out.layout), cute.make_layout(2))
+                dst.store(pair.load().to(self.dtype))

@@ -86,3 +86,28 @@ def convert_pairs(src: cute.Tensor, dst: cute.Tensor) -> None:
                 has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
             )
         )
+
+
+FRAGMENT_GROUP_THREADS = 128  # a warp group: the threads one WGMMA accumulator spreads over
+
+
+def fragment_order_view(slab: cute.Pointer, acc_shape, thread, groups: int) -> cute.Tensor:
+    """Thread `thread`'s accumulator (shape `acc_shape`, fp32) inside `slab`, a tile of the
+    accumulators of `groups` warp groups stored in fragment order: warp group g's registers fill
+    chunk g of the slab, and within it register j of the group's thread t sits at
+    512·(j div 4) + 4·t + j mod 4.
+
+    Each thread's four consecutive registers are one 16-byte vector, and a warp's vectors are
+    512 contiguous bytes: register <-> memory copies are 128-bit and free of bank conflicts, and
+    a chunk goes to global memory as one plain bulk copy. The element order is no longer the
+    tile's, so whoever reads it back uses this same view with the same tiled MMA (the backward's
+    dQ postprocess). `thread` counts from the first thread of the accumulator's tiled MMA.
+    """
+    regs = cute.size(acc_shape)
+    lanes = FRAGMENT_GROUP_THREADS
+    # Sliced by (thread, group) rather than offset by hand, so that CuTe knows every thread's
+    # start is a whole vector (16-byte aligned) and vectorizes the copies through global memory.
+    slab_tensor = cute.make_tensor(slab, cute.make_layout(
+        (4, lanes, regs // 4, groups), stride=(1, 4, 4 * lanes, lanes * regs)))
+    mine = slab_tensor[None, thread % lanes, None, thread // lanes]
+    return cute.make_tensor(mine.iterator, cute.composition(mine.layout, cute.make_layout(acc_shape)))

@@ -64,13 +64,16 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from fa4_jax.kernels.bwd_post import BackwardPostprocess
 from fa4_jax.kernels.bwd_pre import BackwardPreprocess
 from fa4_jax.kernels.bwd_workspace import BWD_SEMAPHORE_ROWS
 from fa4_jax.kernels.common.block_info import BlockInfo
-from fa4_jax.kernels.common.layouts import acc_as_operand_a, acc_rows_cols, opaque_int32
+from fa4_jax.kernels.common.layouts import (
+    acc_as_operand_a, acc_rows_cols, fragment_order_view, opaque_int32,
+)
 from fa4_jax.kernels.common.mask import AttentionMask
 from fa4_jax.kernels.sm90.operands import (
     permute_modes, smem_layout, swizzled_tensor, tma_pipeline, wgmma_gemm,
@@ -156,6 +159,14 @@ class TileConfig:
     # mask and 1-3% slower under one; d256 11-14% slower. The other warp group's GEMMs already
     # fill most of a hand-over.
     dq_during_dk: bool = False
+    # dq_tma_reduce: sdQ holds the MMA threads' dQ registers in fragment order
+    # (layouts.fragment_order_view: 128-bit stores free of bank conflicts, one address per
+    # thread) instead of the tile's; each warp group hands its chunk over on its own pair of
+    # barriers, and the writer adds each chunk into mdQaccum with one plain bulk reduce
+    # (cp.reduce.async.bulk .add.f32, no tensor map). mdQaccum's query blocks then hold fragment
+    # order too, and the postprocess reads them back through the same view (FlashAttention-3's
+    # dQ path).
+    dq_fragment_order: bool = False
 
 
 # A WGMMA has 64 rows: the Sᵀ/dPᵀ GEMMs put keys on them (64 per warp group with
@@ -201,6 +212,17 @@ SM90_SMEM_BYTES = 227 * 1024  # the most dynamic shared memory an sm_90 CTA may 
 
 def _elem_ptr(tensor: cute.Tensor, index):
     return tensor.iterator + cute.crd2idx(index, tensor.layout)
+
+
+def _bulk_add_f32(dst: cute.Pointer, src: cute.Pointer, num_bytes: int):
+    """dst[: num_bytes] += src[: num_bytes], fp32, global += shared: one plain bulk reduce (no
+    tensor map), completed through the issuing thread's bulk async-groups like a TMA store."""
+    llvm.inline_asm(
+        None, [dst.toint().ir_value(), src.toint().ir_value(), Int32(num_bytes).ir_value()],
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
+        "l,r,r,~{memory}", has_side_effects=True, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,9 +280,10 @@ class FlashAttentionBackwardSm90:
     epilogue_barrier_id = 2
     dq_turn_barrier_id = 3
     # dq_tma_reduce: the MMA warp groups have written sdQ (they arrive, the dQ writer syncs), and
-    # the writer's TMA has read it (the writer arrives, they sync).
-    dq_full_barrier_id = 4
-    dq_empty_barrier_id = 5
+    # the writer's TMA has read it (the writer arrives, they sync). In tile order both warp
+    # groups use the first of each pair; in fragment order warp group g uses entry g.
+    dq_full_barrier_ids = (4, 8)
+    dq_empty_barrier_ids = (5, 9)
     # dq_writers = 2: writer w waits on token barrier w for the other's TMA to have read sdQ.
     dq_token_barrier_ids = (6, 7)
     dq_writer_warps = (1, 2)  # of the producer warp group (warp 0 loads)
@@ -297,7 +320,8 @@ class FlashAttentionBackwardSm90:
             raise ValueError(f"{self.config}: dq_tma_reduce needs {self.dq_cols} columns of dQ per "
                              "warp group to be a multiple of 8")
         self.preprocess = BackwardPreprocess(dtype, head_dim_v)
-        self.postprocess = BackwardPostprocess(dtype, head_dim)
+        self.postprocess = BackwardPostprocess(
+            dtype, head_dim, fragment_tile_m=self.tile_m if self._dq_fragment_order() else None)
 
     def _check_config(self):
         """Refuses settings the kernel cannot run correctly, naming the setting."""
@@ -315,6 +339,8 @@ class FlashAttentionBackwardSm90:
                 config.dq_writers == 2 and config.dq_tma_reduce and not config.det_free_sdq_on_read):
             raise ValueError(f"{config}: dq_writers is 1, or 2 with det_free_sdq_on_read (a writer "
                              "holding sdQ to its add's completion would hold the other too)")
+        if config.dq_fragment_order and not config.dq_tma_reduce:
+            raise ValueError(f"{config}: dq_fragment_order is a layout of dq_tma_reduce's sdQ")
         if config.scores_ahead and config.dq_during_dk:
             raise ValueError(f"{config}: scores_ahead and dq_during_dk both overlap the dQ hand-over; "
                              "choose one")
@@ -415,7 +441,11 @@ class FlashAttentionBackwardSm90:
             cpasync.CopyBulkTensorTileS2GOp(), mdV_k, sV_layout, (self.tile_n, self.head_dim_v)
         )
         tma_atom_dq, tma_dq, sdQ_layout, dq_elems = None, None, None, 0
-        if cutlass.const_expr(self.config.dq_tma_reduce):
+        if cutlass.const_expr(self._dq_fragment_order()):
+            # Flat: the MMA threads and the bulk reduces address it through fragment_order_view.
+            sdQ_layout = cute.make_layout(self.tile_m * self.head_dim)
+            dq_elems = cute.cosize(sdQ_layout)
+        elif cutlass.const_expr(self.config.dq_tma_reduce):
             # sdQ takes the widest swizzle atom that tiles a warp group's part (128 bytes; 64 at
             # d96), and the TMA reads it in boxes one atom wide. Narrow boxes are slow: with
             # 32-byte atoms everywhere d256 ran 11-15% slower and d128 gained nothing.
@@ -496,7 +526,7 @@ class FlashAttentionBackwardSm90:
             min_blocks_per_mp=1,
         )
 
-        self.postprocess(mdQaccum, mdQ, mSeqUsedQ, softmax_scale, stream)
+        self.postprocess(mdQaccum, mdQ, mSeqUsedQ, softmax_scale, stream, tiled_mma_dq)
 
     @cute.kernel
     def kernel(
@@ -566,7 +596,10 @@ class FlashAttentionBackwardSm90:
             sP = swizzled_tensor(storage.sP, sPdS_layout)
         sLSE = storage.sLSE.get_tensor(sRow_layout)
         sdQ, sdQ_lines = None, None
-        if cutlass.const_expr(self.config.dq_tma_reduce):
+        if cutlass.const_expr(self._dq_fragment_order()):
+            sdQ = storage.sdQ.get_tensor(sdQ_layout)
+            sdQ_lines = sdQ
+        elif cutlass.const_expr(self.config.dq_tma_reduce):
             sdQ_lines = swizzled_tensor(storage.sdQ, sdQ_layout)
             # The MMA threads' view: tile row r at line 2·(r mod tile_m/2) + r div (tile_m/2).
             rows = self.tile_m
@@ -607,7 +640,7 @@ class FlashAttentionBackwardSm90:
                 for writer in cutlass.range_constexpr(self.config.dq_writers):
                     if warp_idx == self.dq_writer_warps[writer]:
                         self.dq_writer(
-                            tma_atom_dq, mdQaccum_tma, sdQ_lines, mSemaphore, n_block, head_kv, batch,
+                            tma_atom_dq, mdQaccum if self._dq_fragment_order() else mdQaccum_tma, sdQ_lines, mSemaphore, n_block, head_kv, batch,
                             group, seqlen_q, seqlen_k, m_block_min, m_block_max, window_left,
                             window_right, deterministic, block_info, num_heads, writer,
                         )
@@ -979,9 +1012,21 @@ class FlashAttentionBackwardSm90:
         """
         adds, turn = self._dq_turn(block_info, m_block, n_block, seqlen_q, seqlen_k, window_left, window_right)
         if adds:
-            if cutlass.const_expr(self.config.dq_tma_reduce):
+            if cutlass.const_expr(self._dq_fragment_order()):
+                # This warp group's chunk: wait until the writer has read it, fill it, hand it over.
+                tidx, _, _ = cute.arch.thread_idx()
+                mma_thread = tidx - self.threads_per_warp_group
+                chunk = cute.arch.make_warp_uniform(mma_thread // self.threads_per_warp_group)
+                cute.arch.barrier(barrier_id=self._dq_barrier_id(self.dq_empty_barrier_ids, chunk),
+                                  number_of_threads=self._dq_sync_threads())
+                cute.autovec_copy(blocks.acc_dq, fragment_order_view(
+                    blocks.sdQ.iterator, blocks.acc_dq.shape, mma_thread, len(self.mma_warp_groups)))
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier_arrive(barrier_id=self._dq_barrier_id(self.dq_full_barrier_ids, chunk),
+                                         number_of_threads=self._dq_sync_threads())
+            elif cutlass.const_expr(self.config.dq_tma_reduce):
                 # Wait until the writer's previous TMA has read sdQ, fill it, hand it over.
-                cute.arch.barrier(barrier_id=self.dq_empty_barrier_id, number_of_threads=self._dq_sync_threads())
+                cute.arch.barrier(barrier_id=self.dq_empty_barrier_ids[0], number_of_threads=self._dq_sync_threads())
                 # The stores' 16 swizzled addresses are computed here from an opaque thread
                 # index: hoisted out of the loop they made d128 spill (see opaque_int32).
                 tidx, _, _ = cute.arch.thread_idx()
@@ -989,7 +1034,7 @@ class FlashAttentionBackwardSm90:
                 cute.autovec_copy(blocks.acc_dq, thr_mma_dq.partition_C(blocks.sdQ))
                 # Ordinary stores must be made visible to the TMA (async proxy).
                 cute.arch.fence_view_async_shared()
-                cute.arch.barrier_arrive(barrier_id=self.dq_full_barrier_id, number_of_threads=self._dq_sync_threads())
+                cute.arch.barrier_arrive(barrier_id=self.dq_full_barrier_ids[0], number_of_threads=self._dq_sync_threads())
             else:
                 self._accumulate_dq_red(blocks, gdQaccum, mSemaphore, m_block, turn, head, batch,
                                         deterministic)
@@ -1013,8 +1058,21 @@ class FlashAttentionBackwardSm90:
         else:
             self.red_add(blocks.acc_dq, tdQgdQ)
 
+    def _dq_fragment_order(self) -> bool:
+        return self.config.dq_tma_reduce and self.config.dq_fragment_order
+
+    def _dq_chunks(self) -> int:
+        """sdQ's hand-over units: one per MMA warp group in fragment order, else the whole tile."""
+        return len(self.mma_warp_groups) if self._dq_fragment_order() else 1
+
     def _dq_sync_threads(self) -> int:
-        return self.num_mma_threads + self.threads_per_warp
+        """Threads on one hand-over barrier: the MMA threads filling its chunk and a writer warp."""
+        return self.num_mma_threads // self._dq_chunks() + self.threads_per_warp
+
+    @staticmethod
+    def _dq_barrier_id(ids, chunk):
+        """ids[chunk] for a chunk known only at run time (an MMA thread's warp group)."""
+        return ids[0] + (ids[1] - ids[0]) * chunk
 
     @cute.jit
     def _dq_turn(self, block_info, m_block, n_block, seqlen_q, seqlen_k, window_left, window_right):
@@ -1047,25 +1105,32 @@ class FlashAttentionBackwardSm90:
         num_heads, writer: cutlass.Constexpr[int],
     ):
         """dq_tma_reduce: one warp walks the MMA warp groups' query blocks and, for each that this
-        key block adds into, reduce-adds sdQ into mdQaccum with one TMA, in turn when
-        deterministic, the turn then passed on once the add is complete. sdQ is free again once
-        the TMA has read it, or, deterministic without det_free_sdq_on_read, once the turn is
-        passed on. With dq_writers = 2 this is writer `writer` of two, taking every other add."""
+        key block adds into, reduce-adds sdQ into mdQaccum (one TMA in tile order, one bulk reduce
+        per warp group's chunk in fragment order), in turn when deterministic, the turn then
+        passed on once the add is complete. sdQ is free again once read, or, deterministic
+        without det_free_sdq_on_read, once the turn is passed on. With dq_writers = 2 this is
+        writer `writer` of two, taking every other add."""
         no_cluster = cute.make_layout(1)
         lane = cute.arch.lane_idx()
         writers = self.config.dq_writers
+        chunks = self._dq_chunks()
         token_threads = writers * self.threads_per_warp
         adds_seen = Int32(0)
         # sdQ starts empty; the MMA warp groups consume this arrival at their first hand-over
-        # (every later one follows a TMA; the last is consumed in their epilogue).
+        # (every later one follows a read; the last is consumed in their epilogue).
         if cutlass.const_expr(writer == 0):
-            cute.arch.barrier_arrive(barrier_id=self.dq_empty_barrier_id, number_of_threads=self._dq_sync_threads())
+            for chunk in cutlass.range_constexpr(chunks):
+                cute.arch.barrier_arrive(barrier_id=self.dq_empty_barrier_ids[chunk], number_of_threads=self._dq_sync_threads())
         for head_in_group in cutlass.range(group, unroll=1):
             head = head_kv * group + head_in_group
-            gdQ = cute.local_tile(mdQaccum[None, None, head + num_heads * batch], (self.tile_m, self.head_dim), (None, 0))
-            tdQsdQ, tdQgdQ = cpasync.tma_partition(
-                tma_atom_dq, 0, no_cluster, cute.group_modes(sdQ, 0, 2), cute.group_modes(gdQ, 0, 2)
-            )
+            tdQsdQ, tdQgdQ, slabs = None, None, None
+            if cutlass.const_expr(self._dq_fragment_order()):
+                slabs = mdQaccum[batch, head, None, None]
+            else:
+                gdQ = cute.local_tile(mdQaccum[None, None, head + num_heads * batch], (self.tile_m, self.head_dim), (None, 0))
+                tdQsdQ, tdQgdQ = cpasync.tma_partition(
+                    tma_atom_dq, 0, no_cluster, cute.group_modes(sdQ, 0, 2), cute.group_modes(gdQ, 0, 2)
+                )
             for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
                 adds, turn = self._dq_turn(block_info, m_block, n_block, seqlen_q, seqlen_k, window_left, window_right)
                 if adds:
@@ -1074,32 +1139,44 @@ class FlashAttentionBackwardSm90:
                         writes_this_add = adds_seen % writers == writer
                     if writes_this_add:
                         if cutlass.const_expr(writers > 1):
-                            # The other writer's TMA has read sdQ (and left the hand-over barriers).
+                            # The other writer has read sdQ (and left the hand-over barriers).
                             if adds_seen > 0:
                                 cute.arch.barrier(barrier_id=self.dq_token_barrier_ids[writer], number_of_threads=token_threads)
-                        cute.arch.barrier(barrier_id=self.dq_full_barrier_id, number_of_threads=self._dq_sync_threads())
-                        if deterministic != 0:
-                            if cutlass.const_expr(self.config.det_ordered):
+                        for chunk in cutlass.range_constexpr(chunks):
+                            cute.arch.barrier(barrier_id=self.dq_full_barrier_ids[chunk], number_of_threads=self._dq_sync_threads())
+                            if cutlass.const_expr(chunk == 0):
+                                if deterministic != 0:
+                                    if cutlass.const_expr(self.config.det_ordered):
+                                        if lane == 0:
+                                            self._wait_for_turn(self._semaphore(mSemaphore, batch, head, m_block), turn)
+                                    cute.arch.sync_warp()
+                                    # The previous key block's adds (acquired above) precede this one.
+                                    cute.arch.fence_proxy("async.global")
+                            if cutlass.const_expr(self._dq_fragment_order()):
+                                chunk_elems = cute.cosize(sdQ.layout) // chunks
                                 if lane == 0:
-                                    self._wait_for_turn(self._semaphore(mSemaphore, batch, head, m_block), turn)
-                            cute.arch.sync_warp()
-                            # The previous key block's adds (acquired above) precede this TMA.
-                            cute.arch.fence_proxy("async.global")
-                        # The whole warp: the TMA copy elects its issuing lane itself (elect.sync).
-                        cute.copy(tma_atom_dq, tdQsdQ, tdQgdQ[None, m_block])
-                        cute.arch.cp_async_bulk_commit_group()
+                                    _bulk_add_f32(_elem_ptr(slabs, (m_block * self.tile_m, 0)) + chunk * chunk_elems,
+                                                  sdQ.iterator + chunk * chunk_elems, chunk_elems * Float32.width // 8)
+                            else:
+                                # The whole warp: the TMA copy elects its issuing lane itself (elect.sync).
+                                cute.copy(tma_atom_dq, tdQsdQ, tdQgdQ[None, m_block])
+                            cute.arch.cp_async_bulk_commit_group()
                         free_early = cutlass.Boolean(self.config.det_free_sdq_on_read)
                         if deterministic == 0:
                             free_early = cutlass.Boolean(True)
                         if free_early:
-                            cute.arch.cp_async_bulk_wait_group(0, read=True)
-                            cute.arch.barrier_arrive(barrier_id=self.dq_empty_barrier_id, number_of_threads=self._dq_sync_threads())
+                            for chunk in cutlass.range_constexpr(chunks):
+                                # Chunk `chunk` has been read once at most chunks − 1 − chunk
+                                # younger groups are pending.
+                                cute.arch.cp_async_bulk_wait_group(chunks - 1 - chunk, read=True)
+                                cute.arch.barrier_arrive(barrier_id=self.dq_empty_barrier_ids[chunk], number_of_threads=self._dq_sync_threads())
                             if cutlass.const_expr(writers > 1):
                                 cute.arch.barrier_arrive(barrier_id=self.dq_token_barrier_ids[1 - writer], number_of_threads=token_threads)
                         if deterministic != 0:
                             self._pass_turn(mSemaphore, batch, head, m_block, lane)
                         if not free_early:
-                            cute.arch.barrier_arrive(barrier_id=self.dq_empty_barrier_id, number_of_threads=self._dq_sync_threads())
+                            for chunk in cutlass.range_constexpr(chunks):
+                                cute.arch.barrier_arrive(barrier_id=self.dq_empty_barrier_ids[chunk], number_of_threads=self._dq_sync_threads())
                     if cutlass.const_expr(writers > 1):
                         adds_seen += 1
         if cutlass.const_expr(writers > 1):
@@ -1170,9 +1247,14 @@ class FlashAttentionBackwardSm90:
         dv_out = cute.make_rmem_tensor_like(blocks.acc_dv, self.dtype)
         dv_out.store(blocks.acc_dv.load().to(self.dtype))
         if cutlass.const_expr(self.config.dq_tma_reduce):
-            # The dQ writer's last arrival (after its last TMA has read sdQ): every arrival on
-            # the barrier is matched before the CTA exits.
-            cute.arch.barrier(barrier_id=self.dq_empty_barrier_id, number_of_threads=self._dq_sync_threads())
+            # The dQ writer's last arrival (after its last read of sdQ): every arrival on the
+            # barrier is matched before the CTA exits.
+            chunk = 0
+            if cutlass.const_expr(self._dq_fragment_order()):
+                tidx, _, _ = cute.arch.thread_idx()
+                chunk = cute.arch.make_warp_uniform(tidx // self.threads_per_warp_group - 1)
+            cute.arch.barrier(barrier_id=self._dq_barrier_id(self.dq_empty_barrier_ids, chunk),
+                              number_of_threads=self._dq_sync_threads())
         # Both warp groups' GEMMs reading K and V have retired (each waits for its own).
         cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.num_mma_threads)
         cute.autovec_copy(dk_out, thr_mma_dk.partition_C(sK))
