@@ -78,12 +78,9 @@ TUNINGS: dict[str, dict] = {
     # d256 before the TMA dQ reduce: double-buffered Q/dO (and dSᵀ/Pᵀ) rings, dQ by atomics
     # (the reduce's 64 KB sdQ fits only with single buffers).
     "dq_atomic_2stage": {"dq_tma_reduce": False, "stages": 2, "pds_stages": 2},
-    # Deterministic: sdQ freed once the dQ add is complete (d128's default), or once the TMA has
-    # read it (d64's and d256's).
+    # Deterministic: sdQ freed once the dQ add is complete (one writer), not once read.
     "det_free_late": {"det_free_sdq_on_read": False, "dq_writers": 1},
-    "det_free_early": {"det_free_sdq_on_read": True},
-    # Deterministic: one dQ writer warp instead of two taking the adds in turn (d96's, d192's
-    # and d256's default).
+    # Deterministic: one dQ writer warp instead of two taking the adds in turn.
     "dq_writer1": {"dq_writers": 1},
     # Deterministic mode without the waits for the turn (not reproducible): what the order costs.
     "det_unordered": {"det_ordered": False},
@@ -99,11 +96,12 @@ TUNINGS: dict[str, dict] = {
     "stats_ahead": {"row_stats_ahead": 16},
     # d64 on 64-row query tiles (dV issued during dSᵀ's pass), its shape before the 128-row tiles.
     "m64": {"tile_m": 64, "dv_during_ds": True},
-    # sdQ and mdQaccum in fragment order, a hand-over per warp group, plain bulk reduces; and
-    # with it, at d64/d128, two dQ writers taking the deterministic adds in turn (which needs
-    # sdQ freed on read).
-    "dq_fragment": {"dq_fragment_order": True},
-    "dq_fragment_w2": {"dq_fragment_order": True, "det_free_sdq_on_read": True, "dq_writers": 2},
+    # sdQ and mdQaccum in the tile's order, one hand-over for both warp groups, a tensor-map
+    # reduce (every head dim's default before session 10); with one writer (d64's before), and
+    # sdQ freed once the add is complete (d128's before).
+    "dq_tile_order": {"dq_fragment_order": False},
+    "dq_tile_order_w1": {"dq_fragment_order": False, "dq_writers": 1},
+    "dq_tile_order_late": {"dq_fragment_order": False, "dq_writers": 1, "det_free_sdq_on_read": False},
 }
 # (kind, head dim, tunings) of the ablations, bf16, masks none and causal. d256's row for the
 # atomic dQ is dq_atomic_2stage: with atomics, its shared memory goes back to two stages.
@@ -113,13 +111,13 @@ ABLATIONS = (
     ("fwd", 64, ("wg2", "linear", "lpt", "lpt_so", "n96", "n128", "nopingpong", "lpt_so_overlap")),
     ("fwd", 256, ("lpt", "linear", "n80")),
     ("bwd", 64, ("det_asc", "dq_atomic", "m64", "det_free_late", "det_unordered", "dq_after_dk",
-                 "dq_fragment", "dq_fragment_w2")),
-    ("bwd", 128, ("det_asc", "dq_atomic", "det_free_early", "scores_ahead", "stats_ahead",
-                  "det_unordered", "dq_during_dk", "dq_fragment", "dq_fragment_w2")),
-    ("bwd", 96, ("scores_late", "dq_atomic", "det_unordered", "dq_writer1", "dq_fragment")),
-    ("bwd", 192, ("scores_late", "dq_atomic", "det_unordered", "dq_writer1", "dq_fragment")),
+                 "dq_writer1", "dq_tile_order_w1")),
+    ("bwd", 128, ("det_asc", "dq_atomic", "det_free_late", "scores_ahead", "stats_ahead",
+                  "det_unordered", "dq_during_dk", "dq_writer1", "dq_tile_order_late")),
+    ("bwd", 96, ("scores_late", "dq_atomic", "det_unordered", "dq_writer1", "dq_tile_order")),
+    ("bwd", 192, ("scores_late", "dq_atomic", "det_unordered", "dq_writer1", "dq_tile_order")),
     ("bwd", 256, ("det_asc", "dq_atomic_2stage", "det_free_late", "det_unordered", "dq_writer1",
-                  "dq_fragment")),
+                  "dq_tile_order")),
 )
 
 

@@ -39,6 +39,7 @@ class BackwardPostprocess:
             self.kernel_fragment_order(mdQaccum, mdQ, mSeqUsedQ, softmax_scale, tiled_mma_dq).launch(
                 grid=(sq_pad // self.fragment_tile_m, heads, batch),
                 block=[cute.size(tiled_mma_dq), 1, 1],
+                smem=cute.size_in_bytes(self.dtype, self._fragment_tile_layout()) + 16,
                 stream=stream,
             )
             return
@@ -77,22 +78,33 @@ class BackwardPostprocess:
         seq_used_q = mSeqUsedQ[batch]
         tile = (self.fragment_tile_m, self.head_dim)
         thr_mma = tiled_mma_dq.get_slice(tidx)
-        coords = thr_mma.partition_C(cute.make_identity_tensor(tile))
         acc = thr_mma.make_fragment_C(thr_mma.partition_shape_C(tile))
-        accum = mdQaccum[batch, head, None, None]
-        slab = cute.local_tile(accum, tile, (m_block, 0)).iterator
+        slab = cute.local_tile(mdQaccum[batch, head, None, None], tile, (m_block, 0)).iterator
         groups = cute.size(tiled_mma_dq) // FRAGMENT_GROUP_THREADS
         cute.autovec_copy(fragment_order_view(slab, acc.shape, tidx, groups), acc)
+        values = cute.make_rmem_tensor_like(acc, self.dtype)
+        values.store((acc.load() * softmax_scale).to(self.dtype))
+        # Through shared memory back to the tile's order, so that rows leave in 16-byte stores
+        # (a thread's registers are column pairs of rows 8 apart: stored directly, each warp
+        # store would touch 8 rows with 16 bytes each).
+        sTile = cutlass.utils.SmemAllocator().allocate_tensor(
+            self.dtype, self._fragment_tile_layout(), byte_alignment=16)
+        cute.autovec_copy(values, thr_mma.partition_C(sTile))
+        cute.arch.barrier()
         out = mdQ[batch, None, head, None]
-        # Registers 2i and 2i + 1 of a WGMMA accumulator are adjacent columns of one row.
-        for i in cutlass.range_constexpr(0, cute.size(acc), 2):
-            row_in_tile, col = coords[i]
+        for step in cutlass.range_constexpr(self.fragment_tile_m * self.chunks_per_row // cute.size(tiled_mma_dq)):
+            index = step * cute.size(tiled_mma_dq) + tidx
+            row_in_tile = index // self.chunks_per_row
+            col_chunk = index % self.chunks_per_row
             row = m_block * self.fragment_tile_m + row_in_tile
             if row < seqlen_q:
-                pair = cute.make_rmem_tensor(2, Float32)
-                pair.fill(0.0)
+                result = cute.make_rmem_tensor(self.chunk, self.dtype)
+                result.fill(0.0)
                 if row < seq_used_q:
-                    pair[0] = acc[i] * softmax_scale
-                    pair[1] = acc[i + 1] * softmax_scale
-                dst = cute.make_tensor(out.iterator + cute.crd2idx((row, col), out.layout), cute.make_layout(2))
-                dst.store(pair.load().to(self.dtype))
+                    result.store(cute.local_tile(sTile, (1, self.chunk), (row_in_tile, col_chunk)).load())
+                cute.local_tile(out, (1, self.chunk), (row, col_chunk)).store(result.load())
+
+    def _fragment_tile_layout(self):
+        """The staged tile, rows padded by 16 bytes: a warp's 2-element stores (8 rows, 4 column
+        pairs each) then fall in 32 different banks."""
+        return cute.make_layout((self.fragment_tile_m, self.head_dim), stride=(self.head_dim + 8, 1))

@@ -193,12 +193,14 @@ class TileConfig:
 # along d (d256: 64 + 64) and P/dS through shared memory: d256 takes ~220, d192 ~155.
 TILE_CONFIGS = {
     64: TileConfig(128, 128, 2, True, 2, dq_tma_reduce=True, dv_during_ds=False,
-                   row_stats_ahead=0, dq_during_dk=True),
-    96: TileConfig(64, 128, 2, True, 2, dq_tma_reduce=True, scores_ahead=True, dq_writers=2),
-    128: TileConfig(64, 128, 2, True, 2, dq_tma_reduce=True, det_free_sdq_on_read=False,
-                    row_stats_ahead=0),
-    192: TileConfig(64, 64, 2, False, 2, dq_tma_reduce=True, scores_ahead=True, dq_writers=2),
-    256: TileConfig(64, 64, 1, False, 1, dq_tma_reduce=True, dq_writers=2),
+                   row_stats_ahead=0, dq_during_dk=True, dq_writers=2, dq_fragment_order=True),
+    96: TileConfig(64, 128, 2, True, 2, dq_tma_reduce=True, scores_ahead=True, dq_writers=2,
+                   dq_fragment_order=True),
+    128: TileConfig(64, 128, 2, True, 2, dq_tma_reduce=True, row_stats_ahead=0, dq_writers=2,
+                    dq_fragment_order=True),
+    192: TileConfig(64, 64, 2, False, 2, dq_tma_reduce=True, scores_ahead=True, dq_writers=2,
+                    dq_fragment_order=True),
+    256: TileConfig(64, 64, 1, False, 1, dq_tma_reduce=True, dq_writers=2, dq_fragment_order=True),
 }
 # With softcap the one pass over Sᵀ and dPᵀ keeps both in fp32 until the end; on d64's 128 rows
 # that spills (168 bytes of stack), so softcap keeps 64-row tiles there.
@@ -334,13 +336,12 @@ class FlashAttentionBackwardSm90:
                              "query blocks alternate dSᵀ buffers by stage)")
         if config.row_stats_ahead < 0:
             raise ValueError(f"{config}: row_stats_ahead counts columns read ahead (0: none)")
-        # (Without dq_tma_reduce there are no writer warps and dq_writers is not read.)
+        # (Without dq_tma_reduce there are no writer warps or sdQ: dq_writers and
+        # dq_fragment_order are not read.)
         if config.dq_writers not in (1, 2) or (
                 config.dq_writers == 2 and config.dq_tma_reduce and not config.det_free_sdq_on_read):
             raise ValueError(f"{config}: dq_writers is 1, or 2 with det_free_sdq_on_read (a writer "
                              "holding sdQ to its add's completion would hold the other too)")
-        if config.dq_fragment_order and not config.dq_tma_reduce:
-            raise ValueError(f"{config}: dq_fragment_order is a layout of dq_tma_reduce's sdQ")
         if config.scores_ahead and config.dq_during_dk:
             raise ValueError(f"{config}: scores_ahead and dq_during_dk both overlap the dQ hand-over; "
                              "choose one")
