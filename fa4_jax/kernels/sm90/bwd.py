@@ -24,8 +24,10 @@ the group inside the CTA). Warp-role table:
     dSᵀ); dK += dSᵀ·Q;
     dSᵀ to shared memory (stmatrix), a named barrier, then dQ_partial = dS·K (WGMMA, dS read as
     an M-major view of dSᵀ); dQ_partial added into mdQaccum: with `dq_tma_reduce` (every head
-    dim of the menu) through a shared fp32 tile and TMA reduce-adds issued by a dQ-writer warp of
-    warp group 0, otherwise by per-thread `red.global.add.v2.f32`. In deterministic mode the
+    dim of the menu) through a shared fp32 tile and bulk reduce-adds issued by dQ-writer warps of
+    warp group 0 (with `dq_fragment_order`, every head dim's default, the tile holds each
+    thread's registers in their own order, one chunk per warp group, and so does mdQaccum until
+    the postprocess), otherwise by per-thread `red.global.add.v2.f32`. In deterministic mode the
     adds into a (batch, head, query block) go in a fixed key-block order (decreasing under a
     causal/local mask: `det_descending`), each waiting on mSemaphore for its turn.
     With softcap, Sᵀ and dPᵀ are both awaited and one pass computes t = tanh(Sᵀ·scale/softcap),
@@ -116,7 +118,7 @@ class TileConfig:
     # the add is complete and the turn passed on (backward v2), so that a CTA's step cannot be
     # shorter than the add's round trip to L2. (Without determinism sdQ is always freed on read.)
     # Measured (docs/perf-log.md, "when the writer hands sdQ back"): +4-6% at d256, even at d64,
-    # 4-7% slower at d128.
+    # 4-7% slower at d128 with one writer; with two (which need it) d128 gains 4-9% over that.
     det_free_sdq_on_read: bool = True
     # Ablation only: False keeps the deterministic mode's per-add costs (the add waited on to
     # completion, the semaphore released) but not the wait for the turn, so adds land in any
@@ -130,7 +132,9 @@ class TileConfig:
     # it at d256 under a mask). Both walk every block; a token barrier between them keeps one
     # writer at a time on the hand-over barriers. Needs sdQ freed on read. Measured
     # (docs/perf-log.md, "two dQ writers"), deterministic, 1k/4k/16k: d192 +10/13/18%, d256
-    # +6/8/18% (causal +9/12/21%), d96 +10/8/9%; the default mode unchanged.
+    # +6/8/18% (causal +9/12/21%), d96 +10/8/9%; the default mode unchanged. d64 and d128 took
+    # it with fragment order (d64 deterministic +0-4% over one writer: docs/perf-log.md "dQ in
+    # fragment order", run 1).
     dq_writers: int = 1
     # The next query block's Sᵀ GEMM is issued as soon as this block's GEMMs have retired, so
     # that it runs while this block's dQ goes to sdQ (or to global memory) and the threads meet
@@ -165,7 +169,9 @@ class TileConfig:
     # barriers, and the writer adds each chunk into mdQaccum with one plain bulk reduce
     # (cp.reduce.async.bulk .add.f32, no tensor map). mdQaccum's query blocks then hold fragment
     # order too, and the postprocess reads them back through the same view (FlashAttention-3's
-    # dQ path).
+    # dQ path). Measured (docs/perf-log.md, "dQ in fragment order") against the tile order:
+    # +2-7% forward+backward at every head dim without a mask, +0-6% under one; deterministic
+    # +3-9% (d128 with the second writer its tile order could not take).
     dq_fragment_order: bool = False
 
 
