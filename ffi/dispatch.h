@@ -37,6 +37,7 @@ struct Fa4Args {
   float softmax_scale = 1.0f, softcap = 0.0f;
   int32_t window_left = 0, window_right = 0;
   int32_t deterministic = 0;
+  int32_t num_sms = 0;  // backward: the device's multiprocessors (see compile.py)
 };
 
 struct Fa4Variant {

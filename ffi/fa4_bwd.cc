@@ -10,7 +10,8 @@
 //   attrs   those of fa4_fwd_v1, and deterministic bool
 //
 // The workspaces are results so that XLA owns all memory: nothing is allocated here. dq_accum and
-// semaphore are zeroed on the stream before the kernels run; the kernels own the rest.
+// semaphore are zeroed on the stream before the kernels run; the kernels own the rest. The
+// kernels also get the device's SM count (deterministic mode's order depends on it).
 #include <cstring>
 #include <string_view>
 
@@ -113,6 +114,11 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::A
   args.softmax_scale = softmax_scale;
   args.softcap = softcap;
   args.deterministic = deterministic ? 1 : 0;
+  // The deterministic order rotates a chain of key blocks only if the whole chain runs at once
+  // (one CTA per SM); the count is this device's, or its MIG slice's.
+  if (cudaError_t e = cudaDeviceGetAttribute(&args.num_sms, cudaDevAttrMultiProcessorCount, device);
+      e != cudaSuccess)
+    return kErr.Cuda(e);
   KernelWindow(a, &args);
   return Launch(kErr, *variant, args, stream);
 }

@@ -69,11 +69,13 @@ STATIC_DIMS = ("d", "dv")
 
 # Each kind's scalar arguments after the tensors (then the CUDA stream): name and dtype.
 # deterministic is 0 or 1: 1 fixes the order of every floating-point reduction across CTAs.
+# num_sms: the device's multiprocessors, so CTAs of one backward kernel (one per SM) that run at
+# once; the deterministic order may then rotate chains of key blocks that fit (bwd.py).
 SCALARS = {
     "fwd": (("softmax_scale", "f32"), ("softcap", "f32"), ("window_left", "i32"),
             ("window_right", "i32")),
     "bwd": (("softmax_scale", "f32"), ("softcap", "f32"), ("window_left", "i32"),
-            ("window_right", "i32"), ("deterministic", "i32")),
+            ("window_right", "i32"), ("deterministic", "i32"), ("num_sms", "i32")),
 }
 
 

@@ -102,6 +102,9 @@ TUNINGS: dict[str, dict] = {
     "dq_tile_order": {"dq_fragment_order": False},
     "dq_tile_order_w1": {"dq_fragment_order": False, "dq_writers": 1},
     "dq_tile_order_late": {"dq_fragment_order": False, "dq_writers": 1, "det_free_sdq_on_read": False},
+    # Deterministic without a mask: every key block walks the query blocks from the first, as
+    # before session 10 (no rotation; the masked kernels are the default's).
+    "det_in_order": {"det_rotated_walk": False},
 }
 # (kind, head dim, tunings) of the ablations, bf16, masks none and causal. d256's row for the
 # atomic dQ is dq_atomic_2stage: with atomics, its shared memory goes back to two stages.
@@ -111,13 +114,15 @@ ABLATIONS = (
     ("fwd", 64, ("wg2", "linear", "lpt", "lpt_so", "n96", "n128", "nopingpong", "lpt_so_overlap")),
     ("fwd", 256, ("lpt", "linear", "n80")),
     ("bwd", 64, ("det_asc", "dq_atomic", "m64", "det_free_late", "det_unordered", "dq_after_dk",
-                 "dq_writer1", "dq_tile_order_w1")),
+                 "dq_writer1", "dq_tile_order_w1", "det_in_order")),
     ("bwd", 128, ("det_asc", "dq_atomic", "det_free_late", "scores_ahead", "stats_ahead",
-                  "det_unordered", "dq_during_dk", "dq_writer1", "dq_tile_order_late")),
-    ("bwd", 96, ("scores_late", "dq_atomic", "det_unordered", "dq_writer1", "dq_tile_order")),
-    ("bwd", 192, ("scores_late", "dq_atomic", "det_unordered", "dq_writer1", "dq_tile_order")),
+                  "det_unordered", "dq_during_dk", "dq_writer1", "dq_tile_order_late", "det_in_order")),
+    ("bwd", 96, ("scores_late", "dq_atomic", "det_unordered", "dq_writer1", "dq_tile_order",
+                 "det_in_order")),
+    ("bwd", 192, ("scores_late", "dq_atomic", "det_unordered", "dq_writer1", "dq_tile_order",
+                  "det_in_order")),
     ("bwd", 256, ("det_asc", "dq_atomic_2stage", "det_free_late", "det_unordered", "dq_writer1",
-                  "dq_tile_order")),
+                  "dq_tile_order", "det_in_order")),
 )
 
 

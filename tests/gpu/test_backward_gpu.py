@@ -284,8 +284,8 @@ ABLATION_SHAPES = {
 def test_backward_ablation_tunings(next_key, head_dim, head_dim_v, tuning, causal, deterministic, shape):
     # The benchmark's backward ablation rows must be correct kernels (and, deterministic,
     # bitwise repeatable), or their timings mean nothing.
-    if tuning == "det_asc" and not deterministic:
-        pytest.skip("det_asc changes only deterministic calls (the default-mode kernel is the same)")
+    if tuning in ("det_asc", "det_in_order") and not deterministic:
+        pytest.skip(f"{tuning} changes only deterministic calls (the default-mode kernel is the same)")
     batch, seqlen_q, seqlen_k, heads_q, heads_kv = shape
     q, k, v = qkv(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, jnp.bfloat16,
                   head_dim_v)

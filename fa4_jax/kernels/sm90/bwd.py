@@ -173,6 +173,10 @@ class TileConfig:
     # +2-7% forward+backward at every head dim without a mask, +0-6% under one; deterministic
     # +3-9% (d128 with the second writer its tile order could not take).
     dq_fragment_order: bool = False
+    # Deterministic without a mask: each key block's walk over the query blocks starts n_block
+    # steps before the end, so that a chain's key blocks never queue at one query block
+    # (`_query_walk`, where it applies); False: every walk starts at the first query block.
+    det_rotated_walk: bool = True
 
 
 # A WGMMA has 64 rows: the Sᵀ/dPᵀ GEMMs put keys on them (64 per warp group with
@@ -231,6 +235,19 @@ def _bulk_add_f32(dst: cute.Pointer, src: cute.Pointer, num_bytes: int):
         "l,r,r,~{memory}", has_side_effects=True, is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _QueryWalk:
+    """The query blocks a CTA visits, [m_block_min, m_block_max), and in what order: from
+    m_block_min, or, when `rotated`, from the one that is n_block steps before the end
+    (FlashAttentionBackwardSm90._query_walk). key_blocks: the entry's key blocks (the chain)."""
+
+    m_block_min: Int32
+    m_block_max: Int32
+    rotated: cutlass.Boolean
+    n_block: Int32
+    key_blocks: Int32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -411,6 +428,7 @@ class FlashAttentionBackwardSm90:
         window_left: Int32,
         window_right: Int32,
         deterministic: Int32,
+        num_sms: Int32,
         stream: cuda.CUstream,
     ):
         """Tensors as fa4_jax.aot.compile.TENSORS["bwd"] (JAX row-major layouts)."""
@@ -525,6 +543,7 @@ class FlashAttentionBackwardSm90:
             sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout, sRow_layout,
             tma_atom_dq, tma_dq, sdQ_layout,
             softmax_scale, score_prescale, scale_log2, window_left, window_right, deterministic,
+            num_sms,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -579,6 +598,7 @@ class FlashAttentionBackwardSm90:
         window_left: Int32,
         window_right: Int32,
         deterministic: Int32,
+        num_sms: Int32,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -631,6 +651,7 @@ class FlashAttentionBackwardSm90:
         m_block_min, m_block_max = block_info.m_block_range(
             n_block, seqlen_q, seqlen_k, window_left, window_right
         )
+        walk = self._query_walk(m_block_min, m_block_max, n_block, seqlen_k, deterministic, num_sms)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
         warp_group = cute.arch.make_warp_uniform(warp_idx // 4)
@@ -640,15 +661,14 @@ class FlashAttentionBackwardSm90:
                 self.load(
                     tma_atom_q, mQ, tma_atom_do, mdO, tma_atom_k, mK, tma_atom_v, mV,
                     tma_atom_lse, mLSElog2, tma_atom_dpsum, mdPsum, sQ, sdO, sK, sV, sLSE, sdPsum,
-                    pipeline_kv, pipeline_q, pipeline_do, n_block, head_kv, batch, group,
-                    m_block_min, m_block_max,
+                    pipeline_kv, pipeline_q, pipeline_do, n_block, head_kv, batch, group, walk,
                 )
             if cutlass.const_expr(self.config.dq_tma_reduce):
                 for writer in cutlass.range_constexpr(self.config.dq_writers):
                     if warp_idx == self.dq_writer_warps[writer]:
                         self.dq_writer(
                             tma_atom_dq, mdQaccum if self._dq_fragment_order() else mdQaccum_tma, sdQ_lines, mSemaphore, n_block, head_kv, batch,
-                            group, seqlen_q, seqlen_k, m_block_min, m_block_max, window_left,
+                            group, seqlen_q, seqlen_k, walk, window_left,
                             window_right, deterministic, block_info, num_heads, writer,
                         )
         else:
@@ -658,7 +678,7 @@ class FlashAttentionBackwardSm90:
                 tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, tidx - self.threads_per_warp_group,
                 sQ, sdO, sK, sV, sdS, sP, sLSE, sdPsum, pipeline_kv, pipeline_q, pipeline_do,
                 tma_atom_dk, mdK, tma_atom_dv, mdV, mdQaccum, mSemaphore, mSeqUsedK, sdQ,
-                n_block, head_kv, batch, group, seqlen_q, seqlen_k, m_block_min, m_block_max,
+                n_block, head_kv, batch, group, seqlen_q, seqlen_k, walk,
                 softmax_scale, score_prescale, scale_log2, window_left, window_right, deterministic,
                 block_info,
             )
@@ -667,7 +687,7 @@ class FlashAttentionBackwardSm90:
     def load(
         self, tma_atom_q, mQ, tma_atom_do, mdO, tma_atom_k, mK, tma_atom_v, mV,
         tma_atom_lse, mLSElog2, tma_atom_dpsum, mdPsum, sQ, sdO, sK, sV, sLSE, sdPsum,
-        pipeline_kv, pipeline_q, pipeline_do, n_block, head_kv, batch, group, m_block_min, m_block_max,
+        pipeline_kv, pipeline_q, pipeline_do, n_block, head_kv, batch, group, walk,
     ):
         no_cluster = cute.make_layout(1)
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
@@ -690,7 +710,8 @@ class FlashAttentionBackwardSm90:
             tdOsdO, tdOgdO = cpasync.tma_partition(tma_atom_do, 0, no_cluster, cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2))
             tLsL, tLgL = cpasync.tma_partition(tma_atom_lse, 0, no_cluster, cute.group_modes(sLSE, 0, 1), cute.group_modes(gLSE, 0, 1))
             tDsD, tDgD = cpasync.tma_partition(tma_atom_dpsum, 0, no_cluster, cute.group_modes(sdPsum, 0, 1), cute.group_modes(gdPsum, 0, 1))
-            for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+            for step in cutlass.range(walk.m_block_max - walk.m_block_min, unroll=1):
+                m_block = self._m_block_at(walk, step)
                 pipeline_q.producer_acquire(state)
                 q_bar = pipeline_q.producer_get_barrier(state)
                 cute.copy(tma_atom_q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=q_bar)
@@ -706,7 +727,7 @@ class FlashAttentionBackwardSm90:
         self, tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, tidx,
         sQ, sdO, sK, sV, sdS, sP, sLSE, sdPsum, pipeline_kv, pipeline_q, pipeline_do,
         tma_atom_dk, mdK, tma_atom_dv, mdV, mdQaccum, mSemaphore, mSeqUsedK, sdQ,
-        n_block, head_kv, batch, group, seqlen_q, seqlen_k, m_block_min, m_block_max,
+        n_block, head_kv, batch, group, seqlen_q, seqlen_k, walk,
         softmax_scale, score_prescale, scale_log2, window_left, window_right, deterministic, block_info,
     ):
         warp_group = cute.arch.make_warp_uniform(tidx // self.threads_per_warp_group)
@@ -793,8 +814,7 @@ class FlashAttentionBackwardSm90:
         pipeline_kv.consumer_wait(kv_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         # The CTA's (q head of the group, query block) pairs, flattened: `index` runs over them.
-        coords = functools.partial(self.block_coords, blocks_per_head=m_block_max - m_block_min,
-                                   m_block_min=m_block_min, head_kv=head_kv, group=group)
+        coords = functools.partial(self.block_coords, walk=walk, head_kv=head_kv, group=group)
         dkv_step = functools.partial(
             self.dkv_step, blocks=blocks, coords=coords, n_block=n_block, seqlen_q=seqlen_q,
             seqlen_k=seqlen_k, window_left=window_left, window_right=window_right,
@@ -804,9 +824,9 @@ class FlashAttentionBackwardSm90:
             self.dq_step, blocks=blocks, coords=coords, mdQaccum=mdQaccum, mSemaphore=mSemaphore,
             n_block=n_block, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
             window_left=window_left, window_right=window_right, deterministic=deterministic,
-            block_info=block_info,
+            block_info=block_info, walk=walk,
         )
-        blocks_total = group * (m_block_max - m_block_min)
+        blocks_total = group * (walk.m_block_max - walk.m_block_min)
         if cutlass.const_expr(self.config.scores_ahead):
             # Rotated by half a block, so that each iteration issues block `index`'s Sᵀ, hands
             # over block index − 1's dQ while it runs, then awaits it: an in-flight WGMMA carried
@@ -847,11 +867,12 @@ class FlashAttentionBackwardSm90:
         mask.apply_key_tail(tile, blocks.score_coords0, blocks.thread_origin[0], n_block, seqlen_k, fill=fill)
 
     @cute.jit
-    def block_coords(self, index, blocks_per_head, m_block_min, head_kv, group):
+    def block_coords(self, index, walk, head_kv, group):
         """(q head, query block) of the CTA's `index`-th block: its group's q heads in turn, each
-        over the query blocks that see this key block."""
+        over the query blocks that see this key block, in the walk's order."""
+        blocks_per_head = walk.m_block_max - walk.m_block_min
         head_in_group = index // blocks_per_head
-        return head_kv * group + head_in_group, m_block_min + index - head_in_group * blocks_per_head
+        return head_kv * group + head_in_group, self._m_block_at(walk, index - head_in_group * blocks_per_head)
 
     @cute.jit
     def dkv_step(self, blocks, state, index, coords, n_block, seqlen_q, seqlen_k, window_left,
@@ -866,12 +887,12 @@ class FlashAttentionBackwardSm90:
 
     @cute.jit
     def dq_step(self, blocks, index, coords, mdQaccum, mSemaphore, n_block, batch, seqlen_q,
-                seqlen_k, window_left, window_right, deterministic, block_info):
+                seqlen_k, window_left, window_right, deterministic, block_info, walk):
         """Block `index`'s dQ share (blocks.acc_dq) handed over to global memory."""
         head, m_block = coords(index)
         self.accumulate_dq(
             blocks, mdQaccum[batch, head, None, None], mSemaphore, m_block, n_block, head, batch,
-            seqlen_q, seqlen_k, window_left, window_right, deterministic, block_info,
+            seqlen_q, seqlen_k, window_left, window_right, deterministic, block_info, walk,
         )
 
     @cute.jit
@@ -1007,7 +1028,7 @@ class FlashAttentionBackwardSm90:
     @cute.jit
     def accumulate_dq(
         self, blocks, gdQaccum, mSemaphore, m_block, n_block, head, batch,
-        seqlen_q, seqlen_k, window_left, window_right, deterministic, block_info,
+        seqlen_q, seqlen_k, window_left, window_right, deterministic, block_info, walk,
     ):
         """mdQaccum[batch, head, m_block rows] += this block's dS·K, unless the tile is fully masked.
 
@@ -1017,7 +1038,7 @@ class FlashAttentionBackwardSm90:
         (causal/local) they add in decreasing order and the grid launches the highest key block
         first (see `kernel`): again every wait is on a CTA dispatched earlier.
         """
-        adds, turn = self._dq_turn(block_info, m_block, n_block, seqlen_q, seqlen_k, window_left, window_right)
+        adds, turn = self._dq_turn(block_info, m_block, n_block, seqlen_q, seqlen_k, window_left, window_right, walk)
         if adds:
             if cutlass.const_expr(self._dq_fragment_order()):
                 # This warp group's chunk: wait until the writer has read it, fill it, hand it over.
@@ -1082,7 +1103,7 @@ class FlashAttentionBackwardSm90:
         return ids[0] + (ids[1] - ids[0]) * chunk
 
     @cute.jit
-    def _dq_turn(self, block_info, m_block, n_block, seqlen_q, seqlen_k, window_left, window_right):
+    def _dq_turn(self, block_info, m_block, n_block, seqlen_q, seqlen_k, window_left, window_right, walk):
         """(whether key block n_block adds into query block m_block's dQ, how many key blocks
         add into it before n_block: its turn in deterministic mode).
 
@@ -1090,7 +1111,9 @@ class FlashAttentionBackwardSm90:
         block of the entry's keys, each query block this CTA visits takes its add, and the turns
         count from 0 (a block of padding keys visits no query block: BlockInfo.m_block_range), so
         the entry's lengths are not read in the main loop: held through it, they made d128 with
-        softcap spill.
+        softcap spill. On a rotated walk the turns follow the visits instead: key block n visits
+        query block m at step (m + n) mod M of M, and its turn is the number of the chain's
+        key blocks that visit m at an earlier step.
         """
         adds = cutlass.Boolean(True)
         turn = n_block
@@ -1103,12 +1126,62 @@ class FlashAttentionBackwardSm90:
             turn = n_block - n_block_lo
             if cutlass.const_expr(self._descending_turns()):
                 turn = n_block_hi - 1 - n_block
+        else:
+            if walk.rotated:
+                count = walk.m_block_max - walk.m_block_min
+                m = m_block - walk.m_block_min
+                if m + n_block < count:
+                    # Before it: the lower key blocks, and those whose visit wrapped around
+                    # (key blocks count − m .. key_blocks − 1, at steps below m).
+                    turn = n_block + cutlass.max(walk.key_blocks - count + m, 0)
+                else:
+                    # Wrapped: only the wrapped key blocks below it went first.
+                    turn = n_block - (count - m)
         return adds, turn
+
+    @cute.jit
+    def _query_walk(self, m_block_min, m_block_max, n_block, seqlen_k, deterministic, num_sms):
+        """The CTA's walk over its query blocks: in order, or, deterministic without a mask,
+        rotated so that key block n starts n steps before the end (query block M − n of M).
+
+        In order, every key block of a chain (a head's) starts at query block 0, where key block
+        n waits for the n below it to add: a wavefront whose fill repeats at every query block,
+        most of the deterministic cost at 1k-4k tokens. Rotated, at every step the chain's key
+        blocks add into different query blocks, each turn the one the previous step's add made.
+        Only where that is safe, exact and cheap:
+        - key block 0 now waits for key block N − 1 (at the query blocks where N − 1 wrapped
+          around first), so all N of the chain must run at once: N ≤ num_sms (one CTA per SM;
+          CTAs dispatch in grid order, so a chain is never held up behind a later one);
+        - with no more key blocks than query blocks each step's visits land on distinct query
+          blocks;
+        - the chains must nearly tile the SMs: the CTAs of a chain that is only partly resident
+          soon wait for the rest of it, idling num_sms mod N SMs; at most num_sms / 16 of them
+          (132 SMs: any power-of-two chain).
+        """
+        key_blocks = cute.ceil_div(seqlen_k, self.tile_n)
+        rotated = cutlass.Boolean(False)
+        if cutlass.const_expr(self.config.det_rotated_walk and not (self.causal or self.local)):
+            if deterministic != 0:
+                if key_blocks <= num_sms:
+                    if key_blocks <= m_block_max - m_block_min:
+                        if num_sms % key_blocks <= num_sms // 16:
+                            rotated = cutlass.Boolean(True)
+        return _QueryWalk(m_block_min, m_block_max, rotated, n_block, key_blocks)
+
+    @cute.jit
+    def _m_block_at(self, walk, step):
+        """The query block of the walk's step `step`."""
+        offset = step
+        if walk.rotated:
+            offset = step - walk.n_block
+            if offset < 0:
+                offset += walk.m_block_max - walk.m_block_min
+        return walk.m_block_min + offset
 
     @cute.jit
     def dq_writer(
         self, tma_atom_dq, mdQaccum, sdQ, mSemaphore, n_block, head_kv, batch, group, seqlen_q,
-        seqlen_k, m_block_min, m_block_max, window_left, window_right, deterministic, block_info,
+        seqlen_k, walk, window_left, window_right, deterministic, block_info,
         num_heads, writer: cutlass.Constexpr[int],
     ):
         """dq_tma_reduce: one warp walks the MMA warp groups' query blocks and, for each that this
@@ -1138,8 +1211,9 @@ class FlashAttentionBackwardSm90:
                 tdQsdQ, tdQgdQ = cpasync.tma_partition(
                     tma_atom_dq, 0, no_cluster, cute.group_modes(sdQ, 0, 2), cute.group_modes(gdQ, 0, 2)
                 )
-            for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
-                adds, turn = self._dq_turn(block_info, m_block, n_block, seqlen_q, seqlen_k, window_left, window_right)
+            for step in cutlass.range(walk.m_block_max - walk.m_block_min, unroll=1):
+                m_block = self._m_block_at(walk, step)
+                adds, turn = self._dq_turn(block_info, m_block, n_block, seqlen_q, seqlen_k, window_left, window_right, walk)
                 if adds:
                     writes_this_add = cutlass.Boolean(True)
                     if cutlass.const_expr(writers > 1):
