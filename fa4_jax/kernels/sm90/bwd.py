@@ -666,10 +666,12 @@ class FlashAttentionBackwardSm90:
                     pipeline_kv, pipeline_q, pipeline_do, n_block, head_kv, batch, group, walk,
                 )
             if cutlass.const_expr(self.config.dq_tma_reduce):
+                # The writer adds through the TMA's view in tile order, plain bulk copies otherwise.
+                mdQaccum_writer = mdQaccum if cutlass.const_expr(self._dq_fragment_order()) else mdQaccum_tma
                 for writer in cutlass.range_constexpr(self.config.dq_writers):
                     if warp_idx == self.dq_writer_warps[writer]:
                         self.dq_writer(
-                            tma_atom_dq, mdQaccum if self._dq_fragment_order() else mdQaccum_tma, sdQ_lines, mSemaphore, n_block, head_kv, batch,
+                            tma_atom_dq, mdQaccum_writer, sdQ_lines, mSemaphore, n_block, head_kv, batch,
                             group, seqlen_q, seqlen_k, walk, window_left,
                             window_right, deterministic, block_info, num_heads, writer,
                         )
