@@ -185,6 +185,7 @@ def fa4_jax_tuning_candidates(tuning: str):
 
         if case.mode != "fwd":
             raise Skip("tunings are forward ablations")
+        _require_compiled(case, settings, "fwd", tuning, deterministic=False)
 
         def attend(q, k, v):
             params = attention_params(q, k, v, causal=case.causal, implementation="cute")
@@ -193,6 +194,26 @@ def fa4_jax_tuning_candidates(tuning: str):
         return [Candidate({"tuning": tuning}, attend, DTYPES[settings.dtype])]
 
     return candidates
+
+
+def _require_compiled(case: Case, settings: Settings, kind: str, tuning: str,
+                      deterministic: bool) -> None:
+    """Skips (rather than fails) a tuning row whose kernel variant the library lacks: the
+    ablations are compiled at some head dims only (fa4_jax.aot.variants.ABLATIONS)."""
+    from fa4_jax import ffi
+    from fa4_jax.api import attention_params
+
+    dtype = DTYPES[settings.dtype]
+    q = jax.ShapeDtypeStruct(case.shape, dtype)
+    v = jax.ShapeDtypeStruct(case.value_shape, dtype)
+    try:  # implementation="cute" refuses a call no kernel serves, naming the reason
+        params = attention_params(q, q, v, causal=case.causal, deterministic=deterministic,
+                                  implementation="cute")
+    except ValueError as error:
+        raise Skip(str(error)) from None
+    reason = ffi.unsupported_reason(q, q, v, params, kind, tuning=tuning)
+    if reason is not None:
+        raise Skip(reason)
 
 
 def fa4_jax_bwd_tuning_candidates(tuning: str, deterministic: bool):
@@ -205,6 +226,7 @@ def fa4_jax_bwd_tuning_candidates(tuning: str, deterministic: bool):
 
         if case.mode != "fwd_bwd":
             raise Skip("backward tunings are timed forward+backward")
+        _require_compiled(case, settings, "bwd", tuning, deterministic)
 
         def attend(q, k, v):
             params = attention_params(q, k, v, causal=case.causal, deterministic=deterministic,

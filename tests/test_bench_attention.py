@@ -32,3 +32,18 @@ def test_padded_value_gives_the_narrow_output():
     want, _ = reference.attention_reference(q, k, v, causal=True)
     assert out.shape == (2, 33, 3, 128)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
+def test_tuning_rows_without_a_kernel_are_skipped_with_the_reason(tmp_path):
+    # Ablation variants exist at some head dims only; a row the library cannot serve is a skip
+    # that says why (here: no GPU), not a failure.
+    argv = ["--dry-run", "--modes", "fwd,fwd_bwd", "--head-dims", "64", "--seqlens", "128",
+            "--causal", "no", "--peers", "xla", "--fa4-tunings", "lpt",
+            "--fa4-bwd-tunings", "dq_writer1", "--out", str(tmp_path)]
+    assert bench_attention.main(argv) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["results"]
+    tuned = [r for r in rows if r["peer"] != "xla"]
+    assert {r["peer"] for r in tuned} == {"fa4_jax:lpt", "fa4_jax_bwd:dq_writer1",
+                                          "fa4_jax_bwd_det:dq_writer1"}
+    for row in tuned:
+        assert row["status"] == "skipped" and row["note"], row
