@@ -8,8 +8,10 @@ most addresses it puts in one of the 32 four-byte banks. sdQ is a 128-byte-swizz
 16-byte chunk index XORed with the 128-byte line index mod 8), so which line a tile row lands on
 decides the conflicts. Printed: the wavefronts per warp group's hand-over for the identity
 placement (the kernel's until session 9) and for rows paired (line 2·(r mod 32) + r div 32,
-the kernel's since), against the ideal (bytes / 128 per half warp). Nsight Compute's "L1 Wavefronts Shared Excessive" on the
-d128 kernel matched the identity line: twice the ideal.
+the tile-order path's since; fragment order, the default since session 10, stores each
+thread's registers in its own order instead), against the ideal (bytes / 128 per half warp).
+Nsight Compute's "L1 Wavefronts Shared Excessive" on the d128 kernel matched the identity line:
+twice the ideal.
 """
 ROWS = 64  # a warp group's WGMMA tile
 ATOM_COLS = 32  # fp32 columns of a 128-byte swizzle atom

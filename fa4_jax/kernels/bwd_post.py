@@ -8,7 +8,8 @@ In tile order (row-major rows) each thread converts `chunk` contiguous elements 
 loads, 16-byte stores). In fragment order (the Hopper backward's dq_fragment_order) each query
 block of `fragment_tile_m` rows holds the main kernel's dQ accumulators as
 layouts.fragment_order_view lays them out; one CTA per block, running the main kernel's dQ tiled
-MMA, reads each thread's accumulator back with 16-byte loads and stores its adjacent column pairs.
+MMA, reads each thread's accumulator back with 16-byte loads, converts it, puts it back in the
+tile's order through shared memory and stores rows as in tile order.
 """
 import cutlass
 import cutlass.cute as cute
@@ -61,13 +62,9 @@ class BackwardPostprocess:
             index = step * self.threads + tidx
             row = row_block * self.rows_per_block + index // self.chunks_per_row
             col_chunk = index % self.chunks_per_row
-            if row < seqlen_q:
-                result = cute.make_rmem_tensor(self.chunk, self.dtype)
-                result.fill(0.0)
-                if row < seq_used_q:
-                    values = cute.local_tile(accum, (1, self.chunk), (row, col_chunk)).load()
-                    result.store((values * softmax_scale).to(self.dtype))
-                cute.local_tile(out, (1, self.chunk), (row, col_chunk)).store(result.load())
+            self._store_chunk(out, row, col_chunk, seqlen_q, seq_used_q, lambda: (
+                cute.local_tile(accum, (1, self.chunk), (row, col_chunk)).load() * softmax_scale
+            ).to(self.dtype))
 
     @cute.kernel
     def kernel_fragment_order(self, mdQaccum, mdQ, mSeqUsedQ, softmax_scale: Float32,
@@ -96,13 +93,19 @@ class BackwardPostprocess:
             index = step * cute.size(tiled_mma_dq) + tidx
             row_in_tile = index // self.chunks_per_row
             col_chunk = index % self.chunks_per_row
-            row = m_block * self.fragment_tile_m + row_in_tile
-            if row < seqlen_q:
-                result = cute.make_rmem_tensor(self.chunk, self.dtype)
-                result.fill(0.0)
-                if row < seq_used_q:
-                    result.store(cute.local_tile(sTile, (1, self.chunk), (row_in_tile, col_chunk)).load())
-                cute.local_tile(out, (1, self.chunk), (row, col_chunk)).store(result.load())
+            self._store_chunk(out, m_block * self.fragment_tile_m + row_in_tile, col_chunk, seqlen_q,
+                              seq_used_q, lambda: cute.local_tile(sTile, (1, self.chunk), (row_in_tile, col_chunk)).load())
+
+    @cute.jit
+    def _store_chunk(self, out, row, col_chunk, seqlen_q, seq_used_q, values):
+        """out[row, chunk col_chunk] = values() (io dtype), 0 on a ragged entry's padding rows,
+        nothing on rows past seqlen_q."""
+        if row < seqlen_q:
+            result = cute.make_rmem_tensor(self.chunk, self.dtype)
+            result.fill(0.0)
+            if row < seq_used_q:
+                result.store(values())
+            cute.local_tile(out, (1, self.chunk), (row, col_chunk)).store(result.load())
 
     def _fragment_tile_layout(self):
         """The staged tile, rows padded by 16 bytes: a warp's 2-element stores (8 rows, 4 column
