@@ -278,27 +278,30 @@ def backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths=None, tuning: 
     out and lse are the statistics the gradient is taken at (see `backends.backward`); d_lse is
     the cotangent of lse (zeros when only out is differentiated). `params.deterministic` selects
     the fixed-order dQ accumulation. seq_lengths: as for `forward`; rows of dq past q_len and
-    of dk, dv past kv_len come out zero. The fp32 workspaces (dQ accumulator [b, h, sq_pad, d],
-    D and lse·log2(e) [b, h, sq_pad], semaphores [b, h, sq_pad / 64]) are results of the call,
-    so XLA owns and reuses their memory.
+    of dk, dv past kv_len come out zero. The fp32 workspaces (dQ accumulators
+    [copies, b, h, sq_pad, d], D and lse·log2(e) [b, h, sq_pad], semaphores
+    [copies, b, h, sq_pad / 64]; copies from `variants.dq_copies`) are results of the call, so
+    XLA owns and reuses their memory.
     """
     import jax
 
+    from fa4_jax.aot.variants import dq_copies
     from fa4_jax.kernels.bwd_workspace import BWD_SEMAPHORE_ROWS, BWD_SEQ_PAD
 
     _require(q, k, v, params, "bwd", tuning)
     b, sq, h, d = q.shape
     sq_pad = -(-sq // BWD_SEQ_PAD) * BWD_SEQ_PAD
+    copies = dq_copies(d, k.shape[1], tuning, params.deterministic)
     f32 = np.float32
     result = _result_type(q)
     results = (
         result(q.shape, q.dtype),
         result(k.shape, k.dtype),
         result(v.shape, v.dtype),
-        result((b, h, sq_pad, d), f32),
+        result((copies, b, h, sq_pad, d), f32),
         result((b, h, sq_pad), f32),
         result((b, h, sq_pad), f32),
-        result((b, h, sq_pad // BWD_SEMAPHORE_ROWS), np.int32),
+        result((copies, b, h, sq_pad // BWD_SEMAPHORE_ROWS), np.int32),
     )
     call = jax.ffi.ffi_call(BWD_TARGET, results)
     d_out = d_out.astype(q.dtype)

@@ -33,7 +33,7 @@ struct Fa4Args {
   void* lse_log2 = nullptr;
   void* semaphore = nullptr;
   int32_t b = 0, seqlen_q = 0, seqlen_k = 0, heads = 0, heads_k = 0;
-  int32_t seqlen_q_pad = 0, semaphore_blocks = 0;  // backward workspaces, see compile.py
+  int32_t seqlen_q_pad = 0, semaphore_blocks = 0, dq_copies = 1;  // backward workspaces, see compile.py
   float softmax_scale = 1.0f, softcap = 0.0f;
   int32_t window_left = 0, window_right = 0;
   int32_t deterministic = 0;
@@ -57,6 +57,7 @@ struct Fa4Variant {
 
 extern const Fa4Variant kFa4Variants[];
 extern const int kFa4VariantCount;
-// Backward workspace geometry (fa4_jax/aot/compile.py BWD_SEQ_PAD, BWD_SEMAPHORE_ROWS).
+// Backward workspace geometry (fa4_jax/kernels/bwd_workspace.py).
 extern const int kFa4BwdSeqPad;
 extern const int kFa4BwdSemaphoreRows;
+extern const int kFa4BwdMaxDqCopies;

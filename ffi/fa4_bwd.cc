@@ -5,14 +5,18 @@
 //           seq_used_q s32 [b], seq_used_k s32 [b] (as for fa4_fwd_v1: rows past seq_used_q get
 //           dq 0, keys past seq_used_k get dk = dv = 0)
 //   results dq [b, sq, h, d], dk [b, sk, hk, d], dv [b, sk, hk, dv] (q's dtype), then the
-//           workspaces (fa4_jax/aot/compile.py): dq_accum f32 [b, h, sq_pad, d],
-//           dpsum f32 [b, h, sq_pad], lse_log2 f32 [b, h, sq_pad], semaphore s32 [b, h, m_blocks]
+//           workspaces (fa4_jax/aot/compile.py): dq_accum f32 [copies, b, h, sq_pad, d],
+//           dpsum f32 [b, h, sq_pad], lse_log2 f32 [b, h, sq_pad],
+//           semaphore s32 [copies, b, h, m_blocks]; copies (dQ accumulators per query block,
+//           1 or 2) is the caller's choice, read off dq_accum
 //   attrs   those of fa4_fwd_v1, and deterministic bool
 //
-// The workspaces are results so that XLA owns all memory: nothing is allocated here. dq_accum and
-// semaphore are zeroed on the stream before the kernels run; the kernels own the rest. The
-// kernels also get the device's SM count (deterministic mode's order depends on it).
+// The workspaces are results so that XLA owns all memory: nothing is allocated here. semaphore
+// is zeroed on the stream before the kernels run; the kernels own the rest (the preprocess
+// zeroes dq_accum unless the deterministic adds store their first turn instead). The kernels
+// also get the device's SM count (deterministic mode's order depends on it).
 #include <cstring>
+#include <string>
 #include <string_view>
 
 #include "common.h"
@@ -61,6 +65,10 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::A
                 hk = args.heads_k, d = q.dimensions()[3], head_dim_v = v.dimensions()[3];
   const int64_t sq_pad = (sq + kFa4BwdSeqPad - 1) / kFa4BwdSeqPad * kFa4BwdSeqPad;
   const int64_t m_blocks = sq_pad / kFa4BwdSemaphoreRows;
+  const int64_t copies = dq_accum->dimensions().size() == 5 ? dq_accum->dimensions()[0] : 0;
+  if (copies < 1 || copies > kFa4BwdMaxDqCopies)
+    return kErr.Invalid("dq_accum must be [copies, b, h, sq_pad, d] with 1 <= copies <= " +
+                        std::to_string(kFa4BwdMaxDqCopies));
   struct Expected {
     const char* name;
     ffi::Span<const int64_t> got;
@@ -74,10 +82,10 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::A
            Expected{"dq", dq->dimensions(), {b, sq, h, d}},
            Expected{"dk", dk->dimensions(), {b, sk, hk, d}},
            Expected{"dv", dv->dimensions(), {b, sk, hk, head_dim_v}},
-           Expected{"dq_accum", dq_accum->dimensions(), {b, h, sq_pad, d}},
+           Expected{"dq_accum", dq_accum->dimensions(), {copies, b, h, sq_pad, d}},
            Expected{"dpsum", dpsum->dimensions(), {b, h, sq_pad}},
            Expected{"lse_log2", lse_log2->dimensions(), {b, h, sq_pad}},
-           Expected{"semaphore", semaphore->dimensions(), {b, h, m_blocks}},
+           Expected{"semaphore", semaphore->dimensions(), {copies, b, h, m_blocks}},
        })
     if (ffi::Error e = ExpectShape(kErr, x.name, x.got, x.want); e.failure()) return e;
   const Fa4Variant* variant;
@@ -92,8 +100,6 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::A
       if (ffi::Error e = Zero(stream, data, bytes); e.failure()) return e;
     return ffi::Error::Success();
   }
-  if (ffi::Error e = Zero(stream, dq_accum->untyped_data(), dq_accum->size_bytes()); e.failure())
-    return e;
   if (ffi::Error e = Zero(stream, semaphore->untyped_data(), semaphore->size_bytes());
       e.failure())
     return e;
@@ -111,6 +117,7 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::A
   args.semaphore = semaphore->untyped_data();
   args.seqlen_q_pad = static_cast<int32_t>(sq_pad);
   args.semaphore_blocks = static_cast<int32_t>(m_blocks);
+  args.dq_copies = static_cast<int32_t>(copies);
   args.softmax_scale = softmax_scale;
   args.softcap = softcap;
   args.deterministic = deterministic ? 1 : 0;

@@ -63,3 +63,37 @@ def test_explicit_settings_turn_both_off(next_key, kernel_calls):
     params = attention_params(q, k, v, implementation="reference")
     ffi.forward(q, k, v, params, split_kv=1, pack_gqa=False)
     assert kernel_calls == [((2, 1, 8, 16), (2, 4096, 2, 16), False, False)]
+
+
+@pytest.mark.parametrize("head_dim,head_dim_v,seqlen_k,deterministic,tuning,copies", [
+    (128, 128, 300, True, "default", 1),
+    (256, 256, 300, False, "default", 1),
+    (256, 256, 300, True, "default", 2),
+    (192, 128, 8192, True, "default", 2),
+    (192, 128, 8193, True, "default", 1),
+    (256, 256, 300, True, "det_one_copy", 1),
+])
+def test_backward_workspaces_hold_the_dq_copies_of_the_call(monkeypatch, head_dim, head_dim_v,
+                                                            seqlen_k, deterministic, tuning, copies):
+    # Deterministic d192/d256 calls of up to 8k keys get two dQ accumulators and two semaphore
+    # sets; the handler reads the count off dq_accum, so these shapes are the whole of the choice.
+    results = []
+
+    def fake_ffi_call(target, result_types):
+        results.extend(result_types)
+        return lambda *operands, **attrs: tuple(jnp.zeros(r.shape, r.dtype) for r in result_types)
+
+    monkeypatch.setattr(jax.ffi, "ffi_call", fake_ffi_call)
+    monkeypatch.setattr(ffi, "_require", lambda *args: None)
+    b, s, h = 2, 300, 4
+    q = jnp.zeros((b, s, h, head_dim), jnp.bfloat16)
+    k = jnp.zeros((b, seqlen_k, h, head_dim), jnp.bfloat16)
+    v = jnp.zeros((b, seqlen_k, h, head_dim_v), jnp.bfloat16)
+    out = jnp.zeros((b, s, h, head_dim_v), jnp.bfloat16)
+    lse = jnp.zeros((b, h, s), jnp.float32)
+    params = attention_params(q, k, v, deterministic=deterministic, implementation="reference")
+    ffi.backward(q, k, v, out, lse, out, lse, params, tuning=tuning)
+    dq_accum, dpsum, _, semaphore = (r.shape for r in results[3:])
+    assert dq_accum == (copies, b, h, 384, head_dim)
+    assert dpsum == (b, h, 384)
+    assert semaphore == (copies, b, h, 384 // 64)

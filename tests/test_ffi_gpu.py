@@ -90,18 +90,27 @@ _ATTRS = dict(softmax_scale=np.float32(1), causal=False, window_left=np.int32(-1
               window_right=np.int32(-1), softcap=np.float32(0), tuning="default")
 
 
-def test_backward_handler_rejects_a_wrong_workspace():
+def _backward_workspace_call(dpsum_rows=128, copies=1):
     b, s, h, d = 1, 100, 2, 64
     q = jnp.ones((b, s, h, d), jnp.bfloat16)
     stats = jnp.zeros((b, h, s), jnp.float32)
     sq_pad = 128
     results = [jax.ShapeDtypeStruct(q.shape, q.dtype)] * 3 + [
-        jax.ShapeDtypeStruct((b, h, sq_pad, d), jnp.float32),
-        jax.ShapeDtypeStruct((b, h, s), jnp.float32),  # dpsum must be padded to sq_pad
+        jax.ShapeDtypeStruct((copies, b, h, sq_pad, d), jnp.float32),
+        jax.ShapeDtypeStruct((b, h, dpsum_rows), jnp.float32),
         jax.ShapeDtypeStruct((b, h, sq_pad), jnp.float32),
-        jax.ShapeDtypeStruct((b, h, sq_pad // 64), jnp.int32),
+        jax.ShapeDtypeStruct((copies, b, h, sq_pad // 64), jnp.int32),
     ]
     call = jax.ffi.ffi_call(ffi.BWD_TARGET, results)
+    return lambda: jax.block_until_ready(call(q, q, q, q, q, stats, stats, *ffi._seq_used(q, q, None),
+                                              deterministic=True, **_ATTRS))
+
+
+def test_backward_handler_rejects_a_wrong_workspace():
     with pytest.raises(Exception, match=r"dpsum has shape \[1, 2, 100\], expected \[1, 2, 128\]"):
-        jax.block_until_ready(call(q, q, q, q, q, stats, stats, *ffi._seq_used(q, q, None),
-                                   deterministic=False, **_ATTRS))
+        _backward_workspace_call(dpsum_rows=100)()  # dpsum must be padded to sq_pad
+
+
+def test_backward_handler_rejects_more_dq_copies_than_the_kernels_take():
+    with pytest.raises(Exception, match=r"dq_accum must be \[copies, b, h, sq_pad, d\] with 1 <= copies <= 2"):
+        _backward_workspace_call(copies=3)()

@@ -10,11 +10,11 @@ from __future__ import annotations
 import re
 
 from fa4_jax.aot.compile import DYNAMIC_DIMS, SCALARS, STATIC_DIMS, TENSORS
-from fa4_jax.kernels.bwd_workspace import BWD_SEMAPHORE_ROWS, BWD_SEQ_PAD
+from fa4_jax.kernels.bwd_workspace import BWD_MAX_DQ_COPIES, BWD_SEMAPHORE_ROWS, BWD_SEQ_PAD
 
 # Fa4Args fields of the dynamic dims and of the tensors (ffi/dispatch.h).
 _ARGS_FIELD = {"b": "b", "sq": "seqlen_q", "sk": "seqlen_k", "h": "heads", "hk": "heads_k",
-               "sq_pad": "seqlen_q_pad", "m_blocks": "semaphore_blocks"}
+               "sq_pad": "seqlen_q_pad", "m_blocks": "semaphore_blocks", "copies": "dq_copies"}
 _PTR_FIELD = {"mQ": "q", "mK": "k", "mV": "v", "mO": "out", "mLSE": "lse", "mdO": "d_out",
               "mdLSE": "d_lse", "mdQ": "dq", "mdK": "dk", "mdV": "dv", "mdQaccum": "dq_accum",
               "mdPsum": "dpsum", "mLSElog2": "lse_log2", "mSemaphore": "semaphore",
@@ -119,6 +119,7 @@ static thread_local cudaError_t g_load_error = cudaSuccess;
 {bodies}
 const int kFa4BwdSeqPad = {BWD_SEQ_PAD};
 const int kFa4BwdSemaphoreRows = {BWD_SEMAPHORE_ROWS};
+const int kFa4BwdMaxDqCopies = {BWD_MAX_DQ_COPIES};
 const Fa4Variant kFa4Variants[] = {{
 {table}
 }};

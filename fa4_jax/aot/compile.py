@@ -27,11 +27,13 @@ _ALIGN = 16
 # fill the exported structs.
 #   sq_pad   = seqlen_q rounded up to BWD_SEQ_PAD (kernels/bwd_workspace.py)
 #   m_blocks = sq_pad / BWD_SEMAPHORE_ROWS
-# Backward workspaces (results of the FFI call, so XLA owns them; the handler zeroes dq_accum and
-# semaphore before the launch; the kernels own the other two): mdQaccum accumulates dS·K in fp32
-# (dQ = softmax_scale · dQaccum, written to mdQ by the last pass), mdPsum holds
+#   copies   = dQ accumulators per query block: 1, or 2 for some deterministic calls
+#              (BWD_MAX_DQ_COPIES; variants.dq_copies picks)
+# Backward workspaces (results of the FFI call, so XLA owns them; the handler zeroes semaphore
+# before the launch; the kernels own the rest): mdQaccum accumulates dS·K in fp32 (dQ =
+# softmax_scale · the sum of its copies, written to mdQ by the last pass), mdPsum holds
 # D = rowsum(dO ∘ O) - dLSE, mLSElog2 holds lse · log2(e), and mSemaphore orders the dQ
-# accumulation in deterministic mode.
+# accumulation in deterministic mode (one counter per copy and 64 query rows).
 # mSeqUsedQ / mSeqUsedK: each batch entry's valid query rows and keys (FlashAttention's
 # seqused_q / seqused_k; the ragged batch). Every call passes them, full lengths when the batch is
 # not ragged, so one compiled variant serves both; the kernels clamp them to sq / sk.
@@ -56,15 +58,15 @@ TENSORS = {
         ("mdQ", "io", ("b", "sq", "h", "d")),
         ("mdK", "io", ("b", "sk", "hk", "d")),
         ("mdV", "io", ("b", "sk", "hk", "dv")),
-        ("mdQaccum", "f32", ("b", "h", "sq_pad", "d")),
+        ("mdQaccum", "f32", ("copies", "b", "h", "sq_pad", "d")),
         ("mdPsum", "f32", ("b", "h", "sq_pad")),
         ("mLSElog2", "f32", ("b", "h", "sq_pad")),
-        ("mSemaphore", "i32", ("b", "h", "m_blocks")),
+        ("mSemaphore", "i32", ("copies", "b", "h", "m_blocks")),
         ("mSeqUsedQ", "i32", ("b",)),
         ("mSeqUsedK", "i32", ("b",)),
     ),
 }
-DYNAMIC_DIMS = ("b", "sq", "sk", "h", "hk", "sq_pad", "m_blocks")
+DYNAMIC_DIMS = ("b", "sq", "sk", "h", "hk", "sq_pad", "m_blocks", "copies")
 STATIC_DIMS = ("d", "dv")
 
 # Each kind's scalar arguments after the tensors (then the CUDA stream): name and dtype.

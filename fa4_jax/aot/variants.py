@@ -105,6 +105,9 @@ TUNINGS: dict[str, dict] = {
     # Deterministic without a mask: every key block walks the query blocks from the first, as
     # before session 10 (no rotation; the masked kernels are the default's).
     "det_in_order": {"det_rotated_walk": False},
+    # The default kernel, called deterministically with one dQ accumulator where
+    # DET_DQ_COPIES_MAX_KEYS gives two (`dq_copies`).
+    "det_one_copy": {},
 }
 # (kind, head dim, tunings) of the ablations, bf16, masks none and causal. d256's row for the
 # atomic dQ is dq_atomic_2stage: with atomics, its shared memory goes back to two stages.
@@ -120,9 +123,9 @@ ABLATIONS = (
     ("bwd", 96, ("scores_late", "dq_atomic", "det_unordered", "dq_writer1", "dq_tile_order",
                  "det_in_order")),
     ("bwd", 192, ("scores_late", "dq_atomic", "det_unordered", "dq_writer1", "dq_tile_order",
-                  "det_in_order")),
+                  "det_in_order", "det_one_copy")),
     ("bwd", 256, ("det_asc", "dq_atomic_2stage", "det_free_late", "det_unordered", "dq_writer1",
-                  "dq_tile_order", "det_in_order")),
+                  "dq_tile_order", "det_in_order", "det_one_copy")),
 )
 
 
@@ -166,6 +169,24 @@ def call_tuning(kind: str, mask: str, head_dim: int, seqlen_q: int, seqlen_k: in
     if max(seqlen_q, seqlen_k) <= longest:
         return short_tuning
     return tuning
+
+
+# Deterministic backward calls at these head dims, with at most this many keys, give every
+# query block's dQ two fp32 accumulators (kernels/bwd_workspace.py BWD_MAX_DQ_COPIES): each add
+# then waits for the add two turns back in its own copy instead of the one just before it. There
+# a 64 x 64 step is shorter than an add's round trip through L2 and the semaphore, so one
+# accumulator paced the chain at the round trip. Measured against one copy (docs/perf-log.md,
+# "two dQ accumulators"), deterministic forward+backward at 1k/4k/16k: d192 +15/21/0%, causal
+# +9/10/0%; d256 +10/16/0%, causal +3/7/-5%. 8192 keys (a chain of 128 key blocks, all
+# resident at once on 132 SMs) is where the gain is assumed to end; 8k was not measured.
+DET_DQ_COPIES_MAX_KEYS = {192: 8192, 256: 8192}
+
+
+def dq_copies(head_dim: int, seqlen_k: int, tuning: str, deterministic: bool) -> int:
+    """The dQ accumulators (the workspace's leading dim) of a backward call."""
+    if not deterministic or tuning == "det_one_copy":
+        return 1
+    return 2 if seqlen_k <= DET_DQ_COPIES_MAX_KEYS.get(head_dim, 0) else 1
 
 
 @dataclasses.dataclass(frozen=True)

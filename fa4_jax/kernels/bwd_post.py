@@ -1,8 +1,11 @@
 """Backward postprocess: dQ = softmax_scale · dQaccum, fp32 -> the io dtype.
 
-mdQaccum [b, h, sq_pad, d] (fp32, filled by the main kernel's adds) -> mdQ [b, sq, h, d]; rows
->= seqlen_q are padding and are not written. Rows past the batch entry's valid query rows
-(mSeqUsedQ [b]: a ragged batch's padding) are written as 0.
+mdQaccum [copies, b, h, sq_pad, d] (fp32, filled by the main kernel's adds; the copies summed in
+order) -> mdQ [b, sq, h, d]; rows >= seqlen_q are padding and are not written. Rows past the
+batch entry's valid query rows (mSeqUsedQ [b]: a ragged batch's padding) are written as 0.
+With `det_stores_first` a deterministic call's copies were not zeroed: a copy of a query block
+that no key block wrote (its semaphore, mSemaphore [copies, b, h, sq_pad / 64], still 0) holds
+stale memory and counts as 0.
 
 In tile order (row-major rows) each thread converts `chunk` contiguous elements per step (32-byte
 loads, 16-byte stores). In fragment order (the Hopper backward's dq_fragment_order) each query
@@ -15,6 +18,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
+from fa4_jax.kernels.bwd_workspace import BWD_SEMAPHORE_ROWS
 from fa4_jax.kernels.common.layouts import FRAGMENT_GROUP_THREADS, fragment_order_view
 
 
@@ -23,21 +27,26 @@ class BackwardPostprocess:
     rows_per_block = 64
     chunk = 8
 
-    def __init__(self, dtype, head_dim: int, fragment_tile_m: int | None = None):
+    def __init__(self, dtype, head_dim: int, fragment_tile_m: int | None = None,
+                 det_stores_first: bool = False):
         assert head_dim % self.chunk == 0, "whole chunks per row"
+        assert not det_stores_first or fragment_tile_m is not None, "only fragment order stores first"
         self.dtype = dtype
         self.head_dim = head_dim
         self.fragment_tile_m = fragment_tile_m
+        self.det_stores_first = det_stores_first
         self.chunks_per_row = head_dim // self.chunk
         assert self.rows_per_block * self.chunks_per_row % self.threads == 0, "whole steps per block"
         self.steps = self.rows_per_block * self.chunks_per_row // self.threads
 
     @cute.jit
-    def __call__(self, mdQaccum, mdQ, mSeqUsedQ, softmax_scale: Float32, stream, tiled_mma_dq=None):
+    def __call__(self, mdQaccum, mdQ, mSeqUsedQ, mSemaphore, softmax_scale: Float32, deterministic,
+                 stream, tiled_mma_dq=None):
         """tiled_mma_dq: the main kernel's dQ MMA, which defines fragment order (else unused)."""
-        sq_pad, heads, batch = mdQaccum.shape[2], mdQaccum.shape[1], mdQaccum.shape[0]
+        sq_pad, heads, batch = mdQaccum.shape[3], mdQaccum.shape[2], mdQaccum.shape[1]
         if cutlass.const_expr(self.fragment_tile_m is not None):
-            self.kernel_fragment_order(mdQaccum, mdQ, mSeqUsedQ, softmax_scale, tiled_mma_dq).launch(
+            self.kernel_fragment_order(mdQaccum, mdQ, mSeqUsedQ, mSemaphore, softmax_scale,
+                                       deterministic, tiled_mma_dq).launch(
                 grid=(sq_pad // self.fragment_tile_m, heads, batch),
                 block=[cute.size(tiled_mma_dq), 1, 1],
                 smem=cute.size_in_bytes(self.dtype, self._fragment_tile_layout()) + 16,
@@ -56,19 +65,28 @@ class BackwardPostprocess:
         row_block, head, batch = cute.arch.block_idx()
         seqlen_q = mdQ.shape[1]
         seq_used_q = mSeqUsedQ[batch]
-        accum = mdQaccum[batch, head, None, None]
         out = mdQ[batch, None, head, None]
         for step in cutlass.range_constexpr(self.steps):
             index = step * self.threads + tidx
             row = row_block * self.rows_per_block + index // self.chunks_per_row
             col_chunk = index % self.chunks_per_row
             self._store_chunk(out, row, col_chunk, seqlen_q, seq_used_q, lambda: (
-                cute.local_tile(accum, (1, self.chunk), (row, col_chunk)).load() * softmax_scale
+                self._summed_chunk(mdQaccum, batch, head, row, col_chunk) * softmax_scale
             ).to(self.dtype))
 
+    @cute.jit
+    def _summed_chunk(self, mdQaccum, batch, head, row, col_chunk):
+        """The sum over the copies of mdQaccum[:, batch, head, row, chunk col_chunk], in order."""
+        total = cute.make_rmem_tensor((1, self.chunk), Float32)
+        total.fill(0.0)
+        for copy in cutlass.range(mdQaccum.shape[0], unroll=1):
+            total.store(total.load() + cute.local_tile(
+                mdQaccum[copy, batch, head, None, None], (1, self.chunk), (row, col_chunk)).load())
+        return total.load()
+
     @cute.kernel
-    def kernel_fragment_order(self, mdQaccum, mdQ, mSeqUsedQ, softmax_scale: Float32,
-                              tiled_mma_dq: cute.TiledMma):
+    def kernel_fragment_order(self, mdQaccum, mdQ, mSeqUsedQ, mSemaphore, softmax_scale: Float32,
+                              deterministic, tiled_mma_dq: cute.TiledMma):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         seqlen_q = mdQ.shape[1]
@@ -76,9 +94,19 @@ class BackwardPostprocess:
         tile = (self.fragment_tile_m, self.head_dim)
         thr_mma = tiled_mma_dq.get_slice(tidx)
         acc = thr_mma.make_fragment_C(thr_mma.partition_shape_C(tile))
-        slab = cute.local_tile(mdQaccum[batch, head, None, None], tile, (m_block, 0)).iterator
+        acc.fill(0.0)
+        part = cute.make_rmem_tensor_like(acc, Float32)
         groups = cute.size(tiled_mma_dq) // FRAGMENT_GROUP_THREADS
-        cute.autovec_copy(fragment_order_view(slab, acc.shape, tidx, groups), acc)
+        for copy in cutlass.range(mdQaccum.shape[0], unroll=1):
+            written = cutlass.Boolean(True)
+            if cutlass.const_expr(self.det_stores_first):
+                if deterministic != 0:
+                    written = mSemaphore[copy, batch, head,
+                                         m_block * (self.fragment_tile_m // BWD_SEMAPHORE_ROWS)] > 0
+            if written:
+                slab = cute.local_tile(mdQaccum[copy, batch, head, None, None], tile, (m_block, 0)).iterator
+                cute.autovec_copy(fragment_order_view(slab, acc.shape, tidx, groups), part)
+                acc.store(acc.load() + part.load())
         values = cute.make_rmem_tensor_like(acc, self.dtype)
         values.store((acc.load() * softmax_scale).to(self.dtype))
         # Through shared memory back to the tile's order, so that rows leave in 16-byte stores

@@ -7,6 +7,10 @@ For every padded query row r < sq_pad of every (batch, head):
                       there instead of NaN.
 Rows past the batch entry's valid query rows (mSeqUsedQ [b], clamped to sq: a ragged batch's
 padding) are padded rows too.
+It also zeroes the rows of every copy of the dQ accumulator (mdQaccum [copies, b, h, sq_pad, d]),
+which the main kernel then adds into, except in deterministic mode when the main kernel's first
+add into each copy of a query block stores instead (`det_stores_first`): a row pass here is one
+write of the workspace fewer than cudaMemsetAsync before the launch, and none at all then.
 `lanes_per_row` adjacent lanes share a row, each reducing a contiguous chunk of dv elements, so
 the loads are wide and a warp covers several rows.
 """
@@ -24,28 +28,39 @@ class BackwardPreprocess:
     # Elements per 16-byte vector of the 2-byte io dtype: each lane's chunk is whole vectors.
     vector = 8
 
-    def __init__(self, dtype, head_dim_v: int):
+    def __init__(self, dtype, head_dim: int, head_dim_v: int, det_stores_first: bool):
         # Up to 8 lanes per row, as many as split the row into whole vectors (dv = 96: 4 lanes of 24).
         self.lanes_per_row = next(n for n in (8, 4, 2, 1) if head_dim_v % (self.vector * n) == 0)
         self.dtype = dtype
         self.head_dim_v = head_dim_v
         self.chunk = head_dim_v // self.lanes_per_row
         self.rows_per_block = self.threads // self.lanes_per_row
+        self.head_dim = head_dim
+        self.det_stores_first = det_stores_first
+        # The accumulator's rows of a block are contiguous: each thread zeroes 4 fp32 per step.
+        assert self.rows_per_block * head_dim % (self.threads * 4) == 0, "whole zeroing steps"
+        self.zero_steps = self.rows_per_block * head_dim // (self.threads * 4)
 
     @cute.jit
-    def __call__(self, mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2, mSeqUsedQ, stream):
-        """mO/mdO [b, sq, h, dv]; mLSE/mdLSE [b, h, sq]; mdPsum/mLSElog2 [b, h, sq_pad]; mSeqUsedQ [b]."""
+    def __call__(self, mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2, mdQaccum, mSeqUsedQ, deterministic, stream):
+        """mO/mdO [b, sq, h, dv]; mLSE/mdLSE [b, h, sq]; mdPsum/mLSElog2 [b, h, sq_pad];
+        mdQaccum [copies, b, h, sq_pad, d]; mSeqUsedQ [b]; deterministic 0 or 1."""
         sq_pad, heads, batch = mdPsum.shape[2], mdPsum.shape[1], mdPsum.shape[0]
-        self.kernel(mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2, mSeqUsedQ).launch(
+        self.kernel(mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2, mdQaccum, mSeqUsedQ, deterministic).launch(
             grid=(cute.ceil_div(sq_pad, self.rows_per_block), heads, batch),
             block=[self.threads, 1, 1],
             stream=stream,
         )
 
     @cute.kernel
-    def kernel(self, mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2, mSeqUsedQ):
+    def kernel(self, mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2, mdQaccum, mSeqUsedQ, deterministic):
         tidx, _, _ = cute.arch.thread_idx()
         row_block, head, batch = cute.arch.block_idx()
+        zero_dq = cutlass.Boolean(True)
+        if cutlass.const_expr(self.det_stores_first):
+            zero_dq = deterministic == 0
+        if zero_dq:
+            self._zero_dq_rows(mdQaccum, row_block, head, batch, tidx)
         lane_in_row = tidx % self.lanes_per_row
         row = row_block * self.rows_per_block + tidx // self.lanes_per_row
         seqlen_q = cutlass.min(mSeqUsedQ[batch], mO.shape[1])
@@ -68,3 +83,17 @@ class BackwardPreprocess:
                     lse_log2 = lse * LOG2_E
             mdPsum[batch, head, row] = d_value
             mLSElog2[batch, head, row] = lse_log2
+
+    @cute.jit
+    def _zero_dq_rows(self, mdQaccum, row_block, head, batch, tidx):
+        """mdQaccum[:, batch, head, this block's rows] = 0."""
+        chunks_per_row = self.head_dim // 4
+        zeros = cute.make_rmem_tensor(4, Float32)
+        zeros.fill(0.0)
+        for copy in cutlass.range(mdQaccum.shape[0], unroll=1):
+            rows = mdQaccum[copy, batch, head, None, None]
+            for step in cutlass.range_constexpr(self.zero_steps):
+                index = step * self.threads + tidx
+                row = row_block * self.rows_per_block + index // chunks_per_row
+                if row < rows.shape[0]:
+                    cute.local_tile(rows, (1, 4), (row, index % chunks_per_row)).store(zeros.load())

@@ -107,9 +107,11 @@ def test_head_dims_dtypes(next_key, head_dim, dtype, causal):
     _check_backward(next_key, 2, 1000, 1000, 4, 2, head_dim, dtype, causal=causal)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
-def test_head_dim_192_with_value_dim_128(next_key, causal):
-    _check_backward(next_key, 2, 600, 600, 4, 2, 192, jnp.bfloat16, head_dim_v=128, causal=causal)
+def test_head_dim_192_with_value_dim_128(next_key, causal, deterministic):
+    _check_backward(next_key, 2, 600, 600, 4, 2, 192, jnp.bfloat16, head_dim_v=128, causal=causal,
+                    deterministic=deterministic)
 
 
 LENGTHS = [(1, 1), (17, 17), (113, 113), (2049, 2049), (17, 1000), (1000, 17), (113, 2049),
@@ -122,21 +124,47 @@ def test_odd_and_unequal_lengths(next_key, seqlen_q, seqlen_k, causal):
     _check_backward(next_key, 1, seqlen_q, seqlen_k, 4, 2, 128, jnp.bfloat16, causal=causal)
 
 
+# Deterministic d192/d256 calls take two dQ accumulators (variants.dq_copies), and every
+# deterministic call leaves them unzeroed (a copy's first add stores): odd lengths, sq != sk.
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 1000), (1000, 17), (2049, 113), (113, 2049)])
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_deterministic_odd_and_unequal_lengths(next_key, head_dim, seqlen_q, seqlen_k, causal):
+    _check_backward(next_key, 1, seqlen_q, seqlen_k, 4, 2, head_dim, jnp.bfloat16, causal=causal,
+                    deterministic=True)
+
+
 @pytest.mark.parametrize("heads_q,heads_kv", [(8, 8), (8, 2), (8, 1)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_gqa_and_mqa(next_key, heads_q, heads_kv, dtype):
     _check_backward(next_key, 2, 513, 513, heads_q, heads_kv, 128, dtype, causal=True)
 
 
-def test_fully_masked_rows(next_key):
-    # causal with seqlen_q > seqlen_k: the first 200 rows see no key.
-    _check_backward(next_key, 2, 300, 100, 4, 2, 128, jnp.bfloat16, causal=True)
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_fully_masked_rows(next_key, head_dim, deterministic):
+    # causal with seqlen_q > seqlen_k: the first 200 rows see no key, so no key block adds into
+    # their query blocks. Deterministic mode does not zero the dQ workspace: there the
+    # postprocess must read those blocks' semaphores as "never written". The freed poison makes
+    # that workspace hold NaN (the allocator hands its memory back to the next call's buffers),
+    # so a block read anyway fails the finiteness and zero checks.
+    poison = jnp.full((64 << 20,), jnp.nan, jnp.float32).block_until_ready()
+    del poison
+    _check_backward(next_key, 2, 300, 100, 4, 2, head_dim, jnp.bfloat16, causal=True,
+                    deterministic=deterministic)
 
 
 @pytest.mark.parametrize("options", LOCAL_AND_SOFTCAP.values(), ids=LOCAL_AND_SOFTCAP.keys())
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_windows_and_softcap(next_key, head_dim, options):
     _check_backward(next_key, 1, 777, 1031, 4, 2, head_dim, jnp.bfloat16, **options)
+
+
+@pytest.mark.parametrize("options", LOCAL_AND_SOFTCAP.values(), ids=LOCAL_AND_SOFTCAP.keys())
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_deterministic_windows_and_softcap(next_key, head_dim, options):
+    _check_backward(next_key, 1, 777, 1031, 4, 2, head_dim, jnp.bfloat16, deterministic=True,
+                    **options)
 
 
 @pytest.mark.parametrize("softcap", [None, 400.0])
@@ -284,7 +312,7 @@ ABLATION_SHAPES = {
 def test_backward_ablation_tunings(next_key, head_dim, head_dim_v, tuning, causal, deterministic, shape):
     # The benchmark's backward ablation rows must be correct kernels (and, deterministic,
     # bitwise repeatable), or their timings mean nothing.
-    if tuning in ("det_asc", "det_in_order") and not deterministic:
+    if tuning in ("det_asc", "det_in_order", "det_one_copy") and not deterministic:
         pytest.skip(f"{tuning} changes only deterministic calls (the default-mode kernel is the same)")
     batch, seqlen_q, seqlen_k, heads_q, heads_kv = shape
     q, k, v = qkv(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, jnp.bfloat16,

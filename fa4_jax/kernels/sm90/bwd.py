@@ -3,9 +3,11 @@
 One `__call__` launches three kernels on the stream, in order:
 
 1. `BackwardPreprocess` (kernels/bwd_pre.py): D = rowsum(dO ∘ O) − dLSE → mdPsum, and
-   lse·log2(e) → mLSElog2 (+inf for padded rows and rows with no visible key, so their P is 0).
+   lse·log2(e) → mLSElog2 (+inf for padded rows and rows with no visible key, so their P is 0);
+   mdQaccum zeroed, but for deterministic calls whose adds store first.
 2. The main kernel below: dK and dV of one key block, and dS·K added into mdQaccum.
-3. `BackwardPostprocess` (kernels/bwd_post.py): dQ = softmax_scale · mdQaccum → mdQ.
+3. `BackwardPostprocess` (kernels/bwd_post.py): dQ = softmax_scale · (the sum of mdQaccum's
+   copies) → mdQ.
 
 Main kernel: one CTA per (key block of tile_n keys, kv head, batch); it walks the q heads of its
 GQA group and, for each, the query blocks of tile_m rows that see its keys (BlockInfo.m_block_range),
@@ -29,7 +31,10 @@ the group inside the CTA). Warp-role table:
     thread's registers in their own order, one chunk per warp group, and so does mdQaccum until
     the postprocess), otherwise by per-thread `red.global.add.v2.f32`. In deterministic mode the
     adds into a (batch, head, query block) go in a fixed key-block order (decreasing under a
-    causal/local mask: `det_descending`), each waiting on mSemaphore for its turn.
+    causal/local mask: `det_descending`), each waiting on mSemaphore for its turn; in fragment
+    order the turns alternate between mdQaccum's copies when the call gives it two
+    (`_dq_copy`), and each copy's first turn stores rather than adds, so that nothing zeroes the
+    workspace first (`_det_stores_first`).
     With softcap, Sᵀ and dPᵀ are both awaited and one pass computes t = tanh(Sᵀ·scale/softcap),
     Pᵀ and dSᵀ = Pᵀ∘(dPᵀ − D)∘(1 − t²); the mask then zeroes Pᵀ and dSᵀ (masking the scores
     to −inf first would leave no t for the derivative).
@@ -228,6 +233,17 @@ def _elem_ptr(tensor: cute.Tensor, index):
     return tensor.iterator + cute.crd2idx(index, tensor.layout)
 
 
+def _bulk_store_f32(dst: cute.Pointer, src: cute.Pointer, num_bytes: int):
+    """dst[: num_bytes] = src[: num_bytes], global = shared: _bulk_add_f32's plain-copy twin,
+    completed through the same bulk async-groups."""
+    llvm.inline_asm(
+        None, [dst.toint().ir_value(), src.toint().ir_value(), Int32(num_bytes).ir_value()],
+        "cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], $2;",
+        "l,r,r,~{memory}", has_side_effects=True, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
 def _bulk_add_f32(dst: cute.Pointer, src: cute.Pointer, num_bytes: int):
     """dst[: num_bytes] += src[: num_bytes], fp32, global += shared: one plain bulk reduce (no
     tensor map), completed through the issuing thread's bulk async-groups like a TMA store."""
@@ -346,9 +362,10 @@ class FlashAttentionBackwardSm90:
         if self.config.dq_tma_reduce and self.dq_cols % 8:
             raise ValueError(f"{self.config}: dq_tma_reduce needs {self.dq_cols} columns of dQ per "
                              "warp group to be a multiple of 8")
-        self.preprocess = BackwardPreprocess(dtype, head_dim_v)
+        self.preprocess = BackwardPreprocess(dtype, head_dim, head_dim_v, self._det_stores_first())
         self.postprocess = BackwardPostprocess(
-            dtype, head_dim, fragment_tile_m=self.tile_m if self._dq_fragment_order() else None)
+            dtype, head_dim, fragment_tile_m=self.tile_m if self._dq_fragment_order() else None,
+            det_stores_first=self._det_stores_first())
 
     def _check_config(self):
         """Refuses settings the kernel cannot run correctly, naming the setting."""
@@ -434,7 +451,7 @@ class FlashAttentionBackwardSm90:
         stream: cuda.CUstream,
     ):
         """Tensors as fa4_jax.aot.compile.TENSORS["bwd"] (JAX row-major layouts)."""
-        self.preprocess(mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2, mSeqUsedQ, stream)
+        self.preprocess(mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2, mdQaccum, mSeqUsedQ, deterministic, stream)
 
         # Kernel-side views put the sequence and feature modes first: (s, d, heads, batch), and
         # (s_pad, heads, batch) for the per-row workspaces.
@@ -483,7 +500,8 @@ class FlashAttentionBackwardSm90:
             # whose row mode is split the same way; heads and batch are merged to keep the
             # tensor map within 5 dimensions.
             rows = self.tile_m
-            batch_count, head_count, seq_pad, _ = mdQaccum.shape
+            # Copy 0 only: this path adds every turn there (`_dq_copy`).
+            _, batch_count, head_count, seq_pad, _ = mdQaccum.shape
             mdQaccum_k = cute.make_tensor(mdQaccum.iterator, cute.make_layout(
                 (((2, rows // 2), seq_pad // rows), self.head_dim, head_count * batch_count),
                 stride=((((rows // 2) * self.head_dim, self.head_dim), rows * self.head_dim), 1,
@@ -554,7 +572,8 @@ class FlashAttentionBackwardSm90:
             min_blocks_per_mp=1,
         )
 
-        self.postprocess(mdQaccum, mdQ, mSeqUsedQ, softmax_scale, stream, tiled_mma_dq)
+        self.postprocess(mdQaccum, mdQ, mSeqUsedQ, mSemaphore, softmax_scale, deterministic, stream,
+                         tiled_mma_dq)
 
     @cute.kernel
     def kernel(
@@ -895,7 +914,7 @@ class FlashAttentionBackwardSm90:
         """Block `index`'s dQ share (blocks.acc_dq) handed over to global memory."""
         head, m_block = coords(index)
         self.accumulate_dq(
-            blocks, mdQaccum[batch, head, None, None], mSemaphore, m_block, n_block, head, batch,
+            blocks, mdQaccum[0, batch, head, None, None], mSemaphore, m_block, n_block, head, batch,
             seqlen_q, seqlen_k, window_left, window_right, deterministic, block_info, walk,
         )
 
@@ -1077,7 +1096,7 @@ class FlashAttentionBackwardSm90:
         gdQ = cute.local_tile(gdQaccum, (self.tile_m, self.head_dim), (m_block, 0))
         tdQgdQ = blocks.thr_mma_dq.partition_C(gdQ)
         if deterministic != 0:
-            semaphore = self._semaphore(mSemaphore, batch, head, m_block)
+            semaphore = self._semaphore(mSemaphore, 0, batch, head, m_block)
             if self._is_first_mma_thread():
                 self._wait_for_turn(semaphore, turn)
             cute.arch.barrier(barrier_id=self.dq_turn_barrier_id, number_of_threads=self.num_mma_threads)
@@ -1155,7 +1174,10 @@ class FlashAttentionBackwardSm90:
         Only where that is safe, exact and cheap:
         - key block 0 now waits for key block N − 1 (at the query blocks where N − 1 wrapped
           around first), so all N of the chain must run at once: N ≤ num_sms (one CTA per SM;
-          CTAs dispatch in grid order, so a chain is never held up behind a later one);
+          CTAs dispatch in grid order, so a chain is never held up behind a later one), and
+          N ≤ num_sms / 2 so that at least two chains run at once: with one (d64/d128 at 16k
+          tokens: 128 key blocks on 132 SMs) the chain's fill, paid once in order, cost less
+          than the SMs the rotation leaves idle (d64 16k: 3% slower rotated);
         - with no more key blocks than query blocks each step's visits land on distinct query
           blocks;
         - the chains must nearly tile the SMs: the CTAs of a chain that is only partly resident
@@ -1166,7 +1188,7 @@ class FlashAttentionBackwardSm90:
         rotated = cutlass.Boolean(False)
         if cutlass.const_expr(self.config.det_rotated_walk and not (self.causal or self.local)):
             if deterministic != 0:
-                if key_blocks <= num_sms:
+                if 2 * key_blocks <= num_sms:
                     if key_blocks <= m_block_max - m_block_min:
                         if num_sms % key_blocks <= num_sms // 16:
                             rotated = cutlass.Boolean(True)
@@ -1193,7 +1215,9 @@ class FlashAttentionBackwardSm90:
         per warp group's chunk in fragment order), in turn when deterministic, the turn then
         passed on once the add is complete. sdQ is free again once read, or, deterministic
         without det_free_sdq_on_read, once the turn is passed on. With dq_writers = 2 this is
-        writer `writer` of two, taking every other add."""
+        writer `writer` of two, taking every other add. Deterministic in fragment order, the
+        turns alternate between mdQaccum's copies (`_dq_copy`) and each copy's first turn stores
+        instead of adding (`_det_stores_first`: the preprocess left the copies unzeroed)."""
         no_cluster = cute.make_layout(1)
         lane = cute.arch.lane_idx()
         writers = self.config.dq_writers
@@ -1207,10 +1231,8 @@ class FlashAttentionBackwardSm90:
                 cute.arch.barrier_arrive(barrier_id=self.dq_empty_barrier_ids[chunk], number_of_threads=self._dq_sync_threads())
         for head_in_group in cutlass.range(group, unroll=1):
             head = head_kv * group + head_in_group
-            tdQsdQ, tdQgdQ, slabs = None, None, None
-            if cutlass.const_expr(self._dq_fragment_order()):
-                slabs = mdQaccum[batch, head, None, None]
-            else:
+            tdQsdQ, tdQgdQ = None, None
+            if cutlass.const_expr(not self._dq_fragment_order()):
                 gdQ = cute.local_tile(mdQaccum[None, None, head + num_heads * batch], (self.tile_m, self.head_dim), (None, 0))
                 tdQsdQ, tdQgdQ = cpasync.tma_partition(
                     tma_atom_dq, 0, no_cluster, cute.group_modes(sdQ, 0, 2), cute.group_modes(gdQ, 0, 2)
@@ -1219,6 +1241,7 @@ class FlashAttentionBackwardSm90:
                 m_block = self._m_block_at(walk, step)
                 adds, turn = self._dq_turn(block_info, m_block, n_block, seqlen_q, seqlen_k, window_left, window_right, walk)
                 if adds:
+                    copy, copy_turn = self._dq_copy(mdQaccum, turn, deterministic)
                     writes_this_add = cutlass.Boolean(True)
                     if cutlass.const_expr(writers > 1):
                         writes_this_add = adds_seen % writers == writer
@@ -1233,15 +1256,23 @@ class FlashAttentionBackwardSm90:
                                 if deterministic != 0:
                                     if cutlass.const_expr(self.config.det_ordered):
                                         if lane == 0:
-                                            self._wait_for_turn(self._semaphore(mSemaphore, batch, head, m_block), turn)
+                                            self._wait_for_turn(self._semaphore(mSemaphore, copy, batch, head, m_block), copy_turn)
                                     cute.arch.sync_warp()
                                     # The previous key block's adds (acquired above) precede this one.
                                     cute.arch.fence_proxy("async.global")
                             if cutlass.const_expr(self._dq_fragment_order()):
                                 chunk_elems = cute.cosize(sdQ.layout) // chunks
                                 if lane == 0:
-                                    _bulk_add_f32(_elem_ptr(slabs, (m_block * self.tile_m, 0)) + chunk * chunk_elems,
-                                                  sdQ.iterator + chunk * chunk_elems, chunk_elems * Float32.width // 8)
+                                    dst = _elem_ptr(mdQaccum, (copy, batch, head, m_block * self.tile_m, 0)) + chunk * chunk_elems
+                                    src = sdQ.iterator + chunk * chunk_elems
+                                    stores = cutlass.Boolean(False)
+                                    if cutlass.const_expr(self._det_stores_first()):
+                                        if deterministic != 0:
+                                            stores = copy_turn == 0
+                                    if stores:
+                                        _bulk_store_f32(dst, src, chunk_elems * Float32.width // 8)
+                                    else:
+                                        _bulk_add_f32(dst, src, chunk_elems * Float32.width // 8)
                             else:
                                 # The whole warp: the TMA copy elects its issuing lane itself (elect.sync).
                                 cute.copy(tma_atom_dq, tdQsdQ, tdQgdQ[None, m_block])
@@ -1258,7 +1289,7 @@ class FlashAttentionBackwardSm90:
                             if cutlass.const_expr(writers > 1):
                                 cute.arch.barrier_arrive(barrier_id=self.dq_token_barrier_ids[1 - writer], number_of_threads=token_threads)
                         if deterministic != 0:
-                            self._pass_turn(mSemaphore, batch, head, m_block, lane)
+                            self._pass_turn(mSemaphore, copy, batch, head, m_block, lane)
                         if not free_early:
                             for chunk in cutlass.range_constexpr(chunks):
                                 cute.arch.barrier_arrive(barrier_id=self.dq_empty_barrier_ids[chunk], number_of_threads=self._dq_sync_threads())
@@ -1273,9 +1304,32 @@ class FlashAttentionBackwardSm90:
         cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
-    def _semaphore(self, mSemaphore, batch, head, m_block):
-        """The deterministic turn counter of query block m_block's dQ rows."""
-        return _elem_ptr(mSemaphore, (batch, head, m_block * (self.tile_m // BWD_SEMAPHORE_ROWS)))
+    def _dq_copy(self, mdQaccum, turn, deterministic):
+        """(the copy of mdQaccum an add of turn `turn` goes to, its turn among that copy's adds).
+
+        Deterministic in fragment order with two copies (variants.dq_copies), consecutive turns
+        alternate, so an add waits for the add two turns back, not the one just before it: a
+        chain then moves at the slower of a step and half an add's round trip
+        (docs/perf-log.md, "two dQ accumulators"). The tile order's TMA view and the atomics
+        add every turn into copy 0, whose zeroed partner the postprocess adds as zeros."""
+        copy, copy_turn = Int32(0), turn
+        if cutlass.const_expr(self._dq_fragment_order()):
+            if deterministic != 0:
+                # Exact for 1 and 2 copies (BWD_MAX_DQ_COPIES).
+                shift = mdQaccum.shape[0] - 1
+                copy, copy_turn = turn & shift, turn >> shift
+        return copy, copy_turn
+
+    def _det_stores_first(self) -> bool:
+        """Deterministic in fragment order, a copy's first add into a query block stores, so the
+        preprocess need not zero mdQaccum (the postprocess skips copies no add reached). Not
+        without the order (det_unordered), where the first add need not land first."""
+        return self._dq_fragment_order() and self.config.det_ordered
+
+    @cute.jit
+    def _semaphore(self, mSemaphore, copy, batch, head, m_block):
+        """The deterministic turn counter of copy `copy` of query block m_block's dQ rows."""
+        return _elem_ptr(mSemaphore, (copy, batch, head, m_block * (self.tile_m // BWD_SEMAPHORE_ROWS)))
 
     @cute.jit
     def _wait_for_turn(self, semaphore, turn):
@@ -1286,7 +1340,7 @@ class FlashAttentionBackwardSm90:
             done = cute.arch.load(semaphore, Int32, sem="acquire", scope="gpu")
 
     @cute.jit
-    def _pass_turn(self, mSemaphore, batch, head, m_block, lane):
+    def _pass_turn(self, mSemaphore, copy, batch, head, m_block, lane):
         """Once the dQ writer's adds are complete in global memory, passes the turn of
         (head, m_block) on to the next key block (as in the red.global path: every lane fences,
         then one releases). Passing it only after the next add is issued, so that the round trip
@@ -1296,7 +1350,7 @@ class FlashAttentionBackwardSm90:
         cute.arch.fence_acq_rel_gpu()
         cute.arch.sync_warp()
         if lane == 0:
-            cute.arch.atomic_add(self._semaphore(mSemaphore, batch, head, m_block), Int32(1), sem="release", scope="gpu")
+            cute.arch.atomic_add(self._semaphore(mSemaphore, copy, batch, head, m_block), Int32(1), sem="release", scope="gpu")
 
     def _descending_turns(self) -> bool:
         """Deterministic dQ adds go from the highest key block down (det_descending, masked)."""
