@@ -11,10 +11,11 @@
 //           1 or 2) is the caller's choice, read off dq_accum
 //   attrs   those of fa4_fwd_v1, and deterministic bool
 //
-// The workspaces are results so that XLA owns all memory: nothing is allocated here. semaphore
-// is zeroed on the stream before the kernels run; the kernels own the rest (the preprocess
-// zeroes dq_accum unless the deterministic adds store their first turn instead). The kernels
-// also get the device's SM count (deterministic mode's order depends on it).
+// The workspaces are results so that XLA owns all memory: nothing is allocated here, and
+// nothing is launched but the variant's kernels, which own the workspaces (the preprocess zeroes
+// dq_accum unless the deterministic adds store their first turn instead, and the semaphores in
+// deterministic mode). The kernels also get the device's SM count (deterministic mode's order
+// depends on it).
 #include <cstring>
 #include <string>
 #include <string_view>
@@ -100,9 +101,6 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::A
       if (ffi::Error e = Zero(stream, data, bytes); e.failure()) return e;
     return ffi::Error::Success();
   }
-  if (ffi::Error e = Zero(stream, semaphore->untyped_data(), semaphore->size_bytes());
-      e.failure())
-    return e;
 
   args.out = out.untyped_data();
   args.d_out = d_out.untyped_data();

@@ -29,8 +29,8 @@ _ALIGN = 16
 #   m_blocks = sq_pad / BWD_SEMAPHORE_ROWS
 #   copies   = dQ accumulators per query block: 1, or 2 for some deterministic calls
 #              (BWD_MAX_DQ_COPIES; variants.dq_copies picks)
-# Backward workspaces (results of the FFI call, so XLA owns them; the handler zeroes semaphore
-# before the launch; the kernels own the rest): mdQaccum accumulates dS·K in fp32 (dQ =
+# Backward workspaces (results of the FFI call, so XLA owns them; the kernels own them, the
+# preprocess zeroing what needs zeros): mdQaccum accumulates dS·K in fp32 (dQ =
 # softmax_scale · the sum of its copies, written to mdQ by the last pass), mdPsum holds
 # D = rowsum(dO ∘ O) - dLSE, mLSElog2 holds lse · log2(e), and mSemaphore orders the dQ
 # accumulation in deterministic mode (one counter per copy and 64 query rows).

@@ -6,6 +6,8 @@ batch entry's valid query rows (mSeqUsedQ [b]: a ragged batch's padding) are wri
 With `det_stores_first` a deterministic call's copies were not zeroed: a copy of a query block
 that no key block wrote (its semaphore, mSemaphore [copies, b, h, sq_pad / 64], still 0) holds
 stale memory and counts as 0.
+With `pdl` it is launched as the main kernel's programmatic dependent: its CTAs take the SMs the
+main kernel's last CTAs leave and wait there (griddepcontrol.wait) for the whole grid's writes.
 
 In tile order (row-major rows) each thread converts `chunk` contiguous elements per step (32-byte
 loads, 16-byte stores). In fragment order (the Hopper backward's dq_fragment_order) each query
@@ -28,13 +30,14 @@ class BackwardPostprocess:
     chunk = 8
 
     def __init__(self, dtype, head_dim: int, fragment_tile_m: int | None = None,
-                 det_stores_first: bool = False):
+                 det_stores_first: bool = False, pdl: bool = False):
         assert head_dim % self.chunk == 0, "whole chunks per row"
         assert not det_stores_first or fragment_tile_m is not None, "only fragment order stores first"
         self.dtype = dtype
         self.head_dim = head_dim
         self.fragment_tile_m = fragment_tile_m
         self.det_stores_first = det_stores_first
+        self.pdl = pdl
         self.chunks_per_row = head_dim // self.chunk
         assert self.rows_per_block * self.chunks_per_row % self.threads == 0, "whole steps per block"
         self.steps = self.rows_per_block * self.chunks_per_row // self.threads
@@ -51,16 +54,20 @@ class BackwardPostprocess:
                 block=[cute.size(tiled_mma_dq), 1, 1],
                 smem=cute.size_in_bytes(self.dtype, self._fragment_tile_layout()) + 16,
                 stream=stream,
+                use_pdl=self.pdl,
             )
             return
         self.kernel(mdQaccum, mdQ, mSeqUsedQ, softmax_scale).launch(
             grid=(cute.ceil_div(sq_pad, self.rows_per_block), heads, batch),
             block=[self.threads, 1, 1],
             stream=stream,
+            use_pdl=self.pdl,
         )
 
     @cute.kernel
     def kernel(self, mdQaccum, mdQ, mSeqUsedQ, softmax_scale: Float32):
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
         tidx, _, _ = cute.arch.thread_idx()
         row_block, head, batch = cute.arch.block_idx()
         seqlen_q = mdQ.shape[1]
@@ -87,6 +94,8 @@ class BackwardPostprocess:
     @cute.kernel
     def kernel_fragment_order(self, mdQaccum, mdQ, mSeqUsedQ, mSemaphore, softmax_scale: Float32,
                               deterministic, tiled_mma_dq: cute.TiledMma):
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         seqlen_q = mdQ.shape[1]

@@ -10,7 +10,10 @@ padding) are padded rows too.
 It also zeroes the rows of every copy of the dQ accumulator (mdQaccum [copies, b, h, sq_pad, d]),
 which the main kernel then adds into, except in deterministic mode when the main kernel's first
 add into each copy of a query block stores instead (`det_stores_first`): a row pass here is one
-write of the workspace fewer than cudaMemsetAsync before the launch, and none at all then.
+write of the workspace fewer than cudaMemsetAsync before the launch, and none at all then. In
+deterministic mode it zeroes the turn counters (mSemaphore [copies, b, h, sq_pad / 64]) too, so
+the FFI handler launches nothing before it. Every CTA lets the main kernel launch once it has
+started (`griddepcontrol.launch_dependents`: programmatic dependent launch, `pdl` in bwd.py).
 `lanes_per_row` adjacent lanes share a row, each reducing a contiguous chunk of dv elements, so
 the loads are wide and a warp covers several rows.
 """
@@ -18,7 +21,9 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32
+
+from fa4_jax.kernels.bwd_workspace import BWD_SEMAPHORE_ROWS
 
 LOG2_E = math.log2(math.e)
 
@@ -42,20 +47,27 @@ class BackwardPreprocess:
         self.zero_steps = self.rows_per_block * head_dim // (self.threads * 4)
 
     @cute.jit
-    def __call__(self, mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2, mdQaccum, mSeqUsedQ, deterministic, stream):
+    def __call__(self, mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2, mdQaccum, mSemaphore, mSeqUsedQ,
+                 deterministic, stream):
         """mO/mdO [b, sq, h, dv]; mLSE/mdLSE [b, h, sq]; mdPsum/mLSElog2 [b, h, sq_pad];
-        mdQaccum [copies, b, h, sq_pad, d]; mSeqUsedQ [b]; deterministic 0 or 1."""
+        mdQaccum [copies, b, h, sq_pad, d]; mSemaphore [copies, b, h, sq_pad / 64];
+        mSeqUsedQ [b]; deterministic 0 or 1."""
         sq_pad, heads, batch = mdPsum.shape[2], mdPsum.shape[1], mdPsum.shape[0]
-        self.kernel(mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2, mdQaccum, mSeqUsedQ, deterministic).launch(
+        self.kernel(mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2, mdQaccum, mSemaphore, mSeqUsedQ,
+                    deterministic).launch(
             grid=(cute.ceil_div(sq_pad, self.rows_per_block), heads, batch),
             block=[self.threads, 1, 1],
             stream=stream,
         )
 
     @cute.kernel
-    def kernel(self, mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2, mdQaccum, mSeqUsedQ, deterministic):
+    def kernel(self, mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2, mdQaccum, mSemaphore, mSeqUsedQ,
+               deterministic):
+        cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         row_block, head, batch = cute.arch.block_idx()
+        if deterministic != 0:
+            self._zero_turns(mSemaphore, row_block, head, batch, tidx)
         zero_dq = cutlass.Boolean(True)
         if cutlass.const_expr(self.det_stores_first):
             zero_dq = deterministic == 0
@@ -83,6 +95,18 @@ class BackwardPreprocess:
                     lse_log2 = lse * LOG2_E
             mdPsum[batch, head, row] = d_value
             mLSElog2[batch, head, row] = lse_log2
+
+    @cute.jit
+    def _zero_turns(self, mSemaphore, row_block, head, batch, tidx):
+        """mSemaphore[:, batch, head, counters of this block's rows] = 0: the block whose rows
+        start a counter's 64 zeroes it."""
+        first_row = row_block * self.rows_per_block
+        if first_row % BWD_SEMAPHORE_ROWS == 0:
+            counter = first_row // BWD_SEMAPHORE_ROWS + tidx
+            if tidx < (self.rows_per_block + BWD_SEMAPHORE_ROWS - 1) // BWD_SEMAPHORE_ROWS:
+                if counter < mSemaphore.shape[3]:
+                    for copy in cutlass.range(mSemaphore.shape[0], unroll=1):
+                        mSemaphore[copy, batch, head, counter] = Int32(0)
 
     @cute.jit
     def _zero_dq_rows(self, mdQaccum, row_block, head, batch, tidx):

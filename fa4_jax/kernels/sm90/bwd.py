@@ -78,6 +78,7 @@ from fa4_jax.kernels.bwd_post import BackwardPostprocess
 from fa4_jax.kernels.bwd_pre import BackwardPreprocess
 from fa4_jax.kernels.bwd_workspace import BWD_SEMAPHORE_ROWS
 from fa4_jax.kernels.common.block_info import BlockInfo
+from fa4_jax.kernels.common.key_block_order import KeyBlockOrder
 from fa4_jax.kernels.common.layouts import (
     acc_as_operand_a, acc_rows_cols, fragment_order_view, opaque_int32,
 )
@@ -184,6 +185,17 @@ class TileConfig:
     # Measured (docs/perf-log.md, "the rotated walk"), deterministic at 1k/4k: d64 +10/11%,
     # d96 +7/6%, d128 +6/5%, d192 +5/1%, d256 +11/3%; at 16k even (d64 −3%).
     det_rotated_walk: bool = True
+    # The main kernel and the postprocess are launched as programmatic dependents of the kernel
+    # before them (PDL): their CTAs take SMs as the previous grid's last CTAs leave, and run
+    # their prologue (barriers, descriptors, K and V's loads) before griddepcontrol.wait, so
+    # the launch gaps between the three kernels close. Measured: see docs/perf-log.md, "PDL".
+    pdl: bool = True
+    # Default mode under a causal/local mask: CTAs take their (key block, kv head, batch) in
+    # common/key_block_order.py's order, key block 0 of a section of heads first, so the heavy
+    # key blocks do not end the kernel alone; False: blockIdx's order (each head's key blocks
+    # in turn). Deterministic calls keep blockIdx's order. Measured: docs/perf-log.md, "the
+    # backward's LPT order".
+    lpt_order: bool = True
 
 
 # A WGMMA has 64 rows: the Sᵀ/dPᵀ GEMMs put keys on them (64 per warp group with
@@ -365,7 +377,7 @@ class FlashAttentionBackwardSm90:
         self.preprocess = BackwardPreprocess(dtype, head_dim, head_dim_v, self._det_stores_first())
         self.postprocess = BackwardPostprocess(
             dtype, head_dim, fragment_tile_m=self.tile_m if self._dq_fragment_order() else None,
-            det_stores_first=self._det_stores_first())
+            det_stores_first=self._det_stores_first(), pdl=self.config.pdl)
 
     def _check_config(self):
         """Refuses settings the kernel cannot run correctly, naming the setting."""
@@ -451,7 +463,8 @@ class FlashAttentionBackwardSm90:
         stream: cuda.CUstream,
     ):
         """Tensors as fa4_jax.aot.compile.TENSORS["bwd"] (JAX row-major layouts)."""
-        self.preprocess(mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2, mdQaccum, mSeqUsedQ, deterministic, stream)
+        self.preprocess(mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2, mdQaccum, mSemaphore, mSeqUsedQ,
+                        deterministic, stream)
 
         # Kernel-side views put the sequence and feature modes first: (s, d, heads, batch), and
         # (s_pad, heads, batch) for the per-row workspaces.
@@ -570,6 +583,7 @@ class FlashAttentionBackwardSm90:
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
             min_blocks_per_mp=1,
+            use_pdl=self.config.pdl,
         )
 
         self.postprocess(mdQaccum, mdQ, mSeqUsedQ, mSemaphore, softmax_scale, deterministic, stream,
@@ -622,6 +636,8 @@ class FlashAttentionBackwardSm90:
         num_sms: Int32,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if cutlass.const_expr(self.config.pdl):
+            cute.arch.griddepcontrol_launch_dependents()
         if warp_idx == 0:
             for atom in (tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v, tma_atom_lse, tma_atom_dpsum,
                          tma_atom_dk, tma_atom_dv):
@@ -659,6 +675,12 @@ class FlashAttentionBackwardSm90:
         block_x, head_kv, batch = cute.arch.block_idx()
         seqlen_k = mK.shape[0]
         n_block = block_x
+        if cutlass.const_expr(self.config.lpt_order and (self.causal or self.local)):
+            if deterministic == 0:
+                key_blocks, heads_kv, batches = cute.arch.grid_dim()
+                n_block, head_kv, batch = KeyBlockOrder().decode(
+                    block_x + key_blocks * (head_kv + heads_kv * batch), key_blocks, heads_kv,
+                    batches, num_sms)
         if cutlass.const_expr(self._descending_turns()):
             if deterministic != 0:
                 # Launch order = add order: the highest key block is dispatched first.
@@ -674,6 +696,11 @@ class FlashAttentionBackwardSm90:
         )
         walk = self._query_walk(m_block_min, m_block_max, n_block, seqlen_k, deterministic, num_sms)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+        if cutlass.const_expr(self.config.pdl):
+            # The preprocess's writes (D, LSE, the zeroed dQ workspace and turn counters) are
+            # visible after this; the load warp waits only after issuing K and V.
+            if warp_idx != 0:
+                cute.arch.griddepcontrol_wait()
 
         warp_group = cute.arch.make_warp_uniform(warp_idx // 4)
         if warp_group == self.producer_warp_group:
@@ -721,6 +748,8 @@ class FlashAttentionBackwardSm90:
         pipeline_kv.producer_acquire(kv_state)
         cute.copy(tma_atom_k, tKgK, tKsK, tma_bar_ptr=pipeline_kv.producer_get_barrier(kv_state))
         cute.copy(tma_atom_v, tVgV, tVsV, tma_bar_ptr=pipeline_kv.producer_get_barrier(kv_state))
+        if cutlass.const_expr(self.config.pdl):
+            cute.arch.griddepcontrol_wait()
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         for head_in_group in cutlass.range(group, unroll=1):
