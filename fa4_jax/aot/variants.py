@@ -111,9 +111,6 @@ TUNINGS: dict[str, dict] = {
     # The main backward kernel and its postprocess launched plainly, not as programmatic
     # dependents of the kernel before them.
     "no_pdl": {"pdl": False},
-    # Default mode under a mask: each head's key blocks dispatched in turn (blockIdx's order),
-    # not key block 0 of a section of heads first.
-    "grid_order": {"lpt_order": False},
 }
 # (kind, head dim, tunings) of the ablations, bf16, masks none and causal. d256's row for the
 # atomic dQ is dq_atomic_2stage: with atomics, its shared memory goes back to two stages.
@@ -123,16 +120,16 @@ ABLATIONS = (
     ("fwd", 64, ("wg2", "linear", "lpt", "lpt_so", "n96", "n128", "nopingpong", "lpt_so_overlap")),
     ("fwd", 256, ("lpt", "linear", "n80")),
     ("bwd", 64, ("det_asc", "dq_atomic", "m64", "det_free_late", "det_unordered", "dq_after_dk",
-                 "dq_writer1", "dq_tile_order_w1", "det_in_order", "no_pdl", "grid_order")),
+                 "dq_writer1", "dq_tile_order_w1", "det_in_order", "no_pdl")),
     ("bwd", 128, ("det_asc", "dq_atomic", "det_free_late", "scores_ahead", "stats_ahead",
                   "det_unordered", "dq_during_dk", "dq_writer1", "dq_tile_order_late", "det_in_order",
-                  "no_pdl", "grid_order")),
+                  "no_pdl")),
     ("bwd", 96, ("scores_late", "dq_atomic", "det_unordered", "dq_writer1", "dq_tile_order",
                  "det_in_order")),
     ("bwd", 192, ("scores_late", "dq_atomic", "det_unordered", "dq_writer1", "dq_tile_order",
                   "det_in_order", "det_one_copy")),
     ("bwd", 256, ("det_asc", "dq_atomic_2stage", "det_free_late", "det_unordered", "dq_writer1",
-                  "dq_tile_order", "det_in_order", "det_one_copy", "grid_order")),
+                  "dq_tile_order", "det_in_order", "det_one_copy")),
 )
 
 

@@ -314,8 +314,6 @@ def test_backward_ablation_tunings(next_key, head_dim, head_dim_v, tuning, causa
     # bitwise repeatable), or their timings mean nothing.
     if tuning in ("det_asc", "det_in_order", "det_one_copy") and not deterministic:
         pytest.skip(f"{tuning} changes only deterministic calls (the default-mode kernel is the same)")
-    if tuning == "grid_order" and deterministic:
-        pytest.skip("grid_order changes only default-mode calls (deterministic ones keep it)")
     batch, seqlen_q, seqlen_k, heads_q, heads_kv = shape
     q, k, v = qkv(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, jnp.bfloat16,
                   head_dim_v)

@@ -78,7 +78,6 @@ from fa4_jax.kernels.bwd_post import BackwardPostprocess
 from fa4_jax.kernels.bwd_pre import BackwardPreprocess
 from fa4_jax.kernels.bwd_workspace import BWD_SEMAPHORE_ROWS
 from fa4_jax.kernels.common.block_info import BlockInfo
-from fa4_jax.kernels.common.key_block_order import KeyBlockOrder
 from fa4_jax.kernels.common.layouts import (
     acc_as_operand_a, acc_rows_cols, fragment_order_view, opaque_int32,
 )
@@ -190,12 +189,6 @@ class TileConfig:
     # their prologue (barriers, descriptors, K and V's loads) before griddepcontrol.wait, so
     # the launch gaps between the three kernels close. Measured: see docs/perf-log.md, "PDL".
     pdl: bool = True
-    # Default mode under a causal/local mask: CTAs take their (key block, kv head, batch) in
-    # common/key_block_order.py's order, key block 0 of a section of heads first, so the heavy
-    # key blocks do not end the kernel alone; False: blockIdx's order (each head's key blocks
-    # in turn). Deterministic calls keep blockIdx's order. Measured: docs/perf-log.md, "the
-    # backward's LPT order".
-    lpt_order: bool = True
 
 
 # A WGMMA has 64 rows: the Sᵀ/dPᵀ GEMMs put keys on them (64 per warp group with
@@ -675,12 +668,6 @@ class FlashAttentionBackwardSm90:
         block_x, head_kv, batch = cute.arch.block_idx()
         seqlen_k = mK.shape[0]
         n_block = block_x
-        if cutlass.const_expr(self.config.lpt_order and (self.causal or self.local)):
-            if deterministic == 0:
-                key_blocks, heads_kv, batches = cute.arch.grid_dim()
-                n_block, head_kv, batch = KeyBlockOrder().decode(
-                    block_x + key_blocks * (head_kv + heads_kv * batch), key_blocks, heads_kv,
-                    batches, num_sms)
         if cutlass.const_expr(self._descending_turns()):
             if deterministic != 0:
                 # Launch order = add order: the highest key block is dispatched first.
@@ -1094,9 +1081,7 @@ class FlashAttentionBackwardSm90:
         if adds:
             if cutlass.const_expr(self._dq_fragment_order()):
                 # This warp group's chunk: wait until the writer has read it, fill it, hand it over.
-                tidx, _, _ = cute.arch.thread_idx()
-                mma_thread = tidx - self.threads_per_warp_group
-                chunk = cute.arch.make_warp_uniform(mma_thread // self.threads_per_warp_group)
+                mma_thread, chunk = self._mma_thread_chunk()
                 cute.arch.barrier(barrier_id=self._dq_barrier_id(self.dq_empty_barrier_ids, chunk),
                                   number_of_threads=self._dq_sync_threads())
                 cute.autovec_copy(blocks.acc_dq, fragment_order_view(
@@ -1137,6 +1122,14 @@ class FlashAttentionBackwardSm90:
                 cute.arch.atomic_add(semaphore, Int32(1), sem="release", scope="gpu")
         else:
             self.red_add(blocks.acc_dq, tdQgdQ)
+
+    @cute.jit
+    def _mma_thread_chunk(self):
+        """(this thread's index among the MMA threads, its warp group's sdQ chunk in fragment
+        order), read afresh rather than kept live through the main loop."""
+        tidx, _, _ = cute.arch.thread_idx()
+        mma_thread = tidx - self.threads_per_warp_group
+        return mma_thread, cute.arch.make_warp_uniform(mma_thread // self.threads_per_warp_group)
 
     def _dq_fragment_order(self) -> bool:
         return self.config.dq_tma_reduce and self.config.dq_fragment_order
@@ -1219,8 +1212,10 @@ class FlashAttentionBackwardSm90:
             if deterministic != 0:
                 if 2 * key_blocks <= num_sms:
                     if key_blocks <= m_block_max - m_block_min:
-                        if num_sms % key_blocks <= num_sms // 16:
-                            rotated = cutlass.Boolean(True)
+                        # (An entry with no keys walks nothing; it must not reach num_sms % 0.)
+                        if key_blocks > 0:
+                            if num_sms % key_blocks <= num_sms // 16:
+                                rotated = cutlass.Boolean(True)
         return _QueryWalk(m_block_min, m_block_max, rotated, n_block, key_blocks)
 
     @cute.jit
@@ -1419,8 +1414,7 @@ class FlashAttentionBackwardSm90:
             # barrier is matched before the CTA exits.
             chunk = 0
             if cutlass.const_expr(self._dq_fragment_order()):
-                tidx, _, _ = cute.arch.thread_idx()
-                chunk = cute.arch.make_warp_uniform(tidx // self.threads_per_warp_group - 1)
+                _, chunk = self._mma_thread_chunk()
             cute.arch.barrier(barrier_id=self._dq_barrier_id(self.dq_empty_barrier_ids, chunk),
                               number_of_threads=self._dq_sync_threads())
         # Both warp groups' GEMMs reading K and V have retired (each waits for its own).
