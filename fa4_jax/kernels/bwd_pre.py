@@ -7,12 +7,12 @@ For every padded query row r < sq_pad of every (batch, head):
                       there instead of NaN.
 Rows past the batch entry's valid query rows (mSeqUsedQ [b], clamped to sq: a ragged batch's
 padding) are padded rows too.
-It also zeroes the rows of every copy of the dQ accumulator (mdQaccum [copies, b, h, sq_pad, d]),
-which the main kernel then adds into, except in deterministic mode when the main kernel's first
-add into each copy of a query block stores instead (`det_stores_first`): a row pass here is one
-write of the workspace fewer than cudaMemsetAsync before the launch, and none at all then. In
-deterministic mode it zeroes the turn counters (mSemaphore [copies, b, h, sq_pad / 64]) too, so
-the FFI handler launches nothing before it. Every CTA lets the main kernel launch once it has
+It also zeroes its rows of every copy of the dQ accumulator (mdQaccum [copies, b, h, sq_pad, d]),
+which the main kernel then adds into: the same bytes the handler's cudaMemsetAsync wrote, in a
+kernel that runs anyway. Not in deterministic mode when the main kernel's first add into each
+copy of a query block stores instead (`det_stores_first`): then nothing zeroes them. In
+deterministic mode it zeroes the turn counters (mSemaphore [copies, b, h, sq_pad / 64]), so the
+FFI handler launches nothing before it. Every CTA lets the main kernel launch once it has
 started (`griddepcontrol.launch_dependents`: programmatic dependent launch, `pdl` in bwd.py).
 `lanes_per_row` adjacent lanes share a row, each reducing a contiguous chunk of dv elements, so
 the loads are wide and a warp covers several rows.
