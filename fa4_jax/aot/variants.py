@@ -80,8 +80,9 @@ TUNINGS: dict[str, dict] = {
     "dq_atomic_2stage": {"dq_tma_reduce": False, "stages": 2, "pds_stages": 2},
     # Deterministic: sdQ freed once the dQ add is complete (one writer), not once read.
     "det_free_late": {"det_free_sdq_on_read": False, "dq_writers": 1},
-    # Deterministic: one dQ writer warp instead of two taking the adds in turn.
+    # Deterministic: one dQ writer warp instead of two taking the adds in turn, or three.
     "dq_writer1": {"dq_writers": 1},
+    "dq_writers3": {"dq_writers": 3},
     # Deterministic mode without the waits for the turn (not reproducible): what the order costs.
     "det_unordered": {"det_ordered": False},
     # The next query block's Sᵀ issued before this block's dQ hand-over (d96's and d192's
@@ -127,9 +128,9 @@ ABLATIONS = (
     ("bwd", 96, ("scores_late", "dq_atomic", "det_unordered", "dq_writer1", "dq_tile_order",
                  "det_in_order")),
     ("bwd", 192, ("scores_late", "dq_atomic", "det_unordered", "dq_writer1", "dq_tile_order",
-                  "det_in_order", "det_one_copy")),
+                  "det_in_order", "det_one_copy", "dq_writers3")),
     ("bwd", 256, ("det_asc", "dq_atomic_2stage", "det_free_late", "det_unordered", "dq_writer1",
-                  "dq_tile_order", "det_in_order", "det_one_copy")),
+                  "dq_tile_order", "det_in_order", "det_one_copy", "dq_writers3")),
 )
 
 

@@ -134,8 +134,9 @@ class TileConfig:
     # each waiting for its own adds to complete before passing their turns on, so that one
     # add's round trip to L2 overlaps the next add instead of holding up the only writer
     # (det_unordered measured that wait as most of the deterministic cost at d192 and half of
-    # it at d256 under a mask). Both walk every block; a token barrier between them keeps one
-    # writer at a time on the hand-over barriers. Needs sdQ freed on read. Measured
+    # it at d256 under a mask). Each walks every block; token barriers in a ring keep one
+    # writer at a time on the hand-over barriers. Needs sdQ freed on read. Three (warp 3 too)
+    # is the ablation `dq_writers3`. Measured
     # (docs/perf-log.md, "two dQ writers"), deterministic, 1k/4k/16k: d192 +10/13/18%, d256
     # +6/8/18% (causal +9/12/21%), d96 +10/8/9%; the default mode unchanged. d64 and d128 took
     # it with fragment order (d64 deterministic +0-4% over one writer: docs/perf-log.md "dQ in
@@ -333,9 +334,10 @@ class FlashAttentionBackwardSm90:
     # groups use the first of each pair; in fragment order warp group g uses entry g.
     dq_full_barrier_ids = (4, 8)
     dq_empty_barrier_ids = (5, 9)
-    # dq_writers = 2: writer w waits on token barrier w for the other's TMA to have read sdQ.
-    dq_token_barrier_ids = (6, 7)
-    dq_writer_warps = (1, 2)  # of the producer warp group (warp 0 loads)
+    # dq_writers > 1: writer w waits on token barrier w for the previous writer's (w - 1 mod
+    # writers) TMA to have read sdQ; the writers take the adds round-robin.
+    dq_token_barrier_ids = (6, 7, 10)
+    dq_writer_warps = (1, 2, 3)  # of the producer warp group (warp 0 loads)
 
     def __init__(self, dtype, head_dim: int, head_dim_v: int, mask: str, has_softcap: bool, **tuning):
         if mask not in ("none", "causal", "local"):
@@ -386,9 +388,9 @@ class FlashAttentionBackwardSm90:
             raise ValueError(f"{config}: row_stats_ahead counts columns read ahead (0: none)")
         # (Without dq_tma_reduce there are no writer warps or sdQ: dq_writers and
         # dq_fragment_order are not read.)
-        if config.dq_writers not in (1, 2) or (
-                config.dq_writers == 2 and config.dq_tma_reduce and not config.det_free_sdq_on_read):
-            raise ValueError(f"{config}: dq_writers is 1, or 2 with det_free_sdq_on_read (a writer "
+        if config.dq_writers not in (1, 2, 3) or (
+                config.dq_writers > 1 and config.dq_tma_reduce and not config.det_free_sdq_on_read):
+            raise ValueError(f"{config}: dq_writers is 1, or 2-3 with det_free_sdq_on_read (a writer "
                              "holding sdQ to its add's completion would hold the other too)")
         if config.scores_ahead and config.dq_during_dk:
             raise ValueError(f"{config}: scores_ahead and dq_during_dk both overlap the dQ hand-over; "
@@ -1239,15 +1241,16 @@ class FlashAttentionBackwardSm90:
         key block adds into, reduce-adds sdQ into mdQaccum (one TMA in tile order, one bulk reduce
         per warp group's chunk in fragment order), in turn when deterministic, the turn then
         passed on once the add is complete. sdQ is free again once read, or, deterministic
-        without det_free_sdq_on_read, once the turn is passed on. With dq_writers = 2 this is
-        writer `writer` of two, taking every other add. Deterministic in fragment order, the
+        without det_free_sdq_on_read, once the turn is passed on. With dq_writers = n > 1 this
+        is writer `writer` of n, taking every n-th add. Deterministic in fragment order, the
         turns alternate between mdQaccum's copies (`_dq_copy`) and each copy's first turn stores
         instead of adding (`_det_stores_first`: the preprocess left the copies unzeroed)."""
         no_cluster = cute.make_layout(1)
         lane = cute.arch.lane_idx()
         writers = self.config.dq_writers
         chunks = self._dq_chunks()
-        token_threads = writers * self.threads_per_warp
+        # A token barrier joins a writer (syncing) and its predecessor (arriving).
+        token_threads = 2 * self.threads_per_warp
         adds_seen = Int32(0)
         # sdQ starts empty; the MMA warp groups consume this arrival at their first hand-over
         # (every later one follows a read; the last is consumed in their epilogue).
@@ -1312,7 +1315,7 @@ class FlashAttentionBackwardSm90:
                                 cute.arch.cp_async_bulk_wait_group(chunks - 1 - chunk, read=True)
                                 cute.arch.barrier_arrive(barrier_id=self.dq_empty_barrier_ids[chunk], number_of_threads=self._dq_sync_threads())
                             if cutlass.const_expr(writers > 1):
-                                cute.arch.barrier_arrive(barrier_id=self.dq_token_barrier_ids[1 - writer], number_of_threads=token_threads)
+                                cute.arch.barrier_arrive(barrier_id=self.dq_token_barrier_ids[(writer + 1) % writers], number_of_threads=token_threads)
                         if deterministic != 0:
                             self._pass_turn(mSemaphore, copy, batch, head, m_block, lane)
                         if not free_early:
