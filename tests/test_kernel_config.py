@@ -53,7 +53,7 @@ def _backward(head_dim=64, mask="none", softcap=False, **tuning):
     (256, dict(scores_ahead=True)),
     (64, dict(scores_ahead=True)),  # and d64's dq_during_dk: two overlaps of one hand-over
     (128, dict(det_free_sdq_on_read=False)),  # sdQ held to the add's completion: one writer only
-    (256, dict(dq_writers=3)),
+    (256, dict(dq_writers=4)),  # the producer group has three warps besides the loader
     (128, dict(stages=3)),  # pds_stages 2 does not divide it
     (128, dict(row_stats_ahead=-1)),
     (64, dict(no_such_knob=1)),
