@@ -64,14 +64,19 @@ class BackwardPostprocess:
             use_pdl=self.pdl,
         )
 
-    @cute.kernel
-    def kernel(self, mdQaccum, mdQ, mSeqUsedQ, softmax_scale: Float32):
+    @cute.jit
+    def _block_start(self, mdQ, mSeqUsedQ):
+        """Once the main kernel's adds are visible (PDL): (thread, block index (rows, head,
+        batch), seqlen_q, the batch entry's valid query rows)."""
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
         tidx, _, _ = cute.arch.thread_idx()
         row_block, head, batch = cute.arch.block_idx()
-        seqlen_q = mdQ.shape[1]
-        seq_used_q = mSeqUsedQ[batch]
+        return tidx, row_block, head, batch, mdQ.shape[1], mSeqUsedQ[batch]
+
+    @cute.kernel
+    def kernel(self, mdQaccum, mdQ, mSeqUsedQ, softmax_scale: Float32):
+        tidx, row_block, head, batch, seqlen_q, seq_used_q = self._block_start(mdQ, mSeqUsedQ)
         out = mdQ[batch, None, head, None]
         for step in cutlass.range_constexpr(self.steps):
             index = step * self.threads + tidx
@@ -94,12 +99,7 @@ class BackwardPostprocess:
     @cute.kernel
     def kernel_fragment_order(self, mdQaccum, mdQ, mSeqUsedQ, mSemaphore, softmax_scale: Float32,
                               deterministic, tiled_mma_dq: cute.TiledMma):
-        if cutlass.const_expr(self.pdl):
-            cute.arch.griddepcontrol_wait()
-        tidx, _, _ = cute.arch.thread_idx()
-        m_block, head, batch = cute.arch.block_idx()
-        seqlen_q = mdQ.shape[1]
-        seq_used_q = mSeqUsedQ[batch]
+        tidx, m_block, head, batch, seqlen_q, seq_used_q = self._block_start(mdQ, mSeqUsedQ)
         tile = (self.fragment_tile_m, self.head_dim)
         thr_mma = tiled_mma_dq.get_slice(tidx)
         acc = thr_mma.make_fragment_C(thr_mma.partition_shape_C(tile))

@@ -240,24 +240,15 @@ def _elem_ptr(tensor: cute.Tensor, index):
     return tensor.iterator + cute.crd2idx(index, tensor.layout)
 
 
-def _bulk_store_f32(dst: cute.Pointer, src: cute.Pointer, num_bytes: int):
-    """dst[: num_bytes] = src[: num_bytes], global = shared: _bulk_add_f32's plain-copy twin,
-    completed through the same bulk async-groups."""
+def _bulk_f32(dst: cute.Pointer, src: cute.Pointer, num_bytes: int, add: bool):
+    """dst[: num_bytes] += src[: num_bytes] (add) or = (not add), fp32, global from shared: one
+    plain bulk reduce or copy (no tensor map), completed through the issuing thread's bulk
+    async-groups like a TMA store."""
+    op = "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" if add else \
+        "cp.async.bulk.global.shared::cta.bulk_group"
     llvm.inline_asm(
         None, [dst.toint().ir_value(), src.toint().ir_value(), Int32(num_bytes).ir_value()],
-        "cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], $2;",
-        "l,r,r,~{memory}", has_side_effects=True, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-
-
-def _bulk_add_f32(dst: cute.Pointer, src: cute.Pointer, num_bytes: int):
-    """dst[: num_bytes] += src[: num_bytes], fp32, global += shared: one plain bulk reduce (no
-    tensor map), completed through the issuing thread's bulk async-groups like a TMA store."""
-    llvm.inline_asm(
-        None, [dst.toint().ir_value(), src.toint().ir_value(), Int32(num_bytes).ir_value()],
-        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
-        "l,r,r,~{memory}", has_side_effects=True, is_align_stack=False,
+        f"{op} [$0], [$1], $2;", "l,r,r,~{memory}", has_side_effects=True, is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
 
@@ -1298,9 +1289,9 @@ class FlashAttentionBackwardSm90:
                                         if deterministic != 0:
                                             stores = copy_turn == 0
                                     if stores:
-                                        _bulk_store_f32(dst, src, chunk_elems * Float32.width // 8)
+                                        _bulk_f32(dst, src, chunk_elems * Float32.width // 8, add=False)
                                     else:
-                                        _bulk_add_f32(dst, src, chunk_elems * Float32.width // 8)
+                                        _bulk_f32(dst, src, chunk_elems * Float32.width // 8, add=True)
                             else:
                                 # The whole warp: the TMA copy elects its issuing lane itself (elect.sync).
                                 cute.copy(tma_atom_dq, tdQsdQ, tdQgdQ[None, m_block])
