@@ -6,21 +6,25 @@ import pytest
 # The kernels' modules import the DSL; the GPU machine runs the built library without it.
 pytest.importorskip("cutlass")
 
-from fa4_jax.kernels.common.exp2 import EXP2_MIN_EXPONENT, POLY_COEFFS
+from fa4_jax.kernels.common.exp2 import EXP2_MIN_EXPONENT, FLOOR_SHIFT, POLY_COEFFS
 
 
 def exp2_poly_f32(x):
-    """The PTX sequence in numpy float32: clamp, floor, Horner, add ⌊x⌋ to the exponent bits."""
+    """The PTX sequence in numpy float32: clamp, floor by a rounded-down add, Horner, times the
+    power of two read off the shifted sum's bits."""
     c1, c2, c3 = (np.float32(c) for c in POLY_COEFFS)
-    x = np.maximum(np.asarray(x, np.float32), np.float32(EXP2_MIN_EXPONENT))
-    whole = np.floor(x)
+    shift = np.float32(FLOOR_SHIFT)
+    x = np.maximum(np.asarray(x, np.float32), np.float32(EXP2_MIN_EXPONENT))  # max.NaN
+    # add.rm: x + shift is within [2^23, 2^24), so rounding down is floor(x) + shift exactly;
+    # numpy rounds to nearest, so the floor is taken in float64, where the sum is exact.
+    shifted = (np.floor(x.astype(np.float64)) + np.float64(shift)).astype(np.float32)
+    shifted = np.where(np.isnan(x), np.float32(np.nan), shifted)
+    whole = shifted - shift
     frac = x - whole
     p = (c3 * frac + c2) * frac
     p = (p + c1) * frac + np.float32(1.0)
-    # cvt.rzi.s32 turns NaN into 0; the NaN mantissa then survives the exponent add.
-    exponent = np.where(np.isnan(whole), 0, whole).astype(np.int32)
-    bits = p.view(np.int32) + (exponent << 23)
-    return bits.view(np.float32)
+    scale = (shifted.view(np.uint32) << np.uint32(23)).view(np.float32)
+    return p * scale
 
 
 def test_relative_error_within_the_fitted_bound(seed):
@@ -31,6 +35,20 @@ def test_relative_error_within_the_fitted_bound(seed):
     rel = np.abs(exp2_poly_f32(x) - exact) / exact
     assert rel.max() < 1e-4  # fitted maximum 8.6e-5; bf16's half-ulp is 2e-3
     assert np.all(exp2_poly_f32(np.arange(-126, 9)) == np.exp2(np.arange(-126, 9)))
+
+
+def test_floor_by_rounded_add_matches_floor(seed):
+    """The shifted sum's bits, shifted by 23, are exactly the float 2^floor(x) on the whole
+    clamped range, the ends and every integer included."""
+    rng = np.random.default_rng(seed)
+    x = np.concatenate([rng.uniform(-127.0, 128.0, 100_000), np.arange(-127, 128),
+                        np.arange(-127, 128) - np.float32(2**-17)]).astype(np.float32)
+    x = np.maximum(x, np.float32(EXP2_MIN_EXPONENT))
+    shifted = (np.floor(x.astype(np.float64)) + FLOOR_SHIFT).astype(np.float32)
+    assert np.all(shifted.astype(np.float64) == np.floor(x.astype(np.float64)) + FLOOR_SHIFT)
+    scale = (shifted.view(np.uint32) << np.uint32(23)).view(np.float32).astype(np.float64)
+    expected = np.where(np.floor(x) <= -127, 0.0, np.exp2(np.floor(x.astype(np.float64))))
+    assert np.all(scale == expected)
 
 
 def test_masked_and_nan_scores():

@@ -73,22 +73,31 @@ def test_bad_variant_is_refused():
 
 @pytest.mark.parametrize("mask,head_dim", sorted(variants.SHORT_CALLS))
 def test_short_forwards_take_the_short_tuning(mask, head_dim):
-    tuning, short = variants.SHORT_CALLS[(mask, head_dim)]
-    assert tuning != "default"
-    assert variants.call_tuning("fwd", mask, head_dim, short, short) == tuning
-    assert variants.call_tuning("fwd", mask, head_dim, 65, 70) == tuning
-    # Longer on either side, another mask, the backward, or an explicit tuning: unchanged.
-    assert variants.call_tuning("fwd", mask, head_dim, short + 1, short) == "default"
-    assert variants.call_tuning("fwd", mask, head_dim, short, short + 1) == "default"
-    for other in set(variants.MASKS) - {m for m, d in variants.SHORT_CALLS if d == head_dim}:
-        assert variants.call_tuning("fwd", other, head_dim, short, short) == "default"
-    assert variants.call_tuning("bwd", mask, head_dim, short, short) == "default"
-    assert variants.call_tuning("fwd", mask, head_dim, short, short, "linear") == "linear"
-    # Every dtype and softcap setting of the rule's calls is compiled.
-    for dtype in variants.DTYPES:
-        for softcap in (False, True):
-            v = select(dtype, head_dim, head_dim, mask == "causal", None, None, softcap, tuning=tuning)
-            assert v in MENU
+    steps = variants.SHORT_CALLS[(mask, head_dim)]
+    bounds = [longest for _, longest in steps]
+    assert bounds == sorted(set(bounds)), "steps go from the shortest bound up"
+    shortest = 0
+    for tuning, longest in steps:
+        assert tuning != "default"
+        # Both ends of the step's range, either length the longer one (past the decode rows).
+        low = max(shortest + 1, variants.DECODE_ROWS + 1)
+        assert variants.call_tuning("fwd", mask, head_dim, longest, longest) == tuning
+        assert variants.call_tuning("fwd", mask, head_dim, low, variants.DECODE_ROWS + 1) == tuning
+        assert variants.call_tuning("fwd", mask, head_dim, variants.DECODE_ROWS + 1, low) == tuning
+        # Another mask, the backward, or an explicit tuning: unchanged.
+        for other in set(variants.MASKS) - {m for m, d in variants.SHORT_CALLS if d == head_dim}:
+            assert variants.call_tuning("fwd", other, head_dim, longest, longest) == "default"
+        assert variants.call_tuning("bwd", mask, head_dim, longest, longest) == "default"
+        assert variants.call_tuning("fwd", mask, head_dim, longest, longest, "linear") == "linear"
+        # Every dtype and softcap setting of the rule's calls is compiled.
+        for dtype in variants.DTYPES:
+            for softcap in (False, True):
+                v = select(dtype, head_dim, head_dim, mask == "causal", None, None, softcap, tuning=tuning)
+                assert v in MENU
+        shortest = longest
+    # Longer than the last step on either side: the default.
+    assert variants.call_tuning("fwd", mask, head_dim, shortest + 1, shortest) == "default"
+    assert variants.call_tuning("fwd", mask, head_dim, shortest, shortest + 1) == "default"
 
 
 def test_menu_lists_each_variant_once():

@@ -22,7 +22,7 @@ HEAD_DIMS = {
     "bwd": ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256)),
 }
 # Named overrides of a kernel's tuned settings, passed to its constructor as keyword arguments.
-# "default" is what users get, and "short", "short_wg2", "n128" and "decode" where `call_tuning`
+# "default" is what users get, and "short", "short_wg2", "n128", "n128_pp" and "decode" where `call_tuning`
 # picks them by a call's shape (SHORT_CALLS, DECODE_ROWS); the others exist for the ablations in
 # docs/perf-log.md, are compiled only where ABLATIONS lists them, and are reachable only through
 # the benchmark (`ffi.forward(..., tuning=NAME)`, `--fa4-tunings`).
@@ -35,6 +35,11 @@ TUNINGS: dict[str, dict] = {
     "pingpong": {"pingpong": True},  # d128 under a mask, where its default is off
     "poly25": {"exp2_poly_share": 0.25},  # a quarter of the exponentials on the FMA pipes
     "poly12": {"exp2_poly_share": 0.125},  # an eighth
+    # A tile's first Q·Kᵀ GEMM issued in ping-pong turn, so that the groups' first softmaxes
+    # are staggered instead of running together with the tensor pipe idle; with 128-key blocks,
+    # what `call_tuning` picks for d128 calls without a mask from 1k to 4k.
+    "pp_first": {"pingpong_first_block": True},
+    "n128_pp": {"tile_n": 128, "pingpong_first_block": True},
     "lpt": {"scheduler": "lpt"},  # persistent CTAs, LPT tile order
     "linear": {"scheduler": "linear"},  # one CTA per tile in grid order, masked calls too
     "wg2": {"mma_warp_groups": 2, "tile_n": 128},  # d64 with 128-row tiles (forward v2's shape)
@@ -116,8 +121,8 @@ TUNINGS: dict[str, dict] = {
 # (kind, head dim, tunings) of the ablations, bf16, masks none and causal. d256's row for the
 # atomic dQ is dq_atomic_2stage: with atomics, its shared memory goes back to two stages.
 ABLATIONS = (
-    ("fwd", 128, ("tau0", "nopingpong", "pingpong", "poly25", "poly12", "lpt", "linear", "lpt_so",
-                     "lpt_so_l2s8", "n176", "n192", "lpt_so_overlap")),
+    ("fwd", 128, ("tau0", "nopingpong", "pingpong", "poly25", "poly12", "pp_first", "lpt", "linear",
+                  "lpt_so", "lpt_so_l2s8", "n176", "n192", "lpt_so_overlap")),
     ("fwd", 64, ("wg2", "linear", "lpt", "lpt_so", "n96", "n128", "nopingpong", "lpt_so_overlap")),
     ("fwd", 256, ("lpt", "linear", "n80")),
     ("bwd", 64, ("det_asc", "dq_atomic", "m64", "det_free_late", "det_unordered", "dq_after_dk",
@@ -134,8 +139,8 @@ ABLATIONS = (
 )
 
 
-# Forward calls of a (mask, head dim) with both lengths at most the bound run its short tuning.
-# Chosen by measurement (bf16, 16k tokens, TF/s).
+# Forward calls of a (mask, head dim) run the first of its (tuning, bound) steps whose bound both
+# lengths are within; longer calls run the default. Chosen by measurement (bf16, 16k tokens, TF/s).
 # Causal: the persistent LPT order with O apart from Q, whose next tile's loads overlap a tile's
 # tail (docs/perf-log.md "short causal calls"):
 # - d64, "short_wg2" up to 4k: 211/290/353 at s = 1k/2k/4k against 183/258/334 for the default
@@ -147,14 +152,18 @@ ABLATIONS = (
 #   the bound is 2k.
 # - d128, "short" up to 2k: 321/414 against 275/388 at 1k/2k; at 4k even (481 vs 480 without
 #   ping-pong), at 8k/16k it loses (527/559 against 550/598).
-# Without a mask:
-# - d128, 128-key blocks ("n128") up to 1k: 469 against 446 for the default's 176 at 1k (six
-#   blocks per tile row, the last 82% padding); even at 2k (538 against 544), a loss from 4k
-#   (582 against 592). docs/perf-log.md "P converted through asm", run 2.
+# Without a mask, d128:
+# - 128-key blocks ("n128") up to 1k: 469 against 446 for the default's 176 at 1k (six blocks
+#   per tile row, the last 82% padding). docs/perf-log.md "P converted through asm", run 2.
+# - and with the first block in ping-pong turn ("n128_pp") from 1k to 4k: 562/598 against
+#   536/583 for the default at 2k/4k (550/589 for "n128"; 9 repeats, docs/perf-log.md
+#   "session 12"), 606 against 581 at 4k in another run. At 8k even (627 against 625), at 16k
+#   the 176-key blocks win (643 against 639). At 1k it trailed "n128" in two runs (483 vs 486,
+#   458 vs 479), hence the first step.
 SHORT_CALLS = {
-    ("causal", 64): ("short_wg2", 2048),
-    ("causal", 128): ("short", 2048),
-    ("none", 128): ("n128", 1024),
+    ("causal", 64): (("short_wg2", 2048),),
+    ("causal", 128): (("short", 2048),),
+    ("none", 128): (("n128", 1024), ("n128_pp", 4096)),
 }
 # Forward calls without a mask and with at most this many query rows (as the kernel sees them:
 # GQA-packed, fa4_jax/pack_gqa.py) run the "decode" tuning, compiled at every head dim.
@@ -170,9 +179,9 @@ def call_tuning(kind: str, mask: str, head_dim: int, seqlen_q: int, seqlen_k: in
         return tuning
     if mask == "none" and seqlen_q <= DECODE_ROWS:
         return "decode"
-    short_tuning, longest = SHORT_CALLS.get((mask, head_dim), (tuning, 0))
-    if max(seqlen_q, seqlen_k) <= longest:
-        return short_tuning
+    for short_tuning, longest in SHORT_CALLS.get((mask, head_dim), ()):
+        if max(seqlen_q, seqlen_k) <= longest:
+            return short_tuning
     return tuning
 
 
@@ -238,8 +247,8 @@ MENU: tuple[Variant, ...] = tuple(
     for kind, d, tunings in ABLATIONS for tuning in tunings for mask in ("none", "causal")
 ) + tuple(
     Variant("sm_90a", dtype, d, d, mask, softcap, "fwd", short_tuning)
-    for ((mask, d), (short_tuning, _)), dtype, softcap in itertools.product(
-        SHORT_CALLS.items(), DTYPES, (False, True))
+    for (mask, d), steps in SHORT_CALLS.items() for short_tuning, _ in steps
+    for dtype, softcap in itertools.product(DTYPES, (False, True))
 ) + tuple(
     Variant("sm_90a", dtype, d, dv, "none", softcap, "fwd", "decode")
     for dtype, (d, dv), softcap in itertools.product(DTYPES, HEAD_DIMS["fwd"], (False, True))

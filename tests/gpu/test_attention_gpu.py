@@ -70,9 +70,11 @@ def test_short_calls_run_the_short_variant(next_key, mask, head_dim):
     from fa4_jax.aot.variants import SHORT_CALLS
     from fa4_jax.api import attention_params
 
-    short_tuning, longest = SHORT_CALLS[(mask, head_dim)]
+    steps = SHORT_CALLS[(mask, head_dim)]
     causal = mask == "causal"
-    for seqlen, want in ((1000, short_tuning), (longest + 1, "default")):
+    # Each step's longest call (the first step's at 1000, an odd length), then one past the last.
+    cases = [(1000 if i == 0 else longest, tuning) for i, (tuning, longest) in enumerate(steps)]
+    for seqlen, want in cases + [(steps[-1][1] + 1, "default")]:
         q, k, v = qkv(next_key, 1, seqlen, seqlen, 2, 2, head_dim, jnp.bfloat16)
         params = attention_params(q, k, v, causal=causal, implementation="cute")
         assert ffi._forward_tuning(q, k, v, params, "default") == want

@@ -7,6 +7,15 @@ iteratively reweighted least squares): 8.6e-5, twenty times finer than bf16's ha
 so a bf16 P built from it is indistinguishable from one built from MUFU's ex2. x is clamped at
 −127 so masked scores (−inf) land on the smallest exponent instead of wrapping the bit pattern;
 the clamp is NaN-propagating, so a NaN score stays NaN as it would through MUFU.
+
+The floor is taken without a conversion instruction. Adding B = 1.5·2^23 + 127 with round-down
+leaves x + B in [2^23, 2^24), where the float spacing is 1, so the sum is ⌊x⌋ + B exactly and
+its bits are those of 1.5·2^23 plus ⌊x⌋ + 127: shifted left by 23 (the rest shifted out), they
+are the float 2^⌊x⌋, or 0 for ⌊x⌋ = −127. The result is p · 2^⌊x⌋, a multiply rather than an
+integer add into p's exponent, so that a NaN stays NaN. On sm_90 the conversions (cvt.rmi,
+cvt.rzi: FRND, F2I) issue to the same 16-per-clock unit as MUFU.EX2, so the first version of
+this polynomial, which used two of them, took more of that unit than the ex2 it replaced (a 25%
+share lost 16% at d128, docs/perf-log.md). Here every instruction is an FMA-pipe or integer op.
 """
 import struct
 
@@ -25,25 +34,27 @@ def _ptx_f32(value: float) -> str:
 
 
 _C1, _C2, _C3 = (_ptx_f32(c) for c in POLY_COEFFS)
+# x + this, rounded down, is ⌊x⌋ + this exactly for −127 <= x <= 128 (module docstring).
+FLOOR_SHIFT = 1.5 * 2**23 + 127
 _EXP2_POLY_PTX = f"""{{
-.reg .f32 x, xi, f, p;
-.reg .s32 i, pb;
+.reg .f32 x, shifted, whole, f, p, scale;
+.reg .b32 scale_bits;
 max.ftz.NaN.f32 x, $1, {_ptx_f32(EXP2_MIN_EXPONENT)};
-cvt.rmi.f32.f32 xi, x;
-sub.ftz.f32 f, x, xi;
+add.rm.ftz.f32 shifted, x, {_ptx_f32(FLOOR_SHIFT)};
+sub.rn.ftz.f32 whole, shifted, {_ptx_f32(FLOOR_SHIFT)};
+sub.rn.ftz.f32 f, x, whole;
 fma.rn.ftz.f32 p, f, {_C3}, {_C2};
 fma.rn.ftz.f32 p, p, f, {_C1};
 fma.rn.ftz.f32 p, p, f, {_ptx_f32(1.0)};
-cvt.rzi.s32.f32 i, xi;
-shl.b32 i, i, 23;
-mov.b32 pb, p;
-add.s32 pb, pb, i;
-mov.b32 $0, pb;
+mov.b32 scale_bits, shifted;
+shl.b32 scale_bits, scale_bits, 23;
+mov.b32 scale, scale_bits;
+mul.rn.ftz.f32 $0, p, scale;
 }}"""
 
 
 def exp2_poly(x: Float32) -> Float32:
-    """2^x for x <= 128 on the FMA/ALU pipes (no MUFU), relative error <= 8.6e-5."""
+    """2^x for x <= 128 on the FMA and integer pipes (no MUFU), relative error <= 8.6e-5."""
     return Float32(
         llvm.inline_asm(
             T.f32(),

@@ -79,6 +79,8 @@ class TileConfig:
     # tile's first Q·Kᵀ, and the tile's epilogue runs under the next tile's first softmax
     # (`mma_tile_boundary`), instead of draining before the next tile ramps up.
     overlap_tiles: bool = False
+    # A tile's first S GEMM takes a ping-pong turn (`mma_first_block`); no effect without ping-pong.
+    pingpong_first_block: bool = False
 
     def for_mask(self, masked: bool) -> "TileConfig":
         """The settings a kernel with (masked) or without a causal/local mask runs."""
@@ -101,7 +103,7 @@ class TileConfig:
 MASKED_FIELDS = {"scheduler": "masked_scheduler", "pingpong": "masked_pingpong", "tile_n": "masked_tile_n"}
 # Constructor overrides of a TileConfig, for ablation variants compiled side by side.
 TUNING_KNOBS = ("pingpong", "rescale_threshold", "exp2_poly_share", "scheduler", "mma_warp_groups",
-                "tile_n", "kv_stages", "separate_o", "l2_section_mb", "overlap_tiles")
+                "tile_n", "kv_stages", "separate_o", "l2_section_mb", "overlap_tiles", "pingpong_first_block")
 # setmaxnreg budget of each MMA thread by MMA warp-group count: the 64K registers of an SM less
 # the producer group's 128 · 24, shared by the MMA threads, rounded down to a multiple of 8, and
 # at most 240 (a thread may not hold more than 255). One group (tile_m 64) is the decode shape.
@@ -233,8 +235,8 @@ class FlashAttentionForwardSm90:
         """`tuning` overrides the tile table's settings (TUNING_KNOBS): pingpong (bool),
         rescale_threshold (float, log2 units; 0 = rescale whenever the maximum grows),
         exp2_poly_share (float in [0, 1]), scheduler ("linear", "lpt", "lpt_single") and
-        mma_warp_groups (1 to 3; tile_m = 64 per group), tile_n, kv_stages, separate_o and
-        l2_section_mb."""
+        mma_warp_groups (1 to 3; tile_m = 64 per group), tile_n, kv_stages, separate_o,
+        l2_section_mb, overlap_tiles and pingpong_first_block (TileConfig)."""
         if mask not in ("none", "causal", "local"):
             raise ValueError(f"mask must be 'none', 'causal' or 'local', got {mask!r}")
         if (head_dim, head_dim_v) not in TILE_CONFIGS:
@@ -251,7 +253,8 @@ class FlashAttentionForwardSm90:
         config = TILE_CONFIGS[(head_dim, head_dim_v)]
         softmax_tuning = {k: float(tuning[k]) for k in ("rescale_threshold", "exp2_poly_share") if k in tuning}
         knobs = {k: tuning[k] for k in ("pingpong", "scheduler", "tile_n", "kv_stages", "separate_o",
-                                        "l2_section_mb", "overlap_tiles") if k in tuning}
+                                        "l2_section_mb", "overlap_tiles", "pingpong_first_block")
+                 if k in tuning}
         knobs.update({MASKED_FIELDS[k]: tuning[k] for k in MASKED_FIELDS if k in tuning})
         if "mma_warp_groups" in tuning:
             groups = int(tuning["mma_warp_groups"])
@@ -579,8 +582,8 @@ class FlashAttentionForwardSm90:
 
                 pipeline_q.consumer_wait(q_state)
                 if n_block_max > n_block_min:
-                    self.mma_first_block(blocks, kv_state, n_block_max - 1, apply_mask, sV, seqlen_k,
-                                         problem, tidx)
+                    self.mma_first_block(blocks, warp_group, kv_state, n_block_max - 1, apply_mask, sV,
+                                         seqlen_k, problem, tidx)
                     kv_state = self.mma_key_blocks(step, masked, kv_state, block_info, m_block, n_block_min,
                                                    n_block_max, seqlen_q, seqlen_k, window_left, window_right)
                     # Every Q·Kᵀ GEMM of the tile has retired (each block waits for its own).
@@ -639,8 +642,8 @@ class FlashAttentionForwardSm90:
                 blocks.softmax.reset()
                 pipeline_q.consumer_wait(q_state)
                 if n_block_max > n_block_min:
-                    self.mma_first_block(blocks, kv_state, n_block_max - 1, apply_mask, sV, seqlen_k,
-                                         problem, tidx)
+                    self.mma_first_block(blocks, warp_group, kv_state, n_block_max - 1, apply_mask, sV,
+                                         seqlen_k, problem, tidx)
             # The next tile (index clamped: its lengths are read from memory) and its key blocks.
             next_m_block, next_seqlen_q, next_seqlen_k, next_min, next_max = problem.key_blocks(
                 self.scheduler, block_info, cutlass.min(tile_i + 1, tile_count - 1), window_left,
@@ -718,13 +721,26 @@ class FlashAttentionForwardSm90:
                 lse[r] = -Float32.inf
 
     @cute.jit
-    def mma_first_block(self, blocks, kv_state, n_block, apply_mask, sV, seqlen_k, problem, tidx):
+    def mma_first_block(self, blocks, warp_group, kv_state, n_block, apply_mask, sV, seqlen_k, problem,
+                        tidx):
         """S for a tile's first (highest) block and its softmax; its P·V joins the next block's
         GEMMs. The highest block holds the sequence tail (and the diagonal): always masked, and
-        for an entry shorter than the buffer its V rows past the keys are zeroed."""
+        for an entry shorter than the buffer its V rows past the keys are zeroed.
+
+        With `pingpong_first_block` the S GEMM takes a ping-pong turn like any later step, so the
+        groups' first GEMMs run one after the other and the first group's softmax overlaps the
+        next group's GEMM; without it every group issues at once, and their softmaxes then run
+        together with the tensor pipe idle. Every group takes the turn, so each still takes as
+        many turns per tile as the others."""
+        take_turn = self.config.pingpong_first_block
         blocks.pipeline_k.consumer_wait(kv_state)
+        if cutlass.const_expr(take_turn):
+            self.pingpong_wait(warp_group)
         wgmma_gemm(blocks.tiled_mma_qk, blocks.acc_s, blocks.tSrQ, blocks.tSrK[None, None, None, kv_state.index],
-                  zero_init=True, wait_group=0)
+                  zero_init=True, wait_group=-1 if take_turn else 0)
+        if cutlass.const_expr(take_turn):
+            self.pingpong_yield(warp_group)
+            warpgroup.wait_group(0)
         blocks.pipeline_k.consumer_release(kv_state)
         self.softmax_block(blocks, n_block, apply_mask)
         if seqlen_k < problem.seqlen_k:
