@@ -149,19 +149,22 @@ ABLATIONS = (
 #   rows at 1k) and its masked diagonal (three 96-key blocks of each tile against two 128-key).
 #   Above 4k it loses: 390/412 against 395/434 at 8k/16k. Since the default's blocks widened to
 #   128 keys (docs/perf-log.md, "P converted through asm") it loses at 4k too (372 vs 395), so
-#   the bound is 2k.
+#   the bound was 2k. Session 12 (one run, docs/perf-log.md "session 12"): at 2k the same
+#   persistent order on the default's 192-row tiles ("short" at d64) ran 347 against 327 for
+#   "short_wg2" (cuDNN 349), at 1k 248 against 274: "short_wg2" up to 1k, "short" up to 2k.
 # - d128, "short" up to 2k: 321/414 against 275/388 at 1k/2k; at 4k even (481 vs 480 without
 #   ping-pong), at 8k/16k it loses (527/559 against 550/598).
 # Without a mask, d128:
 # - 128-key blocks ("n128") up to 1k: 469 against 446 for the default's 176 at 1k (six blocks
 #   per tile row, the last 82% padding). docs/perf-log.md "P converted through asm", run 2.
 # - and with the first block in ping-pong turn ("n128_pp") from 1k to 4k: 562/598 against
-#   536/583 for the default at 2k/4k (550/589 for "n128"; 9 repeats, docs/perf-log.md
-#   "session 12"), 606 against 581 at 4k in another run. At 8k even (627 against 625), at 16k
-#   the 176-key blocks win (643 against 639). At 1k it trailed "n128" in two runs (483 vs 486,
-#   458 vs 479), hence the first step.
+#   536/583 for the 176-key default at 2k/4k (550/589 for "n128"; 9 repeats, docs/perf-log.md
+#   "session 12"), 606 against 581 at 4k in a second run, 549/589 against 557/601 in a third:
+#   +1.8% at 2k and +1.7% at 4k on average, inside the runs' spread. At 8k even (627 against
+#   625), at 16k the 176-key blocks win (643 against 639). At 1k it trailed "n128" in two runs
+#   (483 vs 486, 458 vs 479), hence the first step.
 SHORT_CALLS = {
-    ("causal", 64): (("short_wg2", 2048),),
+    ("causal", 64): (("short_wg2", 1024), ("short", 2048)),
     ("causal", 128): (("short", 2048),),
     ("none", 128): (("n128", 1024), ("n128_pp", 4096)),
 }
