@@ -22,7 +22,7 @@ HEAD_DIMS = {
     "bwd": ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256)),
 }
 # Named overrides of a kernel's tuned settings, passed to its constructor as keyword arguments.
-# "default" is what users get, and "short", "short_wg2", "n128", "n128_pp" and "decode" where `call_tuning`
+# "default" is what users get, and "short", "short_wg2", "n128" and "decode" where `call_tuning`
 # picks them by a call's shape (SHORT_CALLS, DECODE_ROWS); the others exist for the ablations in
 # docs/perf-log.md, are compiled only where ABLATIONS lists them, and are reachable only through
 # the benchmark (`ffi.forward(..., tuning=NAME)`, `--fa4-tunings`).
@@ -36,10 +36,8 @@ TUNINGS: dict[str, dict] = {
     "poly25": {"exp2_poly_share": 0.25},  # a quarter of the exponentials on the FMA pipes
     "poly12": {"exp2_poly_share": 0.125},  # an eighth
     # A tile's first Q·Kᵀ GEMM issued in ping-pong turn, so that the groups' first softmaxes
-    # are staggered instead of running together with the tensor pipe idle; with 128-key blocks,
-    # what `call_tuning` picks for d128 calls without a mask from 1k to 4k.
+    # are staggered instead of running together with the tensor pipe idle.
     "pp_first": {"pingpong_first_block": True},
-    "n128_pp": {"tile_n": 128, "pingpong_first_block": True},
     "lpt": {"scheduler": "lpt"},  # persistent CTAs, LPT tile order
     "linear": {"scheduler": "linear"},  # one CTA per tile in grid order, masked calls too
     "wg2": {"mma_warp_groups": 2, "tile_n": 128},  # d64 with 128-row tiles (forward v2's shape)
@@ -157,16 +155,13 @@ ABLATIONS = (
 # Without a mask, d128:
 # - 128-key blocks ("n128") up to 1k: 469 against 446 for the default's 176 at 1k (six blocks
 #   per tile row, the last 82% padding). docs/perf-log.md "P converted through asm", run 2.
-# - and with the first block in ping-pong turn ("n128_pp") from 1k to 4k: 562/598 against
-#   536/583 for the 176-key default at 2k/4k (550/589 for "n128"; 9 repeats, docs/perf-log.md
-#   "session 12"), 606 against 581 at 4k in a second run, 549/589 against 557/601 in a third:
-#   +1.8% at 2k and +1.7% at 4k on average, inside the runs' spread. At 8k even (627 against
-#   625), at 16k the 176-key blocks win (643 against 639). At 1k it trailed "n128" in two runs
-#   (483 vs 486, 458 vs 479), hence the first step.
+# - 128-key blocks with the first block in ping-pong turn, from 1k to 4k, measured even in
+#   four runs of session 12 (+1.2% at 2k, +0.9% at 4k on average, single runs −1.8% to +4.9%):
+#   not adopted.
 SHORT_CALLS = {
     ("causal", 64): (("short_wg2", 1024), ("short", 2048)),
     ("causal", 128): (("short", 2048),),
-    ("none", 128): (("n128", 1024), ("n128_pp", 4096)),
+    ("none", 128): (("n128", 1024),),
 }
 # Forward calls without a mask and with at most this many query rows (as the kernel sees them:
 # GQA-packed, fa4_jax/pack_gqa.py) run the "decode" tuning, compiled at every head dim.

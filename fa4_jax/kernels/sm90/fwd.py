@@ -121,8 +121,10 @@ MMA_REGISTERS = {1: 240, 2: 240, 3: 160}
 #   causal.
 # - d128: two groups, 128 x 176 without a mask (582/647 vs 568/617 for 128 x 128 at s4k/s16k;
 #   128 x 192 578/635), 128 x 128 under one (n176 501/584 vs 504/610). Ping-pong on without a
-#   mask; exp2 polynomial share 0 (a 25% share cost 16%: 535 vs 638 at s4k) and rescale
-#   threshold 8 (threshold 0: 606 vs 638 at s4k).
+#   mask; exp2 polynomial share 0 (the conversion-free polynomial of session 12: an eighth
+#   542/588 and a quarter 524/571 against 572/640 at s4k/s16k; the H200 runs power-limited, so
+#   the FMA-pipe exponentials' extra instructions cost clock) and rescale threshold 8
+#   (threshold 0: 606 vs 638 at s4k).
 #   Under a causal mask ping-pong off: 483/589 vs 466/586 at s4k/s16k with LPT order (and
 #   514/592 vs 480/583 in the linear order), since the diagonal blocks' uneven softmax phases
 #   make the turn-taking wait. At d64 it stays on (331/427 vs 335/437 off).
