@@ -54,6 +54,9 @@ TUNINGS: dict[str, dict] = {
     # The short rule's kernel with each tile boundary as one overlapped step (the next tile's
     # first Q·Kᵀ issued with this tile's last P·V; docs/perf-log.md, "overlap a tile's drain").
     "lpt_so_overlap": {**_LPT_SEPARATE_O, "pingpong": True, "overlap_tiles": True},
+    # and with 8 MB L2 sections, which `lpt_so` needed to match one CTA per tile (session 12)
+    "lpt_so_overlap_l2s8": {**_LPT_SEPARATE_O, "pingpong": True, "overlap_tiles": True,
+                            "l2_section_mb": 8},
     # The short rule's kernel on 128-row tiles (two MMA warp groups, 128-key blocks): what
     # `call_tuning` picks for short causal forward calls at d64.
     "short_wg2": {**_LPT_SEPARATE_O, "pingpong": True, "mma_warp_groups": 2},
@@ -120,7 +123,8 @@ TUNINGS: dict[str, dict] = {
 # atomic dQ is dq_atomic_2stage: with atomics, its shared memory goes back to two stages.
 ABLATIONS = (
     ("fwd", 128, ("tau0", "nopingpong", "pingpong", "poly25", "poly12", "pp_first", "lpt", "linear",
-                  "lpt_so", "lpt_so_l2s8", "n176", "n192", "lpt_so_overlap")),
+                  "lpt_so", "lpt_so_l2s8", "n176", "n192", "lpt_so_overlap",
+                  "lpt_so_overlap_l2s8")),
     ("fwd", 64, ("wg2", "linear", "lpt", "lpt_so", "n96", "n128", "nopingpong", "lpt_so_overlap")),
     ("fwd", 256, ("lpt", "linear", "n80")),
     ("bwd", 64, ("det_asc", "dq_atomic", "m64", "det_free_late", "det_unordered", "dq_after_dk",
