@@ -151,9 +151,10 @@ ABLATIONS = (
 #   rows at 1k) and its masked diagonal (three 96-key blocks of each tile against two 128-key).
 #   Above 4k it loses: 390/412 against 395/434 at 8k/16k. Since the default's blocks widened to
 #   128 keys (docs/perf-log.md, "P converted through asm") it loses at 4k too (372 vs 395), so
-#   the bound was 2k. Session 12 (one run, docs/perf-log.md "session 12"): at 2k the same
-#   persistent order on the default's 192-row tiles ("short" at d64) ran 347 against 327 for
-#   "short_wg2" (cuDNN 349), at 1k 248 against 274: "short_wg2" up to 1k, "short" up to 2k.
+#   the bound was 2k. Session 12 (two runs, docs/perf-log.md "d64 short calls"): at 2k the
+#   same persistent order on the default's 192-row tiles ("short" at d64) ran 347/348 against
+#   327/339 for "short_wg2" (cuDNN 349/342), at 1k 248/250 against 274/270: "short_wg2" up to
+#   1k, "short" up to 2k.
 # - d128, "short" up to 2k: 321/414 against 275/388 at 1k/2k; at 4k even (481 vs 480 without
 #   ping-pong), at 8k/16k it loses (527/559 against 550/598).
 # Without a mask, d128:
