@@ -57,6 +57,10 @@ TUNINGS: dict[str, dict] = {
     # and with 8 MB L2 sections, which `lpt_so` needed to match one CTA per tile (session 12)
     "lpt_so_overlap_l2s8": {**_LPT_SEPARATE_O, "pingpong": True, "overlap_tiles": True,
                             "l2_section_mb": 8},
+    # and on 160-key blocks, the widest whose two stages fit beside Q and O's own buffer at d128
+    # (224 KB), against the 176 of one CTA per tile; "n160" is that width without persistence.
+    "lpt_so_overlap_l2s8_n160": {**_LPT_SEPARATE_O, "pingpong": True, "overlap_tiles": True,
+                                 "l2_section_mb": 8, "tile_n": 160},
     # The short rule's kernel on 128-row tiles (two MMA warp groups, 128-key blocks): what
     # `call_tuning` picks for short causal forward calls at d64.
     "short_wg2": {**_LPT_SEPARATE_O, "pingpong": True, "mma_warp_groups": 2},
@@ -73,6 +77,7 @@ TUNINGS: dict[str, dict] = {
     # width, under a name that escapes the short rule.
     "n128": {"tile_n": 128},
     "n176": {"tile_n": 176},  # d128 under a mask
+    "n160": {"tile_n": 160},
     "n192": {"tile_n": 192},
     "n80": {"tile_n": 80},  # d256: FlashAttention-3's width, 224 of 227 KB of shared memory
     # Backward (kernels/sm90/bwd.py TileConfig): the two choices that made backward v2, each
@@ -124,7 +129,7 @@ TUNINGS: dict[str, dict] = {
 ABLATIONS = (
     ("fwd", 128, ("tau0", "nopingpong", "pingpong", "poly25", "poly12", "pp_first", "lpt", "linear",
                   "lpt_so", "lpt_so_l2s8", "n176", "n192", "lpt_so_overlap",
-                  "lpt_so_overlap_l2s8")),
+                  "lpt_so_overlap_l2s8", "n160", "lpt_so_overlap_l2s8_n160")),
     ("fwd", 64, ("wg2", "linear", "lpt", "lpt_so", "n96", "n128", "nopingpong", "lpt_so_overlap")),
     ("fwd", 256, ("lpt", "linear", "n80")),
     ("bwd", 64, ("det_asc", "dq_atomic", "m64", "det_free_late", "det_unordered", "dq_after_dk",
