@@ -9,22 +9,33 @@ pytest.importorskip("cutlass")
 from fa4_jax.kernels.common.exp2 import EXP2_MIN_EXPONENT, FLOOR_SHIFT, POLY_COEFFS
 
 
+def clamped(x):
+    return np.maximum(np.asarray(x, np.float32), np.float32(EXP2_MIN_EXPONENT))  # max.NaN
+
+
+def shifted_sum(x):
+    """add.rm x + FLOOR_SHIFT for clamped x: the sum is within [2^23, 2^24), so rounding down
+    gives floor(x) + FLOOR_SHIFT exactly; numpy rounds to nearest, so the floor is taken in
+    float64, where the sum is exact."""
+    shifted = (np.floor(x.astype(np.float64)) + np.float64(FLOOR_SHIFT)).astype(np.float32)
+    return np.where(np.isnan(x), np.float32(np.nan), shifted)
+
+
+def power_of_two(shifted):
+    """The shifted sum's bits moved up by 23: the float 2^floor(x)."""
+    return (shifted.view(np.uint32) << np.uint32(23)).view(np.float32)
+
+
 def exp2_poly_f32(x):
     """The PTX sequence in numpy float32: clamp, floor by a rounded-down add, Horner, times the
     power of two read off the shifted sum's bits."""
     c1, c2, c3 = (np.float32(c) for c in POLY_COEFFS)
-    shift = np.float32(FLOOR_SHIFT)
-    x = np.maximum(np.asarray(x, np.float32), np.float32(EXP2_MIN_EXPONENT))  # max.NaN
-    # add.rm: x + shift is within [2^23, 2^24), so rounding down is floor(x) + shift exactly;
-    # numpy rounds to nearest, so the floor is taken in float64, where the sum is exact.
-    shifted = (np.floor(x.astype(np.float64)) + np.float64(shift)).astype(np.float32)
-    shifted = np.where(np.isnan(x), np.float32(np.nan), shifted)
-    whole = shifted - shift
-    frac = x - whole
+    x = clamped(x)
+    shifted = shifted_sum(x)
+    frac = x - (shifted - np.float32(FLOOR_SHIFT))
     p = (c3 * frac + c2) * frac
     p = (p + c1) * frac + np.float32(1.0)
-    scale = (shifted.view(np.uint32) << np.uint32(23)).view(np.float32)
-    return p * scale
+    return p * power_of_two(shifted)
 
 
 def test_relative_error_within_the_fitted_bound(seed):
@@ -43,10 +54,10 @@ def test_floor_by_rounded_add_matches_floor(seed):
     rng = np.random.default_rng(seed)
     x = np.concatenate([rng.uniform(-127.0, 128.0, 100_000), np.arange(-127, 128),
                         np.arange(-127, 128) - np.float32(2**-17)]).astype(np.float32)
-    x = np.maximum(x, np.float32(EXP2_MIN_EXPONENT))
-    shifted = (np.floor(x.astype(np.float64)) + FLOOR_SHIFT).astype(np.float32)
+    x = clamped(x)
+    shifted = shifted_sum(x)
     assert np.all(shifted.astype(np.float64) == np.floor(x.astype(np.float64)) + FLOOR_SHIFT)
-    scale = (shifted.view(np.uint32) << np.uint32(23)).view(np.float32).astype(np.float64)
+    scale = power_of_two(shifted).astype(np.float64)
     expected = np.where(np.floor(x) <= -127, 0.0, np.exp2(np.floor(x.astype(np.float64))))
     assert np.all(scale == expected)
 

@@ -101,9 +101,13 @@ class TileConfig:
 # TileConfig fields that a causal/local mask may set apart: field -> its masked twin. A tuning
 # knob of the field's name sets both.
 MASKED_FIELDS = {"scheduler": "masked_scheduler", "pingpong": "masked_pingpong", "tile_n": "masked_tile_n"}
-# Constructor overrides of a TileConfig, for ablation variants compiled side by side.
-TUNING_KNOBS = ("pingpong", "rescale_threshold", "exp2_poly_share", "scheduler", "mma_warp_groups",
-                "tile_n", "kv_stages", "separate_o", "l2_section_mb", "overlap_tiles", "pingpong_first_block")
+# Constructor overrides of a TileConfig, for ablation variants compiled side by side: the
+# softmax's settings, the MMA warp-group count (which sets tile_m), and TileConfig fields of the
+# same name.
+SOFTMAX_KNOBS = ("rescale_threshold", "exp2_poly_share")
+TILE_KNOBS = ("pingpong", "scheduler", "tile_n", "kv_stages", "separate_o", "l2_section_mb",
+              "overlap_tiles", "pingpong_first_block")
+TUNING_KNOBS = SOFTMAX_KNOBS + ("mma_warp_groups",) + TILE_KNOBS
 # setmaxnreg budget of each MMA thread by MMA warp-group count: the 64K registers of an SM less
 # the producer group's 128 · 24, shared by the MMA threads, rounded down to a multiple of 8, and
 # at most 240 (a thread may not hold more than 255). One group (tile_m 64) is the decode shape.
@@ -253,10 +257,8 @@ class FlashAttentionForwardSm90:
         self.local = mask == "local"
         self.has_softcap = has_softcap
         config = TILE_CONFIGS[(head_dim, head_dim_v)]
-        softmax_tuning = {k: float(tuning[k]) for k in ("rescale_threshold", "exp2_poly_share") if k in tuning}
-        knobs = {k: tuning[k] for k in ("pingpong", "scheduler", "tile_n", "kv_stages", "separate_o",
-                                        "l2_section_mb", "overlap_tiles", "pingpong_first_block")
-                 if k in tuning}
+        softmax_tuning = {k: float(tuning[k]) for k in SOFTMAX_KNOBS if k in tuning}
+        knobs = {k: tuning[k] for k in TILE_KNOBS if k in tuning}
         knobs.update({MASKED_FIELDS[k]: tuning[k] for k in MASKED_FIELDS if k in tuning})
         if "mma_warp_groups" in tuning:
             groups = int(tuning["mma_warp_groups"])
