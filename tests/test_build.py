@@ -151,3 +151,17 @@ def test_cache_keys_follow_each_variants_own_settings(monkeypatch):
     assert menu_file not in build._ALWAYS_HASHED
     for kind in ("fwd", "bwd"):
         assert menu_file not in build._kernel_sources(aot_compile.KERNELS[kind, "sm_90a"]), kind
+
+
+def test_the_ffi_headers_come_from_the_pinned_build_jax():
+    # A library built against a newer jax's FFI headers does not load into the oldest jaxlib
+    # the package allows; toolchain.BUILD_JAX names the pin and warns when the build differs.
+    import tomllib
+
+    from fa4_jax.aot import toolchain
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    requires = pyproject["build-system"]["requires"]
+    assert f"jax=={toolchain.BUILD_JAX}" in requires and f"jaxlib=={toolchain.BUILD_JAX}" in requires
+    assert any(dep == f"jax>={toolchain.BUILD_JAX.rsplit('.', 1)[0]}"
+               for dep in pyproject["project"]["dependencies"])

@@ -175,7 +175,8 @@ def link(variants, entries: dict[str, Path], out: Path = LIBRARY, log=print) -> 
            # archives' symbols out of the export table so they cannot clash with JAX's own.
            "-static-libstdc++", "-static-libgcc", "-Wl,--exclude-libs,ALL",
            "-ldl", "-lrt", "-lpthread"]
-    key = hashlib.sha256(json.dumps(cmd).encode())
+    # The FFI headers' path is the same for every jax version, their API version is not.
+    key = hashlib.sha256(json.dumps([cmd, toolchain.jax_version()]).encode())
     for path in [*sources, *objects]:
         key.update(Path(path).read_bytes())
     stamp = out.with_suffix(".so.key")

@@ -10,6 +10,7 @@ import functools
 import os
 import shutil
 import subprocess
+import warnings
 
 
 class ToolchainError(RuntimeError):
@@ -56,9 +57,29 @@ def dsl_version() -> str:
     return version("nvidia-cutlass-dsl")
 
 
+# The jax whose XLA FFI headers the library is built against: pyproject.toml's build
+# requirements pin it (tests/test_build.py checks the two agree). The headers carry the FFI API
+# version, and a jaxlib older than the headers refuses the library at load ("the handler's API
+# version (0.5) is incompatible with the framework's API version (0.4)"), so the oldest runtime
+# the package allows is the one to build against.
+BUILD_JAX = "0.11.0"
+
+
+def jax_version() -> str:
+    from importlib.metadata import version
+
+    return version("jax")
+
+
 def jax_ffi_include() -> str:
     import jax.ffi
 
+    if jax_version() != BUILD_JAX:
+        warnings.warn(
+            f"building against jax {jax_version()}'s XLA FFI headers, not {BUILD_JAX}'s: the library "
+            f"will load only into jaxlib versions that accept their FFI API, which may exclude "
+            f"the oldest this package allows (pip install 'jax=={BUILD_JAX}' 'jaxlib=={BUILD_JAX}' "
+            f"in the build environment, as `pip install .` does)", stacklevel=2)
     return jax.ffi.include_dir()
 
 
