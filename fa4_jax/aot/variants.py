@@ -97,15 +97,17 @@ TUNINGS: dict[str, dict] = {
     # Deterministic mode without the waits for the turn (not reproducible): what the order costs.
     "det_unordered": {"det_ordered": False},
     # The next query block's Sᵀ issued before this block's dQ hand-over (d96's and d192's
-    # default), or after it (the others').
-    "scores_ahead": {"scores_ahead": True},
+    # default), or after it (the others'); the two overlaps of the hand-over exclude each other.
+    "scores_ahead": {"scores_ahead": True, "dq_during_dk": False},
     "scores_late": {"scores_ahead": False},
-    # The dQ hand-over after every GEMM of the block (dK issued before dQ: the others' order),
-    # or during the dK GEMM (d64's).
+    # The dQ hand-over after every GEMM of the block (dK issued before dQ: d96's, d192's and
+    # d256's order), not during the dK GEMM (d64's and d128's).
     "dq_after_dk": {"dq_during_dk": False},
-    "dq_during_dk": {"dq_during_dk": True},
-    # d128: LSE and D read ahead of the GEMM waits, as at the other head dims.
-    "stats_ahead": {"row_stats_ahead": 16},
+    # d128's order before session 13 (dV issued during dSᵀ, dK before dQ with the dQ hand-over
+    # after every GEMM, LSE and D read at their use), and each of its three parts alone.
+    "bwd_v11_order": {"dv_during_ds": True, "dq_during_dk": False, "row_stats_ahead": 0},
+    "dv_during_ds": {"dv_during_ds": True},
+    "stats_at_use": {"row_stats_ahead": 0},
     # d64 on 64-row query tiles (dV issued during dSᵀ's pass), its shape before the 128-row tiles.
     "m64": {"tile_m": 64, "dv_during_ds": True},
     # sdQ and mdQaccum in the tile's order, one hand-over for both warp groups, a tensor-map
@@ -134,9 +136,9 @@ ABLATIONS = (
     ("fwd", 256, ("lpt", "linear", "n80")),
     ("bwd", 64, ("det_asc", "dq_atomic", "m64", "det_free_late", "det_unordered", "dq_after_dk",
                  "dq_writer1", "dq_tile_order_w1", "det_in_order", "no_pdl")),
-    ("bwd", 128, ("det_asc", "dq_atomic", "det_free_late", "scores_ahead", "stats_ahead",
-                  "det_unordered", "dq_during_dk", "dq_writer1", "dq_tile_order_late", "det_in_order",
-                  "no_pdl")),
+    ("bwd", 128, ("det_asc", "dq_atomic", "det_free_late", "scores_ahead", "stats_at_use",
+                  "det_unordered", "dq_after_dk", "dq_writer1", "dq_tile_order_late", "det_in_order",
+                  "no_pdl", "bwd_v11_order", "dv_during_ds")),
     ("bwd", 96, ("scores_late", "dq_atomic", "det_unordered", "dq_writer1", "dq_tile_order",
                  "det_in_order")),
     ("bwd", 192, ("scores_late", "dq_atomic", "det_unordered", "dq_writer1", "dq_tile_order",

@@ -116,7 +116,8 @@ class TileConfig:
     # while dSᵀ is computed. It then holds Pᵀ's registers and dV's accumulator through that
     # pass; at 128 query rows (Sᵀ and dPᵀ 64 fp32 each, dK and dV 32 each, Pᵀ and dSᵀ 32 each)
     # that is more than 240 registers and ptxas serializes every WGMMA of the kernel (C7512),
-    # so there dV is issued after dSᵀ, beside dK.
+    # so there dV is issued after dSᵀ, beside dK. At d128 issuing it after dSᵀ (FA4 upstream's
+    # order) measured +0.3-1.6% (session 13; `dv_during_ds` is the ablation).
     dv_during_ds: bool = True
     # Deterministic dq_tma_reduce: the dQ writer hands sdQ back to the MMA warp groups once its
     # TMA has read it, so they fill it with the next block's dQ while the add lands; False: once
@@ -156,18 +157,20 @@ class TileConfig:
     # before the GEMM waits instead of at their use (ptxas leaves a load that follows a wait
     # after it, and at d128 the exponentials' first FFMAs waited on it: ~10% of the kernel's
     # stall samples, short scoreboard). 16 is all of a 64-row tile; all 32 of d64's 128 rows
-    # spill. Measured (docs/perf-log.md, "where a d128 step stalls"): d256 +1-2.5%; d128 +0-4%
-    # by default but 7-11% slower deterministically, d64 even by default and 1-4% slower
-    # deterministically, so those two read them at their use (0).
+    # spill. Measured (docs/perf-log.md, "where a d128 step stalls"): d256 +1-2.5%; d64 even by
+    # default and 1-4% slower deterministically, so it reads them at their use (0). At d128 it
+    # was +0-4% by default and 7-11% slower deterministically in session 8's GEMM order, −1 to
+    # +1% in session 11's, and +0.3-2% in both modes in session 13's (the default since).
     row_stats_ahead: int = 16
     # The dK GEMM is issued after dQ's, and the dQ hand-over (its stores to sdQ, or its atomics)
     # runs while dK's GEMM does; False: dK is issued first (from registers, before dSᵀ goes to
     # shared memory) and the hand-over waits for every GEMM of the block, the tensor pipe idle
     # through it. Holds dSᵀ's 16-bit registers (dK's operand) through the hand-over. Not with
     # scores_ahead, which overlaps the hand-over with the next block's Sᵀ instead. Measured
-    # (docs/perf-log.md, "the dQ hand-over during the dK GEMM"): d64 +1-2%; d128 even without a
-    # mask and 1-3% slower under one; d256 11-14% slower. The other warp group's GEMMs already
-    # fill most of a hand-over.
+    # (docs/perf-log.md, "the dQ hand-over during the dK GEMM"): d64 +1-2%; d256 11-14% slower.
+    # d128: even without a mask and 1-3% slower under one with dV issued during dSᵀ (session 9),
+    # +0.3-1% with dV issued after it (session 13). The other warp group's GEMMs already fill
+    # most of a hand-over.
     dq_during_dk: bool = False
     # dq_tma_reduce: sdQ holds the MMA threads' dQ registers in fragment order
     # (layouts.fragment_order_view: 128-bit stores free of bank conflicts, one address per
@@ -215,13 +218,19 @@ class TileConfig:
 # 19-28% (docs/perf-log.md, "Backward d64 on 128 × 128 tiles"). d192 and d256 with 64 keys
 # per warp group would need 160 and 256 for dK + dV alone, hence tile_n = 64 with dK/dV split
 # along d (d256: 64 + 64) and P/dS through shared memory: d256 takes ~220, d192 ~155.
+# d128 runs its GEMMs in FA4 upstream's order (session 13): dV issued once dSᵀ is computed, dQ
+# before dK with the dQ hand-over under the dK GEMM, LSE and D read ahead. Each of the three
+# gained at every shape of one run (docs/perf-log.md, "d128 backward in upstream's order"):
+# forward+backward +2.8/+4.2/+3.8% at 1k/4k/16k, causal +1.9/+1.9/+2.3%, over session 11's
+# order (dV during dSᵀ, dK first, the hand-over after every GEMM, LSE and D read at their use),
+# which is the ablation `bwd_v11_order`.
 TILE_CONFIGS = {
     64: TileConfig(128, 128, 2, True, 2, dq_tma_reduce=True, dv_during_ds=False,
                    row_stats_ahead=0, dq_during_dk=True, dq_writers=2, dq_fragment_order=True),
     96: TileConfig(64, 128, 2, True, 2, dq_tma_reduce=True, scores_ahead=True, dq_writers=2,
                    dq_fragment_order=True),
-    128: TileConfig(64, 128, 2, True, 2, dq_tma_reduce=True, row_stats_ahead=0, dq_writers=2,
-                    dq_fragment_order=True),
+    128: TileConfig(64, 128, 2, True, 2, dq_tma_reduce=True, dv_during_ds=False, dq_during_dk=True,
+                    dq_writers=2, dq_fragment_order=True),
     192: TileConfig(64, 64, 2, False, 2, dq_tma_reduce=True, scores_ahead=True, dq_writers=2,
                     dq_fragment_order=True),
     256: TileConfig(64, 64, 1, False, 1, dq_tma_reduce=True, dq_writers=2, dq_fragment_order=True),
