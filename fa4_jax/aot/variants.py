@@ -96,18 +96,22 @@ TUNINGS: dict[str, dict] = {
     "dq_writers3": {"dq_writers": 3},
     # Deterministic mode without the waits for the turn (not reproducible): what the order costs.
     "det_unordered": {"det_ordered": False},
-    # The next query block's Sᵀ issued before this block's dQ hand-over (d96's and d192's
-    # default), or after it (the others'); the two overlaps of the hand-over exclude each other.
+    # The next query block's Sᵀ issued before this block's dQ hand-over (d192's default), or
+    # after it (the others'); the two overlaps of the hand-over exclude each other.
     "scores_ahead": {"scores_ahead": True, "dq_during_dk": False},
     "scores_late": {"scores_ahead": False},
-    # The dQ hand-over after every GEMM of the block (dK issued before dQ: d96's, d192's and
-    # d256's order), not during the dK GEMM (d64's and d128's).
+    # The dQ hand-over after every GEMM of the block (dK issued before dQ: d192's and d256's
+    # order), not during the dK GEMM (d64's, d96's and d128's).
     "dq_after_dk": {"dq_during_dk": False},
     # d128's order before session 13 (dV issued during dSᵀ, dK before dQ with the dQ hand-over
     # after every GEMM, LSE and D read at their use), and each of its three parts alone.
     "bwd_v11_order": {"dv_during_ds": True, "dq_during_dk": False, "row_stats_ahead": 0},
     "dv_during_ds": {"dv_during_ds": True},
     "stats_at_use": {"row_stats_ahead": 0},
+    # d96's order before session 13: dV issued during dSᵀ, the next block's Sᵀ ahead.
+    "d96_v11_order": {"dv_during_ds": True, "dq_during_dk": False, "scores_ahead": True},
+    # d96's and d128's order at d64: its default with LSE and D read ahead.
+    "bwd_upstream_order": {"row_stats_ahead": 16},
     # d64 on 64-row query tiles (dV issued during dSᵀ's pass), its shape before the 128-row tiles.
     "m64": {"tile_m": 64, "dv_during_ds": True},
     # sdQ and mdQaccum in the tile's order, one hand-over for both warp groups, a tensor-map
@@ -135,11 +139,11 @@ ABLATIONS = (
     ("fwd", 64, ("wg2", "linear", "lpt", "lpt_so", "n96", "n128", "nopingpong", "lpt_so_overlap")),
     ("fwd", 256, ("lpt", "linear", "n80")),
     ("bwd", 64, ("det_asc", "dq_atomic", "m64", "det_free_late", "det_unordered", "dq_after_dk",
-                 "dq_writer1", "dq_tile_order_w1", "det_in_order", "no_pdl")),
+                 "dq_writer1", "dq_tile_order_w1", "det_in_order", "no_pdl", "bwd_upstream_order")),
     ("bwd", 128, ("det_asc", "dq_atomic", "det_free_late", "scores_ahead", "stats_at_use",
                   "det_unordered", "dq_after_dk", "dq_writer1", "dq_tile_order_late", "det_in_order",
                   "no_pdl", "bwd_v11_order", "dv_during_ds")),
-    ("bwd", 96, ("scores_late", "dq_atomic", "det_unordered", "dq_writer1", "dq_tile_order",
+    ("bwd", 96, ("d96_v11_order", "dq_atomic", "det_unordered", "dq_writer1", "dq_tile_order",
                  "det_in_order")),
     ("bwd", 192, ("scores_late", "dq_atomic", "det_unordered", "dq_writer1", "dq_tile_order",
                   "det_in_order", "det_one_copy", "dq_writers3")),

@@ -151,7 +151,8 @@ class TileConfig:
     # registers held beside dQ's, dK's and dV's. Measured (docs/perf-log.md, "Sᵀ issued
     # ahead"): +3-6% at d96 and d192 without a mask, whose dQ goes out by per-thread atomics
     # from the MMA warps; even at d128 (a short hand-over to the writer warp) and 4-7% slower
-    # there deterministically; at d64's 128 rows ptxas serializes the WGMMAs (C7512).
+    # there deterministically; at d64's 128 rows ptxas serializes the WGMMAs (C7512). d96 took
+    # dq_during_dk instead in session 13 (3-6% faster than this, `d96_v11_order`).
     scores_ahead: bool = False
     # Columns of a thread's Sᵀ/dPᵀ fragment whose LSE and D values are read from shared memory
     # before the GEMM waits instead of at their use (ptxas leaves a load that follows a wait
@@ -218,17 +219,19 @@ class TileConfig:
 # 19-28% (docs/perf-log.md, "Backward d64 on 128 × 128 tiles"). d192 and d256 with 64 keys
 # per warp group would need 160 and 256 for dK + dV alone, hence tile_n = 64 with dK/dV split
 # along d (d256: 64 + 64) and P/dS through shared memory: d256 takes ~220, d192 ~155.
-# d128 runs its GEMMs in FA4 upstream's order (session 13): dV issued once dSᵀ is computed, dQ
-# before dK with the dQ hand-over under the dK GEMM, LSE and D read ahead. Each of the three
-# gained at every shape of one run (docs/perf-log.md, "d128 backward in upstream's order"):
-# forward+backward +2.8/+4.2/+3.8% at 1k/4k/16k, causal +1.9/+1.9/+2.3%, over session 11's
-# order (dV during dSᵀ, dK first, the hand-over after every GEMM, LSE and D read at their use),
-# which is the ablation `bwd_v11_order`.
+# d96 and d128 run their GEMMs in FA4 upstream's order (session 13): dV issued once dSᵀ is
+# computed, dQ before dK with the dQ hand-over under the dK GEMM, LSE and D read ahead
+# (docs/perf-log.md, "d128 backward in upstream's order"). Forward+backward over session 11's
+# orders, which are the ablations `bwd_v11_order` (d128: dV during dSᵀ, dK first, the hand-over
+# after every GEMM, LSE and D at their use) and `d96_v11_order` (dV during dSᵀ, the next Sᵀ
+# issued ahead): d128 +2.4/+3.2/+4.3% at 1k/4k/16k, causal +1.6/+2.8/+3.0% (two runs agreeing
+# within 1%); d96 +2.6/+6.3/+6.2%, causal +3.3/+5.6/+5.3%. At d64, whose order it already is
+# but for the statistics, reading those ahead loses 1-2% (`bwd_upstream_order` there).
 TILE_CONFIGS = {
     64: TileConfig(128, 128, 2, True, 2, dq_tma_reduce=True, dv_during_ds=False,
                    row_stats_ahead=0, dq_during_dk=True, dq_writers=2, dq_fragment_order=True),
-    96: TileConfig(64, 128, 2, True, 2, dq_tma_reduce=True, scores_ahead=True, dq_writers=2,
-                   dq_fragment_order=True),
+    96: TileConfig(64, 128, 2, True, 2, dq_tma_reduce=True, dv_during_ds=False, dq_during_dk=True,
+                   dq_writers=2, dq_fragment_order=True),
     128: TileConfig(64, 128, 2, True, 2, dq_tma_reduce=True, dv_during_ds=False, dq_during_dk=True,
                     dq_writers=2, dq_fragment_order=True),
     192: TileConfig(64, 64, 2, False, 2, dq_tma_reduce=True, scores_ahead=True, dq_writers=2,
