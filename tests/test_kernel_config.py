@@ -69,3 +69,15 @@ def test_d64_backward_tiles_are_128_rows_except_with_softcap():
     assert (plain.tile_m, plain.dq_row_groups, plain.dq_cols) == (128, 2, 64)
     assert (capped.tile_m, capped.dq_row_groups, capped.dq_cols) == (64, 1, 32)
     assert not plain.config.dv_during_ds and capped.config.dv_during_ds
+
+
+@pytest.mark.parametrize("head_dim", [96, 128])
+def test_d96_d128_backward_issue_in_upstreams_order(head_dim):
+    # dV after dSᵀ, dQ before dK with the hand-over under it, LSE/D read ahead (session 13); the
+    # ablations that turn it back must still build.
+    config = _backward(head_dim).config
+    assert (config.dv_during_ds, config.dq_during_dk, config.scores_ahead) == (False, True, False)
+    assert config.row_stats_ahead == 16
+    assert _backward(head_dim, scores_ahead=True, dq_during_dk=False).config.scores_ahead
+    with pytest.raises(ValueError, match="scores_ahead and dq_during_dk"):
+        _backward(head_dim, scores_ahead=True)
