@@ -110,8 +110,9 @@ TUNINGS: dict[str, dict] = {
     "stats_at_use": {"row_stats_ahead": 0},
     # d96's order before session 13: dV issued during dSᵀ, the next block's Sᵀ ahead.
     "d96_v11_order": {"dv_during_ds": True, "dq_during_dk": False, "scores_ahead": True},
-    # d96's and d128's order at d64: its default with LSE and D read ahead.
-    "bwd_upstream_order": {"row_stats_ahead": 16},
+    # d64 with LSE and D read ahead (16 of its 32 columns), which completes d96's and d128's
+    # order there (d64 already issues dV after dSᵀ and hands dQ over under dK).
+    "stats_ahead": {"row_stats_ahead": 16},
     # d64 on 64-row query tiles (dV issued during dSᵀ's pass), its shape before the 128-row tiles.
     "m64": {"tile_m": 64, "dv_during_ds": True},
     # sdQ and mdQaccum in the tile's order, one hand-over for both warp groups, a tensor-map
@@ -139,7 +140,7 @@ ABLATIONS = (
     ("fwd", 64, ("wg2", "linear", "lpt", "lpt_so", "n96", "n128", "nopingpong", "lpt_so_overlap")),
     ("fwd", 256, ("lpt", "linear", "n80")),
     ("bwd", 64, ("det_asc", "dq_atomic", "m64", "det_free_late", "det_unordered", "dq_after_dk",
-                 "dq_writer1", "dq_tile_order_w1", "det_in_order", "no_pdl", "bwd_upstream_order")),
+                 "dq_writer1", "dq_tile_order_w1", "det_in_order", "no_pdl", "stats_ahead")),
     ("bwd", 128, ("det_asc", "dq_atomic", "det_free_late", "scores_ahead", "stats_at_use",
                   "det_unordered", "dq_after_dk", "dq_writer1", "dq_tile_order_late", "det_in_order",
                   "no_pdl", "bwd_v11_order", "dv_during_ds")),

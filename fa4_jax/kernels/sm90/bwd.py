@@ -226,7 +226,7 @@ class TileConfig:
 # after every GEMM, LSE and D at their use) and `d96_v11_order` (dV during dSᵀ, the next Sᵀ
 # issued ahead): d128 +2.4/+3.2/+4.3% at 1k/4k/16k, causal +1.6/+2.8/+3.0% (two runs agreeing
 # within 1%); d96 +2.6/+6.3/+6.2%, causal +3.3/+5.6/+5.3%. At d64, whose order it already is
-# but for the statistics, reading those ahead loses 1-2% (`bwd_upstream_order` there).
+# but for the statistics, reading those ahead loses 1-2% (`stats_ahead` there).
 TILE_CONFIGS = {
     64: TileConfig(128, 128, 2, True, 2, dq_tma_reduce=True, dv_during_ds=False,
                    row_stats_ahead=0, dq_during_dk=True, dq_writers=2, dq_fragment_order=True),
