@@ -726,8 +726,9 @@ def name_list(allowed):
     return parse
 
 
-def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def make_parser(description: str = __doc__.split("\n\n")[0]) -> argparse.ArgumentParser:
+    """The benchmark's options; other harnesses (timing_protocol.py) add theirs to it."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--dry-run", action="store_true",
                    help="CPU, tiny shapes: tests the harness; GPU-only peers report why they skip")
     p.add_argument("--head-dims", type=int_list, help="e.g. 64,128,256")
@@ -759,12 +760,34 @@ def parse_args(argv):
     p.add_argument("--time-budget-s", type=float, default=420.0,
                    help="stop starting new measurements after this; results are still written")
     p.add_argument("--out", default=".bench_out", help="directory for results.json and PNGs")
-    args = p.parse_args(argv)
+    return p
+
+
+def with_preset(args: argparse.Namespace) -> argparse.Namespace:
+    """Options left unset take the preset's value (PRESETS: the H200 grid, or --dry-run's)."""
     preset = PRESETS["dry_run" if args.dry_run else "h200"]
     for name, value in preset.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.dry_run:
+        jax.config.update("jax_platforms", "cpu")
     return args
+
+
+def parse_args(argv):
+    return with_preset(make_parser().parse_args(argv))
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    return Settings(
+        tokens=args.tokens, hidden=args.hidden, dtype=args.dtype, calls=args.calls,
+        repeats=args.repeats, max_call_s=args.max_call_s, max_case_s=args.max_case_s,
+        warmup_s=args.warmup_s, max_xla_seqlen=args.max_xla_seqlen,
+        fa4_implementation=args.fa4_implementation)
+
+
+def causals_of(args: argparse.Namespace) -> tuple[bool, ...]:
+    return {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
 
 
 def install_sigterm_stop() -> None:
@@ -776,18 +799,12 @@ def install_sigterm_stop() -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.dry_run:
-        jax.config.update("jax_platforms", "cpu")
     started = time.monotonic()
     deadline = started + args.time_budget_s
     install_sigterm_stop()
-    settings = Settings(
-        tokens=args.tokens, hidden=args.hidden, dtype=args.dtype, calls=args.calls,
-        repeats=args.repeats, max_call_s=args.max_call_s, max_case_s=args.max_case_s,
-        warmup_s=args.warmup_s, max_xla_seqlen=args.max_xla_seqlen,
-        fa4_implementation=args.fa4_implementation)
-    causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
-    cases = cases_in_priority_order(settings, args.modes, args.head_dims, args.seqlens, causals)
+    settings = settings_from(args)
+    cases = cases_in_priority_order(settings, args.modes, args.head_dims, args.seqlens,
+                                    causals_of(args))
     peers = list(args.peers) + [TUNING_PREFIX + name for name in args.fa4_tunings] + [
         prefix + name for name in args.fa4_bwd_tunings
         for prefix in (BWD_TUNING_PREFIX, BWD_DET_TUNING_PREFIX)]

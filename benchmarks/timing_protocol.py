@@ -19,7 +19,6 @@ and on the CPU, with tiny shapes and the reference backend, to test the harness:
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -61,33 +60,22 @@ def isolated_ms(step, input_sets, samples: int, gap_s: float, flush_elems: int, 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU reference")
-    p.add_argument("--peers", type=bench.name_list(bench.PEERS), default=("fa4_jax", "cudnn"))
-    p.add_argument("--fa4-tunings", type=lambda text: tuple(text.split(",")), default=(),
-                   help="forward tunings timed too, as bench_attention's fa4_jax:NAME rows")
-    p.add_argument("--head-dims", type=bench.int_list)
-    p.add_argument("--seqlens", type=bench.int_list)
-    p.add_argument("--causal", choices=("both", "yes", "no"), default="no")
+    # The benchmark's own options (shapes, peers, tunings, presets), forward only, plus these.
+    p = bench.make_parser(__doc__.split("\n")[0])
+    p.set_defaults(peers=("fa4_jax", "cudnn"), causal="no")
     p.add_argument("--samples", type=int, default=30, help="isolated calls per case")
     p.add_argument("--gap-ms", type=float, default=5.0, help="idle time before each isolated call")
-    args = p.parse_args(argv)
-
-    preset = dict(bench.PRESETS["dry_run" if args.dry_run else "h200"])
-    settings = bench.Settings(
-        tokens=preset["tokens"], hidden=preset["hidden"], dtype="bf16", calls=preset["calls"],
-        repeats=preset["repeats"], max_call_s=3.0, max_case_s=5.0, warmup_s=preset["warmup_s"],
-        max_xla_seqlen=preset["max_xla_seqlen"], fa4_implementation=preset["fa4_implementation"])
-    head_dims = args.head_dims or preset["head_dims"]
-    seqlens = args.seqlens or preset["seqlens"]
-    causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    args = bench.with_preset(p.parse_args(argv))
+    settings = bench.settings_from(args)
     flush_elems = (FLUSH_BYTES if not args.dry_run else 2**20) // 4
     samples = args.samples if not args.dry_run else 3
     overhead_s = dispatch_s(samples)
     print(f"dispatch + sync of an empty call: {overhead_s * 1e6:.0f} us (subtracted from isolated)")
-    print(f"{'case':40s} {'peer':12s} {'loop ms':>9s} {'TF/s':>6s} {'isolated ms':>12s} {'TF/s':>6s} "
-          f"{'loop/isolated':>14s}")
-    for case in bench.cases_in_priority_order(settings, ("fwd",), head_dims, seqlens, causals):
+    print(f"{'case':40s} {'peer':12s} {'loop ms':>9s} {'TF/s':>6s} {'isolated ms':>12s} "
+          f"{'TF/s':>6s} {'loop/isolated':>14s}")
+    cases = bench.cases_in_priority_order(settings, ("fwd",), args.head_dims, args.seqlens,
+                                          bench.causals_of(args))
+    for case in cases:
         input_sets_of = bench.input_cache(case, seed=0)
         for peer in args.peers + tuple(bench.TUNING_PREFIX + t for t in args.fa4_tunings):
             try:
@@ -95,7 +83,8 @@ def main(argv=None) -> int:
                 step = bench.make_step(candidate.attend, case.mode)
                 inputs = input_sets_of(candidate.dtype)
                 loop = bench.time_step(step, inputs, settings).ms
-                alone = isolated_ms(step, inputs, samples, args.gap_ms / 1e3, flush_elems, overhead_s)
+                alone = isolated_ms(step, inputs, samples, args.gap_ms / 1e3, flush_elems,
+                                    overhead_s)
             except bench.Skip as reason:
                 print(f"{case.label():40s} {peer:12s} skipped: {reason}")
                 continue

@@ -64,11 +64,11 @@ def attention(
       deterministic: make the backward pass bitwise reproducible, run to run and process to
         process on one GPU model (a fixed dQ summation order, a function of the shapes and the
         SM count). Measured on an H200, forward+backward runs within 3% of the default mode at
-        head dims 64 and 96, within 4.5% at 128, within 4% at 256 up to 4k keys (6% at 16k causal) and 3-8% behind at
-        192. At 192 and 256 with up to 8k keys it keeps two fp32 dQ accumulators, so the
-        backward's dQ workspace (b * h * seqlen_q * head_dim * 4 bytes) doubles. The default adds
-        dQ in whatever order the GPU reaches it: gradients may then differ in their last bits
-        between runs. The forward is deterministic either way.
+        head dims 64 and 96, within 4.5% at 128, within 4% at 256 up to 4k keys (6% at 16k
+        causal) and 3-8% behind at 192. At 192 and 256 with up to 8k keys it keeps two fp32 dQ
+        accumulators, so the backward's dQ workspace (b * h * seqlen_q * head_dim * 4 bytes)
+        doubles. The default adds dQ in whatever order the GPU reaches it: gradients may then
+        differ in their last bits between runs. The forward is deterministic either way.
       return_lse: also return the logsumexp of each row.
       implementation: None (the kernels when they serve this call, else the reference; the
         choice and its reason are logged at debug level on the "fa4_jax" logger), "cute" (the

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import warnings
+from importlib.metadata import version
 
 
 class ToolchainError(RuntimeError):
@@ -52,8 +53,6 @@ def dsl_runtime_archive() -> str:
 
 
 def dsl_version() -> str:
-    from importlib.metadata import version
-
     return version("nvidia-cutlass-dsl")
 
 
@@ -66,8 +65,6 @@ BUILD_JAX = "0.11.0"
 
 
 def jax_version() -> str:
-    from importlib.metadata import version
-
     return version("jax")
 
 
