@@ -7,7 +7,10 @@ fa4_jax's own rows: "fa4_jax_det" (deterministic=True; forward+backward only) an
 fa4_jax.aot.variants.TUNINGS, for ablations), and with --fa4-bwd-tunings A,B, "fa4_jax_bwd:A" and
 "fa4_jax_bwd_det:A" (forward+backward only: the default forward kernel, then the backward kernel
 under tuning A, default and deterministic mode; "default" names the untuned backward through the
-same path, the like-for-like baseline). Only the JAX peers count as "best peer".
+same path, the like-for-like baseline). "upstream" is FA4 upstream's Hopper forward (flash-attn-4)
+exported ahead of time into a library by scripts/upstream_peer/build.py and named by
+$FA4_UPSTREAM_LIB (skipped without it): upstream's kernels under this timer, beside ANCHORS.md's
+torch figures for them. Only the JAX peers count as "best peer".
 Grid (ANCHORS.md): batch·seqlen = 16384 tokens, heads = 2048 / head_dim, head dims 64/128/256,
 seqlen 1024/4096/16384, causal and not, forward and forward+backward. Head dim 192 runs with
 value head dim 128 (DeepSeek's shape, the library's one d ≠ dv variant; HEAD_DIM_V).
@@ -35,7 +38,9 @@ forward.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
+import functools
 import importlib
 import json
 import os
@@ -47,6 +52,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from benchmarks import anchors
 
@@ -57,6 +63,8 @@ DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
 INPUT_SETS = 2  # rotate between two input sets so no call finds its inputs already in L2
 # Value head dim by head dim where they differ (fa4_jax.aot.variants.HEAD_DIMS).
 HEAD_DIM_V = {192: 128}
+# Head dims scripts/upstream_peer/ exports FA4 upstream's forward for (upstream's own tile choice).
+UPSTREAM_HEAD_DIMS = (64, 128, 256)
 
 # Defaults of the two ways to run: the ANCHORS.md grid on the H200, and tiny shapes on the CPU.
 PRESETS = {
@@ -323,15 +331,54 @@ def mgpu_candidates(case: Case, settings: Settings) -> list[Candidate]:
     return [candidate(config) for config in mgpu_configs(case)]
 
 
+UPSTREAM_LIB_ENV = "FA4_UPSTREAM_LIB"
+
+
+@functools.cache
+def _register_upstream(path: str) -> None:
+    library = ctypes.cdll.LoadLibrary(path)
+    jax.ffi.register_ffi_target(
+        "fa4_upstream_fwd",
+        {"instantiate": jax.ffi.pycapsule(library.UpstreamFwdInstantiate),
+         "execute": jax.ffi.pycapsule(library.UpstreamFwdExecute)},
+        platform="CUDA", api_version=1)
+
+
+def upstream_candidates(case: Case, settings: Settings) -> list[Candidate]:
+    """FA4 upstream's Hopper forward (flash-attn-4), exported ahead of time by
+    scripts/upstream_peer/ into a library named by $FA4_UPSTREAM_LIB: upstream's kernel under our
+    timer, in our process. Not a JAX peer (a JAX user cannot call it); the column says how far
+    ANCHORS.md's torch figures for it are from what our timer reads."""
+    path = os.environ.get(UPSTREAM_LIB_ENV)
+    if not path:
+        raise Skip(f"${UPSTREAM_LIB_ENV} is not set (scripts/upstream_peer/ builds the library)")
+    if case.mode != "fwd" or case.head_dim not in UPSTREAM_HEAD_DIMS:
+        raise Skip(f"the upstream library holds forwards at head dims {UPSTREAM_HEAD_DIMS}")
+    _register_upstream(path)
+
+    def attend(q, k, v):
+        batch, seqlen, heads, _ = q.shape
+        call = jax.ffi.ffi_call(
+            "fa4_upstream_fwd",
+            (jax.ShapeDtypeStruct(q.shape[:3] + v.shape[3:], q.dtype),
+             jax.ShapeDtypeStruct((batch, heads, seqlen), jnp.float32)))
+        return call(q, k, v, causal=case.causal,
+                    softmax_scale=np.float32(q.shape[-1] ** -0.5))[0]
+
+    return [Candidate({"library": os.path.basename(path)}, attend, DTYPES[settings.dtype])]
+
+
 PEERS = {
     "fa4_jax": fa4_jax_candidates,
     "fa4_jax_det": fa4_jax_deterministic_candidates,
     "cudnn": dot_product_attention_candidates("cudnn"),
     "xla": dot_product_attention_candidates("xla"),
     "mgpu": mgpu_candidates,
+    "upstream": upstream_candidates,
 }
 PEER_LABELS = {"cudnn": "JAX cuDNN", "xla": "JAX XLA", "mgpu": "Pallas MGPU (fp16)",
-               "fa4_jax_det": "fa4_jax (cute, deterministic)"}
+               "fa4_jax_det": "fa4_jax (cute, deterministic)",
+               "upstream": "FA4 upstream (AOT, our timer)"}
 # The peers fa4_jax is measured against ("best peer"): what a JAX user has today.
 JAX_PEERS = ("cudnn", "xla", "mgpu")
 TUNING_PREFIX = "fa4_jax:"

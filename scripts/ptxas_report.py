@@ -106,6 +106,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("variant", help="a menu variant's name (fa4_jax/_lib/variants.json)")
     parser.add_argument("--tuning", type=json.loads, help="constructor settings, as JSON")
+    parser.add_argument("--ptx", metavar="FILE", help="also copy the kept PTX here")
     parser.add_argument("--sass", metavar="FILE",
                         help="also write the compiled cubin's disassembly (cuobjdump -sass) here")
     args = parser.parse_args(argv)
@@ -134,6 +135,8 @@ def main(argv=None) -> int:
             print(f"expected one PTX file in {out_dir}, found {ptx}", file=sys.stderr)
             return 2
         lines, serialized = summarize(ptxas_messages(ptx[0], variant.arch))
+        if args.ptx:
+            shutil.copyfile(ptx[0], args.ptx)
         if args.sass:
             write_sass(out_dir, args.sass)
     print("\n".join(lines))

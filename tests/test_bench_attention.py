@@ -47,3 +47,25 @@ def test_tuning_rows_without_a_kernel_are_skipped_with_the_reason(tmp_path):
                                           "fa4_jax_bwd_det:dq_writer1"}
     for row in tuned:
         assert row["status"] == "skipped" and row["note"], row
+
+
+def test_upstream_rows_say_why_they_are_skipped(tmp_path, monkeypatch):
+    # FA4 upstream's exported forward is an optional column: without its library (and always for
+    # the forward+backward) the row is a skip naming what is missing, not a failure.
+    monkeypatch.delenv(bench_attention.UPSTREAM_LIB_ENV, raising=False)
+    argv = ["--dry-run", "--modes", "fwd,fwd_bwd", "--head-dims", "64", "--seqlens", "128",
+            "--causal", "no", "--peers", "upstream", "--out", str(tmp_path)]
+    assert bench_attention.main(argv) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert {r["mode"] for r in rows} == {"fwd", "fwd_bwd"}
+    for row in rows:
+        assert row["status"] == "skipped" and bench_attention.UPSTREAM_LIB_ENV in row["note"], row
+    monkeypatch.setenv(bench_attention.UPSTREAM_LIB_ENV, str(tmp_path / "missing.so"))
+    case = bench_attention.Case("fwd_bwd", 64, 128, False, 4, 4)
+    settings = bench_attention.settings_from(bench_attention.parse_args(["--dry-run"]))
+    try:
+        bench_attention.upstream_candidates(case, settings)
+    except bench_attention.Skip as skip:
+        assert "forward" in str(skip)
+    else:
+        raise AssertionError("a forward+backward row of the upstream column must be skipped")
