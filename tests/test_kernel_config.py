@@ -81,3 +81,19 @@ def test_d96_d128_backward_issue_in_upstreams_order(head_dim):
     assert _backward(head_dim, scores_ahead=True, dq_during_dk=False).config.scores_ahead
     with pytest.raises(ValueError, match="scores_ahead and dq_during_dk"):
         _backward(head_dim, scores_ahead=True)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 31, 32, 44, 88])
+def test_tree_reduce_combines_every_value_in_log_depth(n):
+    # The softmax's row maximum (softmax.py): every column must reach the result whatever the
+    # row's width (odd widths carry their last value up a level), in ceil(log2 n) levels.
+    from fa4_jax.kernels.common.softmax import tree_reduce
+
+    leaves = [(float(v), 0) for v in range(n)]  # (value, depth)
+
+    def combine(a, b):
+        return (a[0] + b[0], max(a[1], b[1]) + 1)
+
+    total, depth = tree_reduce(leaves, combine)
+    assert total == sum(range(n))
+    assert depth == (n - 1).bit_length()

@@ -22,7 +22,7 @@ HEAD_DIMS = {
     "bwd": ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256)),
 }
 # Named overrides of a kernel's tuned settings, passed to its constructor as keyword arguments.
-# "default" is what users get, and "short", "short_wg2", "n128" and "decode" where `call_tuning`
+# "default" is what users get, and "short", "short_wg2", "n128_tree" and "decode" where `call_tuning`
 # picks them by a call's shape (SHORT_CALLS, DECODE_ROWS); the others exist for the ablations in
 # docs/perf-log.md, are compiled only where ABLATIONS lists them, and are reachable only through
 # the benchmark (`ffi.forward(..., tuning=NAME)`, `--fa4-tunings`).
@@ -35,6 +35,17 @@ TUNINGS: dict[str, dict] = {
     "pingpong": {"pingpong": True},  # d128 under a mask, where its default is off
     "poly25": {"exp2_poly_share": 0.25},  # a quarter of the exponentials on the FMA pipes
     "poly12": {"exp2_poly_share": 0.125},  # an eighth
+    # The row maximum as a tree of max instead of one chain (softmax.py), and on d128's 128-key
+    # blocks, where it pays (+2-3%): the short rule's kernel since session 14 ("n128" before).
+    "max_tree": {"max_tree": True},
+    "n128_tree": {"tile_n": 128, "max_tree": True},
+    # Block j-1's V waited for before the ping-pong turn, with K_j (the order before session 14).
+    "v_wait_first": {"v_wait_in_turn": False},
+    # O staged with element stores (33 STS per thread at d128), the epilogue before session 14.
+    "o_sts": {"o_stmatrix": False},
+    # One CTA per tile, the first K issued before Q and after the lengths are read (before
+    # session 14).
+    "k_first": {"q_first": False},
     # A tile's first Q·Kᵀ GEMM issued in ping-pong turn, so that the groups' first softmaxes
     # are staggered instead of running together with the tensor pipe idle.
     "pp_first": {"pingpong_first_block": True},
@@ -72,9 +83,9 @@ TUNINGS: dict[str, dict] = {
     # Key block widths (the knob sets both masks'), against the defaults: d128 176 without a mask
     # and 128 under one, d64 128, d256 64.
     "n96": {"tile_n": 96},  # d64's default before P's conversion stopped spilling
-    # d128 without a mask: the default before that, and what `call_tuning` picks for short calls
-    # there (so every dtype is compiled; under a mask it is the default). At d64 the default's own
-    # width, under a name that escapes the short rule.
+    # d128 without a mask: the default before that, and until session 14 what `call_tuning`
+    # picked for short calls there (now "n128_tree"; under a mask it is the default). At d64 the
+    # default's own width, under a name that escapes the short rule.
     "n128": {"tile_n": 128},
     "n176": {"tile_n": 176},  # d128 under a mask
     "n160": {"tile_n": 160},
@@ -136,9 +147,11 @@ TUNINGS: dict[str, dict] = {
 ABLATIONS = (
     ("fwd", 128, ("tau0", "nopingpong", "pingpong", "poly25", "poly12", "pp_first", "lpt", "linear",
                   "lpt_so", "lpt_so_l2s8", "n176", "n192", "lpt_so_overlap",
-                  "lpt_so_overlap_l2s8", "n160", "lpt_so_overlap_l2s8_n160")),
-    ("fwd", 64, ("wg2", "linear", "lpt", "lpt_so", "n96", "n128", "nopingpong", "lpt_so_overlap")),
-    ("fwd", 256, ("lpt", "linear", "n80")),
+                  "lpt_so_overlap_l2s8", "n160", "lpt_so_overlap_l2s8_n160", "max_tree",
+                  "n128", "v_wait_first", "o_sts", "k_first")),
+    ("fwd", 64, ("wg2", "linear", "lpt", "lpt_so", "n96", "n128", "nopingpong", "lpt_so_overlap",
+                 "max_tree", "v_wait_first", "o_sts", "k_first")),
+    ("fwd", 256, ("lpt", "linear", "n80", "max_tree", "v_wait_first", "o_sts")),
     ("bwd", 64, ("det_asc", "dq_atomic", "m64", "det_free_late", "det_unordered", "dq_after_dk",
                  "dq_writer1", "dq_tile_order_w1", "det_in_order", "no_pdl", "stats_ahead")),
     ("bwd", 128, ("det_asc", "dq_atomic", "det_free_late", "scores_ahead", "stats_at_use",
@@ -172,13 +185,15 @@ ABLATIONS = (
 # Without a mask, d128:
 # - 128-key blocks ("n128") up to 1k: 469 against 446 for the default's 176 at 1k (six blocks
 #   per tile row, the last 82% padding). docs/perf-log.md "P converted through asm", run 2.
+#   Since session 14 with the row maximum as a tree ("n128_tree"): 485 against 470 at 1k (run
+#   4), and 602/639 against 589/620 at 4k/16k, where the 176-key default stays (589-595/645-653).
 # - 128-key blocks with the first block in ping-pong turn, from 1k to 4k, measured even in
 #   four runs of session 12 (+1.2% at 2k, +0.9% at 4k on average, single runs −1.8% to +4.9%):
 #   not adopted.
 SHORT_CALLS = {
     ("causal", 64): (("short_wg2", 1024), ("short", 2048)),
     ("causal", 128): (("short", 2048),),
-    ("none", 128): (("n128", 1024),),
+    ("none", 128): (("n128_tree", 1024),),
 }
 # Forward calls without a mask and with at most this many query rows (as the kernel sees them:
 # GQA-packed, fa4_jax/pack_gqa.py) run the "decode" tuning, compiled at every head dim.

@@ -13,6 +13,16 @@ FA4's two tricks live here, both static settings of the kernel configuration:
 - Exponentials split between MUFU and the FMA pipes: a static share `exp2_poly_share` of each
   row's columns uses the polynomial of exp2.py.
 
+A row's block maximum is one dependent chain of max instructions, or with `max_tree` a balanced
+tree (FA4 upstream's form). The instruction count is the same; what changes is what ptxas does
+with the wait for the previous block's P·V GEMM, which the source places after the softmax. On
+d128's 128-key blocks, with the chain, ptxas put that wait after the first row's chain and one
+shuffle, before any exponential, and the warp group sat idle for the rest of the GEMM (Nsight
+Compute: 10% of the loop's stall samples on that wait, 0.1% for upstream); with the tree, 41 of
+the block's exponentials run before it, +2-3%. Where ptxas already placed the wait late (d128's
+176-key blocks) or the GEMM is short (d64), the chain measured even or 1-2% ahead, so only the
+128-key d128 kernel takes the tree (docs/perf-log.md, "The wait for P·V").
+
 A row whose keys are all masked keeps m = −inf; its scale is taken as 0 so no NaN forms, its
 sum stays 0, and finalize reports lse = −inf and an output row of zeros (DESIGN.md).
 """
@@ -39,12 +49,22 @@ def _quad_sum(x: Float32) -> Float32:
     return cute.arch.warp_reduction_sum(x, threads_in_group=_LANES_PER_ROW)
 
 
+def tree_reduce(values: list, combine):
+    """combine over values in ceil(log2(n)) dependent steps, pairing neighbours at each level
+    (plain Python: unrolled at trace time; tests/test_kernel_config.py runs it on floats)."""
+    while len(values) > 1:
+        paired = [combine(values[i], values[i + 1]) for i in range(0, len(values) - 1, 2)]
+        values = paired + values[2 * len(paired):]
+    return values[0]
+
+
 @dataclasses.dataclass(frozen=True)
 class SoftmaxConfig:
     """Static FA4 softmax settings (see the module docstring)."""
 
     rescale_threshold: float = 8.0
     exp2_poly_share: float = 0.0
+    max_tree: bool = False
 
     def uses_poly(self, col: int) -> bool:
         poly_cols = round(self.exp2_poly_share * _EXP2_SPLIT_PERIOD)
@@ -81,9 +101,13 @@ class OnlineSoftmax:
         """
         moved = Boolean(False)
         for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
-            block_max = scores[r, 0]
-            for c in cutlass.range_constexpr(1, cute.size(scores, mode=[1])):
-                block_max = cute.arch.fmax(block_max, scores[r, c])
+            if cutlass.const_expr(self.config.max_tree):
+                block_max = tree_reduce([scores[r, c] for c in range(cute.size(scores, mode=[1]))],
+                                        cute.arch.fmax)
+            else:
+                block_max = scores[r, 0]
+                for c in cutlass.range_constexpr(1, cute.size(scores, mode=[1])):
+                    block_max = cute.arch.fmax(block_max, scores[r, c])
             old_max = self.row_max[r]
             new_max = cute.arch.fmax(old_max, _quad_max(block_max))
             if cutlass.const_expr(self.config.rescale_threshold > 0.0):

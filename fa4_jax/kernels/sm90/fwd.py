@@ -38,7 +38,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from fa4_jax.kernels.common.block_info import BlockInfo
 from fa4_jax.kernels.common.layouts import acc_as_operand_a, acc_rows_cols, convert_pairs, opaque_int32
@@ -81,6 +81,18 @@ class TileConfig:
     overlap_tiles: bool = False
     # A tile's first S GEMM takes a ping-pong turn (`mma_first_block`); no effect without ping-pong.
     pingpong_first_block: bool = False
+    # The wait for block j-1's V after block j's S GEMM is issued, inside the ping-pong turn (FA4
+    # upstream's order), instead of before the turn with the wait for K_j: +0.5-2.1% at d64 and
+    # d128 over three runs (docs/perf-log.md, session 14), so S_j never waits for V_{j-1}.
+    v_wait_in_turn: bool = True
+    # O into its shared staging buffer with stmatrix (8 instructions per thread at d128, FA4
+    # upstream's epilogue) instead of element stores (33 STS and their swizzled addresses):
+    # 112 fewer instructions per tile, even in time over three runs (session 14).
+    o_stmatrix: bool = True
+    # One CTA per tile: Q's load issued before the tile's lengths are read (two dependent global
+    # loads of mSeqUsedQ/K, which the first K's block index needs), so its latency overlaps
+    # theirs. A persistent CTA keeps K first (Q's buffer may still hold the previous tile's O).
+    q_first: bool = True
 
     def for_mask(self, masked: bool) -> "TileConfig":
         """The settings a kernel with (masked) or without a causal/local mask runs."""
@@ -104,9 +116,10 @@ MASKED_FIELDS = {"scheduler": "masked_scheduler", "pingpong": "masked_pingpong",
 # Constructor overrides of a TileConfig, for ablation variants compiled side by side: the
 # softmax's settings, the MMA warp-group count (which sets tile_m), and TileConfig fields of the
 # same name.
-SOFTMAX_KNOBS = ("rescale_threshold", "exp2_poly_share")
+SOFTMAX_KNOBS = ("rescale_threshold", "exp2_poly_share", "max_tree")
 TILE_KNOBS = ("pingpong", "scheduler", "tile_n", "kv_stages", "separate_o", "l2_section_mb",
-              "overlap_tiles", "pingpong_first_block")
+              "overlap_tiles", "pingpong_first_block", "v_wait_in_turn",
+              "o_stmatrix", "q_first")
 TUNING_KNOBS = SOFTMAX_KNOBS + ("mma_warp_groups",) + TILE_KNOBS
 # setmaxnreg budget of each MMA thread by MMA warp-group count: the 64K registers of an SM less
 # the producer group's 128 · 24, shared by the MMA threads, rounded down to a multiple of 8, and
@@ -240,9 +253,10 @@ class FlashAttentionForwardSm90:
     def __init__(self, dtype, head_dim: int, head_dim_v: int, mask: str, has_softcap: bool, **tuning):
         """`tuning` overrides the tile table's settings (TUNING_KNOBS): pingpong (bool),
         rescale_threshold (float, log2 units; 0 = rescale whenever the maximum grows),
-        exp2_poly_share (float in [0, 1]), scheduler ("linear", "lpt", "lpt_single") and
-        mma_warp_groups (1 to 3; tile_m = 64 per group), tile_n, kv_stages, separate_o,
-        l2_section_mb, overlap_tiles and pingpong_first_block (TileConfig)."""
+        exp2_poly_share (float in [0, 1]), max_tree (bool: the row maximum as a tree,
+        softmax.py), scheduler ("linear", "lpt", "lpt_single") and mma_warp_groups (1 to 3;
+        tile_m = 64 per group), tile_n, kv_stages, separate_o, l2_section_mb, overlap_tiles,
+        pingpong_first_block, v_wait_in_turn, o_stmatrix and q_first (TileConfig)."""
         if mask not in ("none", "causal", "local"):
             raise ValueError(f"mask must be 'none', 'causal' or 'local', got {mask!r}")
         if (head_dim, head_dim_v) not in TILE_CONFIGS:
@@ -257,7 +271,8 @@ class FlashAttentionForwardSm90:
         self.local = mask == "local"
         self.has_softcap = has_softcap
         config = TILE_CONFIGS[(head_dim, head_dim_v)]
-        softmax_tuning = {k: float(tuning[k]) for k in SOFTMAX_KNOBS if k in tuning}
+        softmax_tuning = {k: type(getattr(config.softmax, k))(tuning[k])
+                          for k in SOFTMAX_KNOBS if k in tuning}
         knobs = {k: tuning[k] for k in TILE_KNOBS if k in tuning}
         knobs.update({MASKED_FIELDS[k]: tuning[k] for k in MASKED_FIELDS if k in tuning})
         if "mma_warp_groups" in tuning:
@@ -483,31 +498,40 @@ class FlashAttentionForwardSm90:
         no_cluster = cute.make_layout(1)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
+        q_first = self.config.q_first and not self.scheduler.persistent
         for tile_i in cutlass.range(problem.tile_count(self.scheduler), unroll=1):
             m_block, head, batch = problem.tile(self.scheduler, tile_i)
             head_kv = head // (problem.num_heads // problem.num_heads_kv)
+            gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, no_cluster, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+            if cutlass.const_expr(q_first):
+                pipeline_q.producer_acquire(q_state)
+                cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+                q_state.advance()
+                # A scheduling fence for ptxas: without it the Q load was placed after the
+                # lengths' arithmetic, in order behind the wait for their loads.
+                cute.arch.sync_warp()
             seqlen_q, seqlen_k = problem.seqlens(batch)
             n_block_min, n_block_max = block_info.n_block_range(
                 m_block, seqlen_q, seqlen_k, window_left, window_right
             )
-            gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
             gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
             gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim_v), (None, 0))
-            tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, no_cluster, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
             tKsK, tKgK = cpasync.tma_partition(tma_atom_k, 0, no_cluster, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
             tVsV, tVgV = cpasync.tma_partition(tma_atom_v, 0, no_cluster, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
 
             n_blocks = n_block_max - n_block_min
-            # The first K goes out before Q: Q's buffer frees only once the previous tile's O has
-            # been stored from it (or, with separate_o, its last Q·Kᵀ GEMM retired), and the K
-            # load need not wait for that.
+            # In a persistent CTA the first K goes out before Q: Q's buffer frees only once the
+            # previous tile's O has been stored from it (or, with separate_o, its last Q·Kᵀ GEMM
+            # retired), and the K load need not wait for that.
             if n_blocks > 0:
                 pipeline_k.producer_acquire(kv_state)
                 cute.copy(tma_atom_k, tKgK[None, n_block_max - 1], tKsK[None, kv_state.index],
                           tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
-            pipeline_q.producer_acquire(q_state)
-            cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
-            q_state.advance()
+            if cutlass.const_expr(not q_first):
+                pipeline_q.producer_acquire(q_state)
+                cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+                q_state.advance()
             if n_blocks > 0:
                 pipeline_v.producer_acquire(kv_state)
                 cute.copy(tma_atom_v, tVgV[None, n_block_max - 1], tVsV[None, kv_state.index],
@@ -781,10 +805,13 @@ class FlashAttentionForwardSm90:
         v_state = kv_state.clone()
         kv_state.advance()
         blocks.pipeline_k.consumer_wait(kv_state)
-        blocks.pipeline_v.consumer_wait(v_state)
+        if cutlass.const_expr(not self.config.v_wait_in_turn):
+            blocks.pipeline_v.consumer_wait(v_state)
         self.pingpong_wait(warp_group)
         wgmma_gemm(blocks.tiled_mma_qk, blocks.acc_s, blocks.tSrQ, blocks.tSrK[None, None, None, kv_state.index],
                   zero_init=True, wait_group=-1)
+        if cutlass.const_expr(self.config.v_wait_in_turn):
+            blocks.pipeline_v.consumer_wait(v_state)
         wgmma_gemm(blocks.tiled_mma_pv, blocks.acc_o, acc_as_operand_a(blocks.p),
                   blocks.tOrVt[None, None, None, v_state.index], zero_init=False, wait_group=-1)
         self.pingpong_yield(warp_group)
@@ -876,7 +903,14 @@ class FlashAttentionForwardSm90:
         cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.num_mma_threads)
         # The thread's slice is rebuilt from an opaque index so its swizzled addresses are
         # computed here, not hoisted out of a persistent kernel's tile loop (see opaque_int32).
-        cute.autovec_copy(o_out, tiled_mma_pv.get_slice(opaque_int32(tidx)).partition_C(sO))
+        if cutlass.const_expr(self.config.o_stmatrix):
+            store_o = cute.make_tiled_copy_C(
+                cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
+                tiled_mma_pv)
+            thr_store_o = store_o.get_slice(opaque_int32(tidx))
+            cute.copy(store_o, thr_store_o.retile(o_out), thr_store_o.partition_D(sO))
+        else:
+            cute.autovec_copy(o_out, tiled_mma_pv.get_slice(opaque_int32(tidx)).partition_C(sO))
         # Ordinary stores must be made visible to the TMA (async proxy) before the store is issued.
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.num_mma_threads)
