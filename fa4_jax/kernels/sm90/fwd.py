@@ -504,9 +504,9 @@ class FlashAttentionForwardSm90:
             head_kv = head // (problem.num_heads // problem.num_heads_kv)
             gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
             tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, no_cluster, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+            load_q = functools.partial(self.load_q, tma_atom_q, tQgQ, tQsQ, pipeline_q)
             if cutlass.const_expr(q_first):
-                pipeline_q.producer_acquire(q_state)
-                cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+                load_q(q_state)
                 q_state.advance()
                 # A scheduling fence for ptxas: without it the Q load was placed after the
                 # lengths' arithmetic, in order behind the wait for their loads.
@@ -529,8 +529,7 @@ class FlashAttentionForwardSm90:
                 cute.copy(tma_atom_k, tKgK[None, n_block_max - 1], tKsK[None, kv_state.index],
                           tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
             if cutlass.const_expr(not q_first):
-                pipeline_q.producer_acquire(q_state)
-                cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+                load_q(q_state)
                 q_state.advance()
             if n_blocks > 0:
                 pipeline_v.producer_acquire(kv_state)
@@ -546,6 +545,12 @@ class FlashAttentionForwardSm90:
                 cute.copy(tma_atom_v, tVgV[None, n_block], tVsV[None, kv_state.index],
                           tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
                 kv_state.advance()
+
+    @staticmethod
+    def load_q(tma_atom_q, tQgQ, tQsQ, pipeline_q, q_state):
+        """One tile's Q into its buffer, once the buffer is free (the caller advances q_state)."""
+        pipeline_q.producer_acquire(q_state)
+        cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
 
     @cute.jit
     def mma(
