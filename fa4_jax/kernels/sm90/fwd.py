@@ -490,8 +490,9 @@ class FlashAttentionForwardSm90:
         self, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, sQ, sK, sV,
         pipeline_q, pipeline_k, pipeline_v, problem, block_info, window_left, window_right,
     ):
-        """One warp: for each of the CTA's tiles, the first K, Q, then V and the other K/V blocks
-        from the highest down.
+        """One warp: for each of the CTA's tiles, Q and the first K (Q first when the CTA has one
+        tile, `q_first`; K first in a persistent CTA), then V and the other K/V blocks from the
+        highest down.
 
         The pipeline states carry across tiles, in step with the MMA warp groups' (same tile
         sequence, same block count per tile)."""
