@@ -3,6 +3,7 @@ then fed to the CUDA toolkit's ptxas with -v.
 
     python scripts/ptxas_report.py bwd_sm90a_bf16_d64_dv64
     python scripts/ptxas_report.py bwd_sm90a_bf16_d128_dv128 --tuning '{"scores_ahead": true}'
+    python scripts/ptxas_report.py fwd_sm90a_bf16_d128_dv128 --ptx fwd.ptx --sass fwd.sass
 
 The DSL runs ptxas in-process and keeps its messages to itself, so a kernel whose WGMMAs ptxas
 had to serialize (every HGMMA followed by a wait: tests/test_build.py checks the menu for it)
@@ -10,8 +11,10 @@ compiles without a word. ptxas -v names the cause, e.g. "C7512 ... insufficient 
 resources", "C7514 ... non wgmma instructions reading accumulator registers ... between start
 and end of the pipeline stage". Prints those lines and each kernel's registers and spills;
 exits 1 if there is a C75xx message. ("Used N registers" is the launch's bound, 65536 / threads;
-setmaxnreg lets the MMA warp groups use more, up to their budget.) --tuning replaces the variant's tuning settings (the keyword
-arguments of its kernel's constructor) for this compile only; nothing goes into the build cache.
+setmaxnreg lets the MMA warp groups use more, up to their budget.) --tuning replaces the
+variant's tuning settings (the keyword arguments of its kernel's constructor) for this compile
+only; nothing goes into the build cache. --ptx and --sass keep the PTX and the SASS, e.g. to see
+where ptxas placed a WGMMA wait against the PTX's order.
 """
 import argparse
 import dataclasses

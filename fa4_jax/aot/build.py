@@ -166,15 +166,8 @@ def _link_inputs(variants, entries: dict[str, Path]) -> tuple[Path, list[str], l
 
 def link(variants, entries: dict[str, Path], out: Path = LIBRARY, log=print) -> None:
     work, sources, objects = _link_inputs(variants, entries)
-    cuda = toolchain.cuda()
-    cmd = [toolchain.cxx(), "-std=c++17", "-O2", "-shared", "-fPIC", "-o", str(out),
-           *sources, *objects, f"-I{ROOT / 'ffi'}", f"-I{work / 'include'}",
-           f"-I{toolchain.jax_ffi_include()}", f"-I{cuda.include}",
-           toolchain.dsl_runtime_archive(), f"-L{cuda.lib}", "-lcudart_static",
-           # No dependency beyond the driver and libc: static C++ runtime, and keep the static
-           # archives' symbols out of the export table so they cannot clash with JAX's own.
-           "-static-libstdc++", "-static-libgcc", "-Wl,--exclude-libs,ALL",
-           "-ldl", "-lrt", "-lpthread"]
+    cmd = toolchain.ffi_library_command(str(out), [*sources, *objects],
+                                        [str(ROOT / "ffi"), str(work / "include")])
     # The FFI headers' path is the same for every jax version, their API version is not.
     key = hashlib.sha256(json.dumps([cmd, toolchain.jax_version()]).encode())
     for path in [*sources, *objects]:

@@ -118,14 +118,10 @@ def main(argv=None) -> int:
               .replace("@CASES@", "\n".join(_case(n, d, c) for n, d, c in names)))
     handler = out / "upstream_ffi.cc"
     handler.write_text(source)
-    cuda = toolchain.cuda()
     library = out / "libupstream_peer.so"
-    toolchain.run([toolchain.cxx(), "-std=c++17", "-O2", "-shared", "-fPIC", "-o", str(library),
-                   str(handler), *(str(objects / f"{n}.o") for n, _, _ in names),
-                   f"-I{objects}", f"-I{toolchain.jax_ffi_include()}", f"-I{cuda.include}",
-                   toolchain.dsl_runtime_archive(), f"-L{cuda.lib}", "-lcudart_static",
-                   "-static-libstdc++", "-static-libgcc", "-Wl,--exclude-libs,ALL",
-                   "-ldl", "-lrt", "-lpthread"])
+    toolchain.run(toolchain.ffi_library_command(
+        str(library), [str(handler), *(str(objects / f"{n}.o") for n, _, _ in names)],
+        [str(objects)]))
     print(f"{library}: {len(names)} kernels; FA4_UPSTREAM_LIB={library}")
     return 0
 
