@@ -7,9 +7,9 @@ fa4_jax's own rows: "fa4_jax_det" (deterministic=True; forward+backward only) an
 fa4_jax.aot.variants.TUNINGS, for ablations), and with --fa4-bwd-tunings A,B, "fa4_jax_bwd:A" and
 "fa4_jax_bwd_det:A" (forward+backward only: the default forward kernel, then the backward kernel
 under tuning A, default and deterministic mode; "default" names the untuned backward through the
-same path, the like-for-like baseline). "upstream" is FA4 upstream's Hopper forward (flash-attn-4)
-exported ahead of time into a library by scripts/upstream_peer/build.py and named by
-$FA4_UPSTREAM_LIB (skipped without it): upstream's kernels under this timer, beside ANCHORS.md's
+same path, the like-for-like baseline). "upstream" is FA4 upstream's Hopper forward and backward
+(flash-attn-4) exported ahead of time into a library by scripts/upstream_peer/build.py and named
+by $FA4_UPSTREAM_LIB (skipped without it): upstream's kernels under this timer, beside ANCHORS.md's
 torch figures for them. Only the JAX peers count as "best peer".
 Grid (ANCHORS.md): batch·seqlen = 16384 tokens, heads = 2048 / head_dim, head dims 64/128/256,
 seqlen 1024/4096/16384, causal and not, forward and forward+backward. Head dim 192 runs with
@@ -63,7 +63,8 @@ DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
 INPUT_SETS = 2  # rotate between two input sets so no call finds its inputs already in L2
 # Value head dim by head dim where they differ (fa4_jax.aot.variants.HEAD_DIMS).
 HEAD_DIM_V = {192: 128}
-# Head dims scripts/upstream_peer/ exports FA4 upstream's forward for (upstream's own tile choice).
+# Head dims scripts/upstream_peer/ exports FA4 upstream's forward and backward for (upstream's own
+# tile choice).
 UPSTREAM_HEAD_DIMS = (64, 128, 256)
 
 # Defaults of the two ways to run: the ANCHORS.md grid on the H200, and tiny shapes on the CPU.
@@ -335,36 +336,90 @@ UPSTREAM_LIB_ENV = "FA4_UPSTREAM_LIB"
 
 
 @functools.cache
-def _register_upstream(path: str) -> None:
+def _upstream_library(path: str) -> ctypes.CDLL:
+    """The library, its targets registered: fa4_upstream_fwd, and fa4_upstream_bwd where the
+    library has it (one built before the backward was exported has not)."""
     library = ctypes.cdll.LoadLibrary(path)
-    jax.ffi.register_ffi_target(
+    for target, prefix in (("fa4_upstream_fwd", "UpstreamFwd"),
+                           ("fa4_upstream_bwd", "UpstreamBwd")):
+        if hasattr(library, f"{prefix}Execute"):
+            jax.ffi.register_ffi_target(
+                target,
+                {"instantiate": jax.ffi.pycapsule(getattr(library, f"{prefix}Instantiate")),
+                 "execute": jax.ffi.pycapsule(getattr(library, f"{prefix}Execute"))},
+                platform="CUDA", api_version=1)
+    return library
+
+
+def _upstream_forward(q, k, v, causal: bool):
+    """(out, lse [b, h, sq] f32) from upstream's FlashAttentionForwardSm90."""
+    batch, seqlen, heads, head_dim = q.shape
+    call = jax.ffi.ffi_call(
         "fa4_upstream_fwd",
-        {"instantiate": jax.ffi.pycapsule(library.UpstreamFwdInstantiate),
-         "execute": jax.ffi.pycapsule(library.UpstreamFwdExecute)},
-        platform="CUDA", api_version=1)
+        (jax.ShapeDtypeStruct(q.shape[:3] + v.shape[3:], q.dtype),
+         jax.ShapeDtypeStruct((batch, heads, seqlen), jnp.float32)))
+    return call(q, k, v, causal=causal, softmax_scale=np.float32(head_dim ** -0.5))
+
+
+def _upstream_backward(library: ctypes.CDLL, q, k, v, out, lse, d_out, causal: bool):
+    """(dq, dk, dv) from upstream's backward: its preprocess, FlashAttentionBackwardSm90 and dQ
+    postprocess kernels. The call also returns the fp32 workspaces upstream's _flash_attn_bwd
+    allocates, shaped as it does (rows: seqlen_q rounded up to upstream's tile_m, which the
+    library says), so that XLA owns them; they are dropped here."""
+    batch, seqlen, heads, head_dim = q.shape
+    tile_m = library.UpstreamBwdTileM(head_dim, causal)
+    rows = -(-seqlen // tile_m) * tile_m
+    accum_head_dim = library.UpstreamBwdAccumHeadDim(head_dim, causal)
+    call = jax.ffi.ffi_call(
+        "fa4_upstream_bwd",
+        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+         jax.ShapeDtypeStruct(v.shape, v.dtype),
+         jax.ShapeDtypeStruct((batch, heads, rows * accum_head_dim), jnp.float32),  # dq_accum
+         jax.ShapeDtypeStruct((batch, heads, rows), jnp.float32),  # dpsum
+         jax.ShapeDtypeStruct((batch, heads, rows), jnp.float32)))  # lse_log2
+    dq, dk, dv, *_workspaces = call(q, k, v, out, d_out, lse, causal=causal,
+                                    softmax_scale=np.float32(head_dim ** -0.5))
+    return dq, dk, dv
+
+
+def upstream_attention(library: ctypes.CDLL, causal: bool) -> Callable:
+    """attend(q, k, v) -> out through upstream's forward, differentiable through upstream's
+    backward: what flash_attn.cute.flash_attn_func is under torch autograd (the forward saves
+    out and lse; no gradient flows into lse)."""
+    @jax.custom_vjp
+    def attention(q, k, v):
+        return _upstream_forward(q, k, v, causal)[0]
+
+    def attention_fwd(q, k, v):
+        out, lse = _upstream_forward(q, k, v, causal)
+        return out, (q, k, v, out, lse)
+
+    def attention_bwd(residuals, d_out):
+        return _upstream_backward(library, *residuals, d_out, causal)
+
+    attention.defvjp(attention_fwd, attention_bwd)
+    return attention
 
 
 def upstream_candidates(case: Case, settings: Settings) -> list[Candidate]:
-    """FA4 upstream's Hopper forward (flash-attn-4), exported ahead of time by
-    scripts/upstream_peer/ into a library named by $FA4_UPSTREAM_LIB: upstream's kernel under our
+    """FA4 upstream's Hopper forward and backward (flash-attn-4), exported ahead of time by
+    scripts/upstream_peer/ into a library named by $FA4_UPSTREAM_LIB: upstream's kernels under our
     timer, in our process. Not a JAX peer (a JAX user cannot call it); the column says how far
     ANCHORS.md's torch figures for it are from what our timer reads."""
     path = os.environ.get(UPSTREAM_LIB_ENV)
     if not path:
         raise Skip(f"${UPSTREAM_LIB_ENV} is not set (scripts/upstream_peer/ builds the library)")
-    if case.mode != "fwd" or case.head_dim not in UPSTREAM_HEAD_DIMS:
-        raise Skip(f"the upstream library holds forwards at head dims {UPSTREAM_HEAD_DIMS}")
-    _register_upstream(path)
-
-    def attend(q, k, v):
-        batch, seqlen, heads, _ = q.shape
-        call = jax.ffi.ffi_call(
-            "fa4_upstream_fwd",
-            (jax.ShapeDtypeStruct(q.shape[:3] + v.shape[3:], q.dtype),
-             jax.ShapeDtypeStruct((batch, heads, seqlen), jnp.float32)))
-        return call(q, k, v, causal=case.causal,
-                    softmax_scale=np.float32(q.shape[-1] ** -0.5))[0]
-
+    if case.head_dim not in UPSTREAM_HEAD_DIMS:
+        raise Skip(f"the upstream library holds kernels at head dims {UPSTREAM_HEAD_DIMS}")
+    if not os.path.exists(path):
+        raise Skip(f"${UPSTREAM_LIB_ENV} names {path}, which does not exist "
+                   "(scripts/upstream_peer/ builds the library)")
+    library = _upstream_library(path)
+    if case.mode == "fwd_bwd" and (not hasattr(library, "UpstreamBwdExecute")
+                                   or library.UpstreamBwdTileM(case.head_dim, case.causal) < 0):
+        raise Skip(f"{path} holds no upstream backward at head dim {case.head_dim}"
+                   f"{' causal' if case.causal else ''} (rebuild it with scripts/upstream_peer/)")
+    attend = upstream_attention(library, case.causal)
     return [Candidate({"library": os.path.basename(path)}, attend, DTYPES[settings.dtype])]
 
 

@@ -50,8 +50,9 @@ def test_tuning_rows_without_a_kernel_are_skipped_with_the_reason(tmp_path):
 
 
 def test_upstream_rows_say_why_they_are_skipped(tmp_path, monkeypatch):
-    # FA4 upstream's exported forward is an optional column: without its library (and always for
-    # the forward+backward) the row is a skip naming what is missing, not a failure.
+    # FA4 upstream's exported forward and backward are an optional column: without its library
+    # (or at a head dim it was not exported for) the row is a skip naming what is missing, not a
+    # failure, forward and forward+backward alike.
     monkeypatch.delenv(bench_attention.UPSTREAM_LIB_ENV, raising=False)
     argv = ["--dry-run", "--modes", "fwd,fwd_bwd", "--head-dims", "64", "--seqlens", "128",
             "--causal", "no", "--peers", "upstream", "--out", str(tmp_path)]
@@ -60,12 +61,15 @@ def test_upstream_rows_say_why_they_are_skipped(tmp_path, monkeypatch):
     assert {r["mode"] for r in rows} == {"fwd", "fwd_bwd"}
     for row in rows:
         assert row["status"] == "skipped" and bench_attention.UPSTREAM_LIB_ENV in row["note"], row
-    monkeypatch.setenv(bench_attention.UPSTREAM_LIB_ENV, str(tmp_path / "missing.so"))
-    case = bench_attention.Case("fwd_bwd", 64, 128, False, 4, 4)
+    missing = tmp_path / "missing.so"
+    monkeypatch.setenv(bench_attention.UPSTREAM_LIB_ENV, str(missing))
     settings = bench_attention.settings_from(bench_attention.parse_args(["--dry-run"]))
-    try:
-        bench_attention.upstream_candidates(case, settings)
-    except bench_attention.Skip as skip:
-        assert "forward" in str(skip)
-    else:
-        raise AssertionError("a forward+backward row of the upstream column must be skipped")
+    for mode in bench_attention.MODES:
+        for head_dim, reason in ((64, str(missing)), (192, "head dims")):
+            case = bench_attention.Case(mode, head_dim, 128, False, 4, 4)
+            try:
+                bench_attention.upstream_candidates(case, settings)
+            except bench_attention.Skip as skip:
+                assert reason in str(skip), (mode, head_dim, skip)
+            else:
+                raise AssertionError(f"{mode} d{head_dim} without the library must be skipped")

@@ -7,10 +7,11 @@ flash-attn-4's source, nvidia-cutlass-dsl, quack-kernels, einops and apache-tvm-
 Upstream's package __init__s import torch and triton, which this machine's build has no use for:
 flash_attn, flash_attn.cute and quack are registered as bare packages, and torch resolves to the
 permissive stub beside this file (names only, no behaviour: upstream touches torch at import time
-for dtype tables, annotations and decorators). The kernel takes upstream's tile choice for the
-head dim (`_tile_size_fwd_sm90`) and the fake tensors upstream's runtime makes (every dim dynamic,
-16-byte divisibility on the contiguous mode). export_to_c cannot take upstream's AuxData argument,
-so a @cute.jit entry with the five tensors, the scale and the stream passes the fixed rest.
+for dtype tables, annotations and decorators); export_bwd.py imports upstream the same way
+(import_upstream). The kernel takes upstream's tile choice for the head dim
+(`_tile_size_fwd_sm90`) and the fake tensors upstream's runtime makes (every dim dynamic, 16-byte
+divisibility on the contiguous mode). export_to_c cannot take upstream's AuxData argument, so a
+@cute.jit entry with the five tensors, the scale and the stream passes the fixed rest.
 """
 import importlib.util
 import os
