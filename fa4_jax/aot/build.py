@@ -20,6 +20,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -189,10 +190,12 @@ def write_manifest(variants, out: Path = LIB_DIR / "variants.json") -> None:
     out.write_text(json.dumps([v.to_json() for v in variants], indent=1) + "\n")
 
 
-def build(jobs: int | None = None, arches: list[str] | None = None, log=print) -> None:
-    variants = [v for v in menu.MENU if not arches or v.arch in arches]
+def build(jobs: int | None = None, arches: list[str] | None = None, only: str | None = None,
+          log=print) -> None:
+    variants = [v for v in menu.MENU if (not arches or v.arch in arches)
+                and (only is None or re.search(only, v.name))]
     if not variants:
-        raise BuildError(f"the menu has no variant for arch {arches}")
+        raise BuildError(f"the menu has no variant for arch {arches} matching {only!r}")
     start = time.monotonic()
     entries = compile_variants(variants, jobs or os.cpu_count() or 1, log=log)
     link(variants, entries, log=log)
@@ -218,9 +221,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="parallel compile workers (default: CPU count)")
     parser.add_argument("--arch", action="append", choices=menu.ARCHES,
                         help="only this arch (repeatable; default: the whole menu)")
+    parser.add_argument("--only", metavar="REGEX",
+                        help="only the variants whose name matches: a quick library for an "
+                             "experiment, which then lacks (and its manifest omits) the rest")
     args = parser.parse_args(argv)
     try:
-        build(args.jobs, args.arch, log=lambda s: print(s, flush=True))
+        build(args.jobs, args.arch, args.only, log=lambda s: print(s, flush=True))
     except (BuildError, toolchain.ToolchainError) as e:
         print(f"\nfa4_jax BUILD FAILED: {e}", file=sys.stderr, flush=True)
         return 1
