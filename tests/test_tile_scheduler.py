@@ -74,7 +74,31 @@ def test_persistent_ctas_split_the_tiles():
     assert len(seen) == len(set(seen)) == num_tiles
 
 
+@pytest.mark.parametrize("reverse_m", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_grid_order_is_the_decoded_order(shape, reverse_m):
+    # "lpt_grid" CTAs in the hardware's dispatch order (x fastest, then y, then z), less those
+    # past the last section's pairs (tile_count 0), visit the tiles in `decode`'s LPT order.
+    sq, sk, h, hk, b = shape
+    sched = TileScheduler("lpt_grid", 128, reverse_m, kv_bytes_per_key=512)
+    section_heads, num_m, sections = sched.grid(sq, sk, h, hk, b)
+    visited = [sched.grid_tile((x, y, z), section_heads, num_m, h)
+               for z in range(sections) for y in range(num_m) for x in range(section_heads)
+               if z * section_heads + x < h * b]
+    order, _ = _order(TileScheduler("lpt_single", 128, reverse_m, kv_bytes_per_key=512), *shape)
+    assert visited == order
+
+
+def test_grid_sections_fit_the_l2_budget():
+    # d128 at 4k keys: 16 KV heads (32 MiB / 2 MiB) per section, so 4 sections of 64 pairs;
+    # with fewer pairs than a section holds, one section of all of them.
+    sched = TileScheduler("lpt_grid", 128, True, kv_bytes_per_key=(128 + 128) * 2)
+    assert sched.grid(4096, 4096, 16, 16, 4) == (16, 32, 4)
+    assert sched.grid(4096, 4096, 4, 4, 1) == (4, 32, 1)
+    assert sched.grid(4096, 4096, 16, 2, 3) == (48, 32, 1)  # GQA: all 48 pairs in one section
+
+
 def test_unknown_scheduler_is_refused():
-    assert SCHEDULERS == ("linear", "lpt", "lpt_single")
+    assert SCHEDULERS == ("linear", "lpt", "lpt_single", "lpt_grid")
     with pytest.raises(ValueError):
         TileScheduler("dynamic", 128, False, 512)

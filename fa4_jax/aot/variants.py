@@ -50,6 +50,10 @@ TUNINGS: dict[str, dict] = {
     # are staggered instead of running together with the tensor pipe idle.
     "pp_first": {"pingpong_first_block": True},
     "lpt": {"scheduler": "lpt"},  # persistent CTAs, LPT tile order
+    # One CTA per tile in the LPT order, blockIdx.x decoded (the masked default before session
+    # 15), and that order with the grid in its shape (the masked default since) without a mask.
+    "lpt_single": {"scheduler": "lpt_single"},
+    "lpt_grid": {"scheduler": "lpt_grid"},
     "linear": {"scheduler": "linear"},  # one CTA per tile in grid order, masked calls too
     "wg2": {"mma_warp_groups": 2, "tile_n": 128},  # d64 with 128-row tiles (forward v2's shape)
     # Persistent LPT with O staged apart from Q, so the next tile's Q loads during this tile's
@@ -148,10 +152,10 @@ ABLATIONS = (
     ("fwd", 128, ("tau0", "nopingpong", "pingpong", "poly25", "poly12", "pp_first", "lpt", "linear",
                   "lpt_so", "lpt_so_l2s8", "n176", "n192", "lpt_so_overlap",
                   "lpt_so_overlap_l2s8", "n160", "lpt_so_overlap_l2s8_n160", "max_tree",
-                  "n128", "v_wait_first", "o_sts", "k_first")),
+                  "n128", "v_wait_first", "o_sts", "k_first", "lpt_single", "lpt_grid")),
     ("fwd", 64, ("wg2", "linear", "lpt", "lpt_so", "n96", "n128", "nopingpong", "lpt_so_overlap",
-                 "max_tree", "v_wait_first", "o_sts", "k_first")),
-    ("fwd", 256, ("lpt", "linear", "n80", "max_tree", "v_wait_first", "o_sts")),
+                 "max_tree", "v_wait_first", "o_sts", "k_first", "lpt_single")),
+    ("fwd", 256, ("lpt", "linear", "n80", "max_tree", "v_wait_first", "o_sts", "lpt_single")),
     ("bwd", 64, ("det_asc", "dq_atomic", "m64", "det_free_late", "det_unordered", "dq_after_dk",
                  "dq_writer1", "dq_tile_order_w1", "det_in_order", "no_pdl", "stats_ahead")),
     ("bwd", 128, ("det_asc", "dq_atomic", "det_free_late", "scores_ahead", "stats_at_use",
@@ -180,8 +184,9 @@ ABLATIONS = (
 #   same persistent order on the default's 192-row tiles ("short" at d64) ran 347/348 against
 #   327/339 for "short_wg2" (cuDNN 349/342), at 1k 248/250 against 274/270: "short_wg2" up to
 #   1k, "short" up to 2k.
-# - d128, "short" up to 2k: 321/414 against 275/388 at 1k/2k; at 4k even (481 vs 480 without
-#   ping-pong), at 8k/16k it loses (527/559 against 550/598).
+# - d128, "short" up to 1k: 321/414 against 275/388 at 1k/2k; at 4k even (481 vs 480 without
+#   ping-pong), at 8k/16k it loses (527/559 against 550/598). Since session 15's "lpt_grid" it
+#   is ahead at 1k only (366/372 against 365/365) and behind at 2k (450/443 against 467/482).
 # Without a mask, d128:
 # - 128-key blocks ("n128") up to 1k: 469 against 446 for the default's 176 at 1k (six blocks
 #   per tile row, the last 82% padding). docs/perf-log.md "P converted through asm", run 2.
@@ -192,7 +197,7 @@ ABLATIONS = (
 #   not adopted.
 SHORT_CALLS = {
     ("causal", 64): (("short_wg2", 1024), ("short", 2048)),
-    ("causal", 128): (("short", 2048),),
+    ("causal", 128): (("short", 1024),),
     ("none", 128): (("n128_tree", 1024),),
 }
 # Forward calls without a mask and with at most this many query rows (as the kernel sees them:

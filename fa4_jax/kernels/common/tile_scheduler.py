@@ -7,6 +7,11 @@ A tile is (m_block, head, batch): `tile_m` query rows of one head of one sequenc
 - "lpt_single": one CTA per tile, grid (tiles, 1, 1), blockIdx.x decoded into the LPT order
   below. Still one tile per CTA, so the hardware's dispatch balances the load dynamically; the
   order only decides which tiles go first. (FlashAttention-4's Hopper/Blackwell causal path.)
+- "lpt_grid": the same order and one CTA per tile, but the grid is the order's own shape,
+  (section heads, m-blocks, sections): the hardware hands out CTAs x fastest, then y, then z,
+  so blockIdx is the decoded position and a tile starts after one division (batch and head of
+  a (batch, head) pair) instead of `decode`'s five, which sit before the tile's first TMA load.
+  A last, partial section leaves some CTAs of its x range without a tile; they exit at once.
 - "lpt": persistent. Grid = min(tiles, num_sms); CTA c computes tiles c, c + grid, c + 2·grid, ...
   of the LPT order, so its pipelines, barriers and register setup carry from tile to tile.
   The SM count is static (132, the H200's and H100 SXM's): an ahead-of-time kernel cannot query
@@ -30,7 +35,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-SCHEDULERS = ("linear", "lpt", "lpt_single")
+SCHEDULERS = ("linear", "lpt", "lpt_single", "lpt_grid")
 
 # sm_90a SMs of an H100 SXM / H200; the persistent grid. See the module docstring.
 SM90_NUM_SMS = 132
@@ -58,11 +63,22 @@ class TileScheduler:
     def persistent(self) -> bool:
         return self.kind == "lpt"
 
-    def grid(self, seqlen_q, num_heads, batch):
-        """Host side (inside the launching @cute.jit): the launch grid."""
-        num_m = cute.ceil_div(seqlen_q, self.tile_m)
+    def section_heads(self, seqlen_k, num_heads, num_heads_kv):
+        """(batch, head) pairs per L2 section: as many KV heads' K and V (seqlen_k keys each) as
+        fit `l2_bytes`, at least one, times the query heads each serves (GQA)."""
+        budget_keys = self.l2_bytes // self.kv_bytes_per_key  # compile time
+        kv_heads = cutlass.max(budget_keys // cutlass.max(seqlen_k, 1), 1)
+        return kv_heads * (num_heads // num_heads_kv)
+
+    def grid(self, seqlen_q, seqlen_k, num_heads, num_heads_kv, batch):
+        """Host side (inside the launching @cute.jit, or on Python ints): the launch grid."""
+        num_m = (seqlen_q + self.tile_m - 1) // self.tile_m
         if cutlass.const_expr(self.kind == "linear"):
             return (num_m, num_heads, batch)
+        if cutlass.const_expr(self.kind == "lpt_grid"):
+            pairs = num_heads * batch
+            section_heads = cutlass.min(self.section_heads(seqlen_k, num_heads, num_heads_kv), pairs)
+            return (section_heads, num_m, (pairs + section_heads - 1) // section_heads)
         num_tiles = num_m * num_heads * batch
         if cutlass.const_expr(self.persistent):
             return (cutlass.min(num_tiles, self.num_sms), 1, 1)
@@ -70,8 +86,14 @@ class TileScheduler:
 
     @cute.jit
     def tile_count(self, seqlen_q: Int32, num_heads: Int32, batch: Int32) -> Int32:
-        """How many tiles this CTA computes."""
+        """How many tiles this CTA computes (none: an "lpt_grid" CTA past the last section's
+        pairs)."""
         count = Int32(1)
+        if cutlass.const_expr(self.kind == "lpt_grid"):
+            x, _, z = cute.arch.block_idx()
+            section_heads, _, _ = cute.arch.grid_dim()
+            if z * section_heads + x >= num_heads * batch:
+                count = Int32(0)
         if cutlass.const_expr(self.persistent):
             num_tiles = (seqlen_q + self.tile_m - 1) // self.tile_m * num_heads * batch
             first, _, _ = cute.arch.block_idx()
@@ -85,7 +107,10 @@ class TileScheduler:
         """(m_block, head, batch index) of this CTA's i-th tile."""
         bx, by, bz = cute.arch.block_idx()
         m_block, head, batch_idx = bx, by, bz
-        if cutlass.const_expr(self.kind != "linear"):
+        if cutlass.const_expr(self.kind == "lpt_grid"):
+            section_heads, num_m, _ = cute.arch.grid_dim()
+            m_block, head, batch_idx = self.grid_tile((bx, by, bz), section_heads, num_m, num_heads)
+        elif cutlass.const_expr(self.kind != "linear"):
             tile_idx = bx
             if cutlass.const_expr(self.persistent):
                 stride, _, _ = cute.arch.grid_dim()
@@ -94,17 +119,24 @@ class TileScheduler:
                                                    num_heads_kv, batch)
         return m_block, head, batch_idx
 
+    def grid_tile(self, block, section_heads, num_m, num_heads):
+        """(m_block, head, batch index) of an "lpt_grid" CTA: block = (pair in its section,
+        m-block position, section). On DSL Int32s in the kernel, Python ints in the CPU test."""
+        pair_in_section, m_idx, section = block
+        hb = section * section_heads + pair_in_section
+        m_block = m_idx
+        if cutlass.const_expr(self.reverse_m):
+            m_block = num_m - 1 - m_idx
+        batch_idx = hb // num_heads
+        return m_block, hb - batch_idx * num_heads, batch_idx
+
     def decode(self, tile_idx, seqlen_q, seqlen_k, num_heads, num_heads_kv, batch):
         """(m_block, head, batch index) of position tile_idx in the LPT order.
 
         Straight-line integer arithmetic on non-negative values, so it runs unchanged on DSL
         Int32s inside the kernel and on Python ints in the CPU test of the order."""
         num_m = (seqlen_q + self.tile_m - 1) // self.tile_m
-        # Keys that fit the section budget (compile time), then whole KV heads of them; each
-        # KV head serves num_heads // num_heads_kv query heads (GQA), all in the same section.
-        budget_keys = self.l2_bytes // self.kv_bytes_per_key
-        kv_heads = cutlass.max(budget_keys // cutlass.max(seqlen_k, 1), 1)
-        section_heads = kv_heads * (num_heads // num_heads_kv)
+        section_heads = self.section_heads(seqlen_k, num_heads, num_heads_kv)
         section_tiles = section_heads * num_m
         section = tile_idx // section_tiles
         rest = tile_idx - section * section_tiles

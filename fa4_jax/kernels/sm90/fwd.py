@@ -62,7 +62,7 @@ class TileConfig:
     # Tile order without a mask. Under a causal/local mask the masked_* fields replace their
     # unmasked twins (MASKED_FIELDS, `for_mask`); None: the same as without a mask.
     scheduler: str = "linear"
-    masked_scheduler: str = "lpt_single"
+    masked_scheduler: str = "lpt_grid"
     masked_pingpong: bool = True
     masked_tile_n: int | None = None
     # MMA warp groups of 64 query rows each: tile_m = 64 · mma_warp_groups.
@@ -151,7 +151,12 @@ MMA_REGISTERS = {1: 240, 2: 240, 3: 160}
 # - masked calls (causal, local) visit tiles longest-first, one CTA per tile ("lpt_single"):
 #   d128 causal 526/604 vs 480/583 linear at s4k/s16k, d256 665/714 vs 606/645. The persistent
 #   "lpt" lost there (516/561) and without a mask (558 vs 638): a static stride balances the
-#   causal tail worse than the hardware's dynamic CTA dispatch.
+#   causal tail worse than the hardware's dynamic CTA dispatch. Since session 15 the same order
+#   with the grid in its shape ("lpt_grid": no decode before a tile's first load), causal TF/s
+#   over two passes of one run against "lpt_single", 2k/4k/8k/16k: d128 466/459, 541/544,
+#   607/595, 628/630 against 442/434, 528/526, 590/587, 603/618; d64 (4k-16k) +0.4-2.4% but
+#   one row (−0.6%); d256 −1 to +3%. Without a mask it loses to "linear" (d128 2k/4k/16k
+#   505/569/643 against 548/609/656).
 # - d96: the d128 shape (O is 48 registers, S 64), and its 48 KB K/V stage leaves room for three
 #   stages (168 KB). 1.13-1.20x cuDNN at s4k/s16k (494/525, causal 439/499); one run's
 #   alternatives were within 1-5% either way (176-key blocks on two stages 492/538, causal
@@ -254,7 +259,7 @@ class FlashAttentionForwardSm90:
         """`tuning` overrides the tile table's settings (TUNING_KNOBS): pingpong (bool),
         rescale_threshold (float, log2 units; 0 = rescale whenever the maximum grows),
         exp2_poly_share (float in [0, 1]), max_tree (bool: the row maximum as a tree,
-        softmax.py), scheduler ("linear", "lpt", "lpt_single") and mma_warp_groups (1 to 3;
+        softmax.py), scheduler ("linear", "lpt", "lpt_single", "lpt_grid") and mma_warp_groups (1 to 3;
         tile_m = 64 per group), tile_n, kv_stages, separate_o, l2_section_mb, overlap_tiles,
         pingpong_first_block, v_wait_in_turn, o_stmatrix and q_first (TileConfig)."""
         if mask not in ("none", "causal", "local"):
@@ -404,7 +409,8 @@ class FlashAttentionForwardSm90:
             score_prescale = Float32(1.0)
             scale_log2 = softmax_scale * LOG2_E
 
-        grid = self.scheduler.grid(cute.size(mQ.shape[0]), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
+        grid = self.scheduler.grid(cute.size(mQ.shape[0]), cute.size(mK.shape[0]), cute.size(mQ.shape[2]),
+                                   cute.size(mK.shape[2]), cute.size(mQ.shape[3]))
         self.kernel(
             tiled_mma_qk, tiled_mma_pv,
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o,
