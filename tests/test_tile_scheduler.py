@@ -14,6 +14,9 @@ from fa4_jax.kernels.common.tile_scheduler import SCHEDULERS, TileScheduler
 SHAPES = [  # seqlen_q, seqlen_k, heads, heads_kv, batch
     (1, 1, 1, 1, 1), (1000, 1000, 4, 4, 2), (4097, 4097, 8, 2, 1), (16384, 16384, 16, 16, 1),
     (1024, 1024, 16, 1, 16), (300, 100, 4, 2, 2), (4096, 131072, 6, 3, 3),
+    # Partial last L2 sections (4 KV heads of 16k keys per section): 6 pairs in sections of 4
+    # and 2; with GQA, 12 pairs in sections of 8 and 4.
+    (300, 16384, 6, 6, 1), (300, 16384, 12, 6, 1),
 ]
 
 

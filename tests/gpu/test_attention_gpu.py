@@ -163,6 +163,18 @@ def test_reference_on_gpu_keeps_fp32_precision(next_key):
     np.testing.assert_allclose(lse, want_lse, atol=1e-5, rtol=1e-5)
 
 
+# Masked calls run the LPT order with its grid in the order's shape ("lpt_grid"). When an L2
+# section holds fewer (batch, head) pairs than the call has and does not divide them, the last
+# section is partial: part of its grid has no tile and must exit without writing. A 32 MiB
+# section keeps 4 KV heads of 32k keys at d64, of 16k at d128, of 8k at d256: 6 heads make
+# sections of 4 and 2. (d64's ping-pong turn is handed out once per CTA, tile or not.)
+@pytest.mark.parametrize("head_dim,seqlen_k", [(64, 32768), (128, 16384), (256, 8192)])
+@pytest.mark.parametrize("window_size", [(None, None), (512, None)], ids=["causal", "window"])
+def test_partial_last_l2_section(next_key, head_dim, seqlen_k, window_size):
+    _check_forward(next_key, 1, 300, seqlen_k, 6, 6, head_dim, jnp.bfloat16, causal=True,
+                   window_size=window_size)
+
+
 # Shapes that stress a scheduler: several tiles per persistent CTA (b·h·m_blocks >> 132),
 # causal with more queries than keys (tiles with no key block at all), odd lengths, GQA.
 SCHEDULER_SHAPES = {
