@@ -14,7 +14,10 @@ exits 1 if there is a C75xx message. ("Used N registers" is the launch's bound, 
 setmaxnreg lets the MMA warp groups use more, up to their budget.) --tuning replaces the
 variant's tuning settings (the keyword arguments of its kernel's constructor) for this compile
 only; nothing goes into the build cache. --ptx and --sass keep the PTX and the SASS, e.g. to see
-where ptxas placed a WGMMA wait against the PTX's order.
+where ptxas placed a WGMMA wait against the PTX's order. It also prints, for each wait for all
+but the newest WGMMA group, how much work ptxas left before the next wait for all of them (in
+the forward: the softmax under the previous block's P·V GEMM), which has moved with code far
+from the loop.
 """
 import argparse
 import dataclasses
@@ -74,7 +77,7 @@ def ptxas_messages(ptx_path: str, arch: str) -> str:
     raise RuntimeError(f"ptxas could not read {ptx_path}:\n{proc.stderr}")
 
 
-def write_sass(out_dir: str, path: str) -> None:
+def sass_of(out_dir: str) -> str:
     """The kept cubin's SASS, e.g. to count shared-memory stores (STS vs STS.64) in a loop."""
     cubin = glob.glob(os.path.join(out_dir, "*.cubin"))
     # The toolkit's, else the nvidia-cuda-cuobjdump wheel's (a dependency of the DSL's CUDA libs).
@@ -83,9 +86,32 @@ def write_sass(out_dir: str, path: str) -> None:
     cuobjdump = shutil.which("cuobjdump") or next(iter(wheels), None)
     if cuobjdump is None:
         sys.exit("no cuobjdump: put the CUDA toolkit's bin/ on PATH")
-    sass = subprocess.run([cuobjdump, "-sass", cubin[0]], capture_output=True, text=True, check=True)
-    Path(path).write_text(sass.stdout)
-    print(f"SASS: {path}")
+    return subprocess.run([cuobjdump, "-sass", cubin[0]], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def wgmma_wait_gaps(sass: str) -> list[tuple[str, int, int, int]]:
+    """(address, instructions, MUFU, FMNMX) from each wait for all but the newest WGMMA group
+    (`WARPGROUP.DEPBAR.LE gsb0, 0x1`: the forward's wait for S) to the next wait for all
+    (`0x0`: for the previous block's P·V). ptxas moves the second wait up from where the PTX has
+    it, and how far depends on code far from the loop: the softmax work left between the two is
+    what overlaps the P·V GEMM (docs/perf-log.md, sessions 14 and 15: in session 15 a change
+    outside the loop left 6 fewer FMNMX there, and the kernel ran 3-5% slower)."""
+    lines = [line for line in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/", line)]
+    gaps = []
+    for i, line in enumerate(lines):
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" not in line:
+            continue
+        between = []
+        for later in lines[i + 1:]:
+            if "WARPGROUP.DEPBAR.LE gsb0, 0x0" in later:
+                gaps.append((re.search(r"/\*([0-9a-f]+)\*/", line).group(1), len(between),
+                             sum("MUFU" in x for x in between), sum("FMNMX" in x for x in between)))
+                break
+            if "WARPGROUP.DEPBAR" in later:
+                break
+            between.append(later)
+    return gaps
 
 
 def summarize(messages: str) -> tuple[list[str], bool]:
@@ -140,9 +166,14 @@ def main(argv=None) -> int:
         lines, serialized = summarize(ptxas_messages(ptx[0], variant.arch))
         if args.ptx:
             shutil.copyfile(ptx[0], args.ptx)
+        sass = sass_of(out_dir)
         if args.sass:
-            write_sass(out_dir, args.sass)
+            Path(args.sass).write_text(sass)
+            print(f"SASS: {args.sass}")
     print("\n".join(lines))
+    for address, count, mufu, fmnmx in wgmma_wait_gaps(sass):
+        print(f"wait for all WGMMAs {count} instructions ({mufu} MUFU, {fmnmx} FMNMX) after the "
+              f"wait for all but one at 0x{address}")
     print("WGMMAs serialized: see the C75xx lines" if serialized else "no C75xx message")
     return 1 if serialized else 0
 

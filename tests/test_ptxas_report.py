@@ -28,3 +28,21 @@ def test_a_clean_compile_is_not_reported_as_serialized():
     clean = "\n".join(line for line in MESSAGES.splitlines() if "C7514" not in line)
     lines, serialized = load_script("ptxas_report").summarize(clean)
     assert not serialized and len(lines) == 4
+
+
+SASS = """\
+        /*4ae0*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;            /* 0x000080000000791b */
+        /*4af0*/                   FMNMX R3, R24, R25, !PT ;                  /* 0x000000191803720b */
+        /*4b00*/                   FMNMX R3, R3, R28, !PT ;                   /* 0x0000001c0303720b */
+        /*4b10*/                   MUFU.EX2 R5, R4 ;                          /* 0x0000000400057308 */
+        /*4b20*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;            /* 0x000080000000791b */
+        /*4b30*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;            /* 0x000080000000791b */
+        /*4b40*/                   FADD R1, R2, R3 ;                          /* 0x0000000302017221 */
+        /*4b50*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;            /* 0x000080000000791b */
+"""
+
+
+def test_wgmma_wait_gaps_count_the_work_between_the_two_waits():
+    # The first pair encloses two FMNMX and one MUFU; the second wait for all-but-one meets
+    # another wait of its kind before any wait for all, so it has no gap.
+    assert load_script("ptxas_report").wgmma_wait_gaps(SASS) == [("4ae0", 3, 1, 2)]
