@@ -93,6 +93,12 @@ class TileConfig:
     # loads of mSeqUsedQ/K, which the first K's block index needs), so its latency overlaps
     # theirs. A persistent CTA keeps K first (Q's buffer may still hold the previous tile's O).
     q_first: bool = True
+    # An MMA warp group whose 64 rows all lie past the entry's query rows (the last m-block of a
+    # sequence that tile_m does not divide: d64's 192-row tiles at s = 1k leave two of three
+    # groups there) skips its GEMMs and softmax and only keeps the pipelines' and ping-pong's
+    # barriers in step (`mma_key_blocks_skipped`); its rows come out as O = 0, LSE = −inf as
+    # before. Not with overlap_tiles.
+    skip_padded_groups: bool = False
 
     def for_mask(self, masked: bool) -> "TileConfig":
         """The settings a kernel with (masked) or without a causal/local mask runs."""
@@ -119,7 +125,7 @@ MASKED_FIELDS = {"scheduler": "masked_scheduler", "pingpong": "masked_pingpong",
 SOFTMAX_KNOBS = ("rescale_threshold", "exp2_poly_share", "max_tree")
 TILE_KNOBS = ("pingpong", "scheduler", "tile_n", "kv_stages", "separate_o", "l2_section_mb",
               "overlap_tiles", "pingpong_first_block", "v_wait_in_turn",
-              "o_stmatrix", "q_first")
+              "o_stmatrix", "q_first", "skip_padded_groups")
 TUNING_KNOBS = SOFTMAX_KNOBS + ("mma_warp_groups",) + TILE_KNOBS
 # setmaxnreg budget of each MMA thread by MMA warp-group count: the 64K registers of an SM less
 # the producer group's 128 · 24, shared by the MMA threads, rounded down to a multiple of 8, and
@@ -308,6 +314,8 @@ class FlashAttentionForwardSm90:
         )
         if config.overlap_tiles and not (self.scheduler.kind == "lpt" and config.separate_o):
             raise ValueError(f"{config}: overlap_tiles needs the persistent 'lpt' order and separate_o")
+        if config.overlap_tiles and config.skip_padded_groups:
+            raise ValueError(f"{config}: skip_padded_groups is not implemented with overlap_tiles")
         self.pingpong = config.pingpong
         self.mma_warp_groups = tuple(range(1, config.mma_warp_groups + 1))
         self.mma_registers = MMA_REGISTERS[config.mma_warp_groups]
@@ -622,14 +630,26 @@ class FlashAttentionForwardSm90:
 
                 pipeline_q.consumer_wait(q_state)
                 if n_block_max > n_block_min:
-                    self.mma_first_block(blocks, warp_group, kv_state, n_block_max - 1, apply_mask, sV,
-                                         seqlen_k, problem, tidx)
-                    kv_state = self.mma_key_blocks(step, masked, kv_state, block_info, m_block, n_block_min,
-                                                   n_block_max, seqlen_q, seqlen_k, window_left, window_right)
+                    padded = cutlass.Boolean(False)
+                    if cutlass.const_expr(self.config.skip_padded_groups):
+                        padded = m_block * self.tile_m + warp_group * 64 >= seqlen_q
+                    if padded:
+                        kv_state = self.mma_key_blocks_skipped(blocks, warp_group, kv_state, n_block_min,
+                                                               n_block_max, sV, seqlen_k, problem, tidx)
+                    else:
+                        self.mma_first_block(blocks, warp_group, kv_state, n_block_max - 1, apply_mask, sV,
+                                             seqlen_k, problem, tidx)
+                        kv_state = self.mma_key_blocks(step, masked, kv_state, block_info, m_block,
+                                                       n_block_min, n_block_max, seqlen_q, seqlen_k,
+                                                       window_left, window_right)
                     # Every Q·Kᵀ GEMM of the tile has retired (each block waits for its own).
                     if cutlass.const_expr(self.config.separate_o):
                         pipeline_q.consumer_release(q_state)
-                    self.mma_last_pv(blocks, kv_state)
+                    if padded:
+                        blocks.pipeline_v.consumer_wait(kv_state)
+                        blocks.pipeline_v.consumer_release(kv_state)
+                    else:
+                        self.mma_last_pv(blocks, kv_state)
                     # kv_state held the last block's slot; the next tile starts at the one after it.
                     kv_state.advance()
                 if cutlass.const_expr(self.config.separate_o):
@@ -748,6 +768,31 @@ class FlashAttentionForwardSm90:
             for _ in cutlass.range(n_block + 1 - n_block_min, unroll=1):
                 kv_state = masked(kv_state, n_block)
                 n_block -= 1
+        return kv_state
+
+    @cute.jit
+    def mma_key_blocks_skipped(self, blocks, warp_group, kv_state, n_block_min, n_block_max, sV,
+                               seqlen_k, problem, tidx):
+        """A padded warp group's tile (`skip_padded_groups`): no GEMM or softmax, only the barriers
+        `mma_first_block` and `mma_overlapped_block` pass, in their order, so the producer's ring
+        and the other groups' ping-pong turns and V zeroing go on as if it computed. Returns the
+        last block's ring slot, as `mma_key_blocks` does."""
+        blocks.pipeline_k.consumer_wait(kv_state)
+        if cutlass.const_expr(self.config.pingpong_first_block):
+            self.pingpong_wait(warp_group)
+            self.pingpong_yield(warp_group)
+        blocks.pipeline_k.consumer_release(kv_state)
+        if seqlen_k < problem.seqlen_k:
+            self.zero_v_past_keys(sV, blocks.pipeline_v, kv_state, n_block_max - 1, seqlen_k, tidx)
+        for _ in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
+            v_state = kv_state.clone()
+            kv_state.advance()
+            blocks.pipeline_k.consumer_wait(kv_state)
+            self.pingpong_wait(warp_group)
+            blocks.pipeline_v.consumer_wait(v_state)
+            self.pingpong_yield(warp_group)
+            blocks.pipeline_k.consumer_release(kv_state)
+            blocks.pipeline_v.consumer_release(v_state)
         return kv_state
 
     @cute.jit
