@@ -16,6 +16,7 @@ import pytest
 
 from fa4_jax import ffi
 from fa4_jax.aot import build, compile as aot_compile, variants
+from tests.scripts import load_script
 
 
 @pytest.fixture(scope="module")
@@ -70,15 +71,8 @@ def _cuobjdump() -> str:
     return found
 
 
-@pytest.mark.parametrize("variant", [v for v in variants.MENU if v.arch == "sm_90a"],
-                         ids=lambda v: v.name)
-def test_sm90_cubin_holds_pipelined_hgmma(library, variant):
-    # Expected to hold for the real Hopper kernel (WGMMA -> HGMMA in SASS); the naive stand-in
-    # kernel that preceded it had no tensor-core instructions and failed here by design.
-    # When ptxas cannot keep WGMMAs in flight (C7512-C7515: too few registers, an accumulator
-    # touched or a pipeline stage crossing a loop edge) it waits after every one of them, which
-    # runs the kernel 2-3x slower but correctly: only the SASS shows it, as one
-    # WARPGROUP.DEPBAR per HGMMA. The menu's kernels have at most one per five.
+def _sass(variant) -> str:
+    """The disassembly of a menu variant's cached cubin(s)."""
     cubins = build.cubins([variant])[variant.name]
     assert cubins, f"no cached cubin for {variant.name} under {build.cache_dir()}"
     cuobjdump = _cuobjdump()
@@ -90,11 +84,50 @@ def test_sm90_cubin_holds_pipelined_hgmma(library, variant):
                               text=True, env=env)
         assert proc.returncode == 0, f"cuobjdump failed on {cubin}:\n{proc.stderr}"
         sass += proc.stdout
+    return sass
+
+
+@pytest.mark.parametrize("variant", [v for v in variants.MENU if v.arch == "sm_90a"],
+                         ids=lambda v: v.name)
+def test_sm90_cubin_holds_pipelined_hgmma(library, variant):
+    # Expected to hold for the real Hopper kernel (WGMMA -> HGMMA in SASS); the naive stand-in
+    # kernel that preceded it had no tensor-core instructions and failed here by design.
+    # When ptxas cannot keep WGMMAs in flight (C7512-C7515: too few registers, an accumulator
+    # touched or a pipeline stage crossing a loop edge) it waits after every one of them, which
+    # runs the kernel 2-3x slower but correctly: only the SASS shows it, as one
+    # WARPGROUP.DEPBAR per HGMMA. The menu's kernels have at most one per five.
+    sass = _sass(variant)
     assert "HGMMA" in sass, f"{variant.name}: no HGMMA in its SASS"
     hgmma, waits = sass.count("HGMMA"), sass.count("WARPGROUP.DEPBAR")
     assert waits <= hgmma // 2, (
         f"{variant.name}: {waits} WGMMA waits for {hgmma} HGMMA: ptxas serialized the WGMMAs "
         f"(why: python scripts/ptxas_report.py {variant.name})")
+
+
+# ptxas moves the forward's wait for the previous block's P·V GEMM up from where the PTX has it,
+# and how far depends on code far from the loop: in session 15 a change outside the loop left 6
+# fewer max steps under the GEMM and the kernel ran 3-5% slower; in session 14 the tree maximum
+# put 41 exponentials under it on 128-key blocks, +2-3% (docs/perf-log.md). Floors at about half
+# the exponentials (MUFU) that these kernels' steady loops keep between the wait for S and the
+# wait for P·V (`ptxas_report.wgmma_wait_gaps`; the last pair is the unmasked loop). Counts at
+# session 15 in the comments. A failure means: check the kernel's speed before accepting it.
+PV_OVERLAP_FLOORS = {
+    "fwd_sm90a_bf16_d128_dv128": 32,  # 65
+    "fwd_sm90a_bf16_d128_dv128_tn128_tree": 20,  # 41
+    "fwd_sm90a_bf16_d192_dv128": 20,  # 41
+    "fwd_sm90a_bf16_d64_dv64_causal": 10,  # 23
+}
+
+
+@pytest.mark.parametrize("name,floor", PV_OVERLAP_FLOORS.items())
+def test_softmax_work_stays_under_the_pv_gemm(library, name, floor):
+    variant = next(v for v in variants.MENU if v.name == name)
+    gaps = load_script("ptxas_report").wgmma_wait_gaps(_sass(variant))
+    assert gaps, f"{name}: no wait for S followed by a wait for P·V in its SASS"
+    exponentials = gaps[-1][2]
+    assert exponentials >= floor, (
+        f"{name}: {exponentials} exponentials between the wait for S and the wait for P·V in "
+        f"its steady loop, under the floor of {floor} (python scripts/ptxas_report.py {name})")
 
 
 def test_second_build_is_all_cached(library):
