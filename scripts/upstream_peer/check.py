@@ -31,7 +31,6 @@ from benchmarks import bench_attention as bench  # noqa: E402
 from fa4_jax.reference import attention_reference  # noqa: E402
 
 TOLERANCE = 2e-2
-HEAD_DIMS = (64, 128, 256)
 SHAPES = ((2, 1024, 4), (2, 1000, 4))  # (batch, seqlen, heads)
 NAMES = ("out", "lse", "dq", "dk", "dv")
 
@@ -101,7 +100,7 @@ def main() -> int:
     start = time.perf_counter()
     settings = bench.settings_from(bench.with_preset(bench.make_parser().parse_args([])))
     results = [check(head_dim, causal, batch, seqlen, heads, settings)
-               for head_dim in HEAD_DIMS for causal in (False, True)
+               for head_dim in bench.UPSTREAM_HEAD_DIMS for causal in (False, True)
                for batch, seqlen, heads in SHAPES]
     print(f"{'PASS' if all(results) else 'FAIL'}: {sum(results)} of {len(results)} cases within "
           f"tolerance ({time.perf_counter() - start:.1f} s)", flush=True)
