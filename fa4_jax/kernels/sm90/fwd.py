@@ -96,7 +96,7 @@ class TileConfig:
     # An MMA warp group whose 64 rows all lie past the entry's query rows (the last m-block of a
     # sequence that tile_m does not divide: d64's 192-row tiles at s = 1k leave two of three
     # groups there) skips its GEMMs and softmax and only keeps the pipelines' and ping-pong's
-    # barriers in step (`mma_key_blocks_skipped`); its rows come out as O = 0, LSE = −inf as
+    # barriers in step (`mma_tile_skipped`); its rows come out as O = 0, LSE = −inf as
     # before. Not with overlap_tiles.
     skip_padded_groups: bool = False
 
@@ -252,6 +252,8 @@ class _Problem:
 class FlashAttentionForwardSm90:
     producer_warp_group = 0
     threads_per_warp_group = 128
+    # Query rows of one MMA warp group's WGMMA (M = 64): tile_m = rows · MMA warp groups.
+    rows_per_warp_group = 64
     # setmaxnreg budgets: the producer needs few registers; the MMA groups hold S, P and O
     # (MMA_REGISTERS, by how many MMA warp groups share the register file).
     producer_registers = 24
@@ -262,12 +264,9 @@ class FlashAttentionForwardSm90:
     pingpong_barrier_base = 2
 
     def __init__(self, dtype, head_dim: int, head_dim_v: int, mask: str, has_softcap: bool, **tuning):
-        """`tuning` overrides the tile table's settings (TUNING_KNOBS): pingpong (bool),
-        rescale_threshold (float, log2 units; 0 = rescale whenever the maximum grows),
-        exp2_poly_share (float in [0, 1]), max_tree (bool: the row maximum as a tree,
-        softmax.py), scheduler ("linear", "lpt", "lpt_single", "lpt_grid") and mma_warp_groups (1 to 3;
-        tile_m = 64 per group), tile_n, kv_stages, separate_o, l2_section_mb, overlap_tiles,
-        pingpong_first_block, v_wait_in_turn, o_stmatrix and q_first (TileConfig)."""
+        """`tuning` overrides the tile table's settings: any of TUNING_KNOBS, the SoftmaxConfig and
+        TileConfig fields of the same name (their comments say what each does), and
+        mma_warp_groups (1 to 3, which sets tile_m)."""
         if mask not in ("none", "causal", "local"):
             raise ValueError(f"mask must be 'none', 'causal' or 'local', got {mask!r}")
         if (head_dim, head_dim_v) not in TILE_CONFIGS:
@@ -288,11 +287,12 @@ class FlashAttentionForwardSm90:
         knobs.update({MASKED_FIELDS[k]: tuning[k] for k in MASKED_FIELDS if k in tuning})
         if "mma_warp_groups" in tuning:
             groups = int(tuning["mma_warp_groups"])
-            knobs.update(mma_warp_groups=groups, tile_m=64 * groups)
+            knobs.update(mma_warp_groups=groups, tile_m=self.rows_per_warp_group * groups)
         config = dataclasses.replace(
             config, softmax=dataclasses.replace(config.softmax, **softmax_tuning), **knobs
         )
-        if config.mma_warp_groups not in MMA_REGISTERS or config.tile_m != 64 * config.mma_warp_groups:
+        if (config.mma_warp_groups not in MMA_REGISTERS
+                or config.tile_m != self.rows_per_warp_group * config.mma_warp_groups):
             raise ValueError(f"{config}: tile_m must be 64 per MMA warp group, 1 to 3 groups")
         # Both ping-pong settings: an ablation row compiles its tuning at both masks.
         if (config.pingpong or config.masked_pingpong) and config.mma_warp_groups == 1:
@@ -632,23 +632,19 @@ class FlashAttentionForwardSm90:
                 if n_block_max > n_block_min:
                     padded = cutlass.Boolean(False)
                     if cutlass.const_expr(self.config.skip_padded_groups):
-                        padded = m_block * self.tile_m + warp_group * 64 >= seqlen_q
+                        padded = m_block * self.tile_m + warp_group * self.rows_per_warp_group >= seqlen_q
                     if padded:
-                        kv_state = self.mma_key_blocks_skipped(blocks, warp_group, kv_state, n_block_min,
-                                                               n_block_max, sV, seqlen_k, problem, tidx)
+                        kv_state = self.mma_tile_skipped(blocks, warp_group, kv_state, n_block_min, n_block_max,
+                                                         sV, seqlen_k, problem, tidx, pipeline_q, q_state)
                     else:
                         self.mma_first_block(blocks, warp_group, kv_state, n_block_max - 1, apply_mask, sV,
                                              seqlen_k, problem, tidx)
                         kv_state = self.mma_key_blocks(step, masked, kv_state, block_info, m_block,
                                                        n_block_min, n_block_max, seqlen_q, seqlen_k,
                                                        window_left, window_right)
-                    # Every Q·Kᵀ GEMM of the tile has retired (each block waits for its own).
-                    if cutlass.const_expr(self.config.separate_o):
-                        pipeline_q.consumer_release(q_state)
-                    if padded:
-                        blocks.pipeline_v.consumer_wait(kv_state)
-                        blocks.pipeline_v.consumer_release(kv_state)
-                    else:
+                        # Every Q·Kᵀ GEMM of the tile has retired (each block waits for its own).
+                        if cutlass.const_expr(self.config.separate_o):
+                            pipeline_q.consumer_release(q_state)
                         self.mma_last_pv(blocks, kv_state)
                     # kv_state held the last block's slot; the next tile starts at the one after it.
                     kv_state.advance()
@@ -771,12 +767,12 @@ class FlashAttentionForwardSm90:
         return kv_state
 
     @cute.jit
-    def mma_key_blocks_skipped(self, blocks, warp_group, kv_state, n_block_min, n_block_max, sV,
-                               seqlen_k, problem, tidx):
+    def mma_tile_skipped(self, blocks, warp_group, kv_state, n_block_min, n_block_max, sV, seqlen_k,
+                         problem, tidx, pipeline_q, q_state):
         """A padded warp group's tile (`skip_padded_groups`): no GEMM or softmax, only the barriers
-        `mma_first_block` and `mma_overlapped_block` pass, in their order, so the producer's ring
-        and the other groups' ping-pong turns and V zeroing go on as if it computed. Returns the
-        last block's ring slot, as `mma_key_blocks` does."""
+        `mma_first_block`, `mma_overlapped_block` and `mma_last_pv` pass, in their order, so the
+        producer's ring and the other groups' ping-pong turns and V zeroing go on as if it
+        computed. Returns the last block's ring slot, as `mma_key_blocks` does."""
         blocks.pipeline_k.consumer_wait(kv_state)
         if cutlass.const_expr(self.config.pingpong_first_block):
             self.pingpong_wait(warp_group)
@@ -793,6 +789,10 @@ class FlashAttentionForwardSm90:
             self.pingpong_yield(warp_group)
             blocks.pipeline_k.consumer_release(kv_state)
             blocks.pipeline_v.consumer_release(v_state)
+        if cutlass.const_expr(self.config.separate_o):
+            pipeline_q.consumer_release(q_state)
+        blocks.pipeline_v.consumer_wait(kv_state)
+        blocks.pipeline_v.consumer_release(kv_state)
         return kv_state
 
     @cute.jit
