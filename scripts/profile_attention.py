@@ -3,10 +3,14 @@ attach to (scripts/profile_attention.sh).
 
     PYTHONPATH=. python scripts/profile_attention.py --peer fa4_jax --head-dim 128 --seqlen 16384 [--causal] [--backward]
 
+--peer upstream calls FA4 upstream's exported kernels (forward, and its backward through the
+benchmark's custom_vjp), from the library $FA4_UPSTREAM_LIB names (scripts/upstream_peer/).
+
 Shapes follow the benchmark's grid (batch·seqlen = 16384 tokens, heads·head_dim = 2048, bf16).
 The call runs --calls times after one compiling call; the profiler skips the first launches.
 """
 import argparse
+import os
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +21,7 @@ import fa4_jax
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--peer", choices=("fa4_jax", "cudnn"), default="fa4_jax")
+    p.add_argument("--peer", choices=("fa4_jax", "cudnn", "upstream"), default="fa4_jax")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--seqlen", type=int, default=16384)
     p.add_argument("--causal", action="store_true")
@@ -31,6 +35,11 @@ def main(argv=None):
     if args.peer == "fa4_jax":
         attend = jax.jit(lambda q, k, v: fa4_jax.attention(q, k, v, causal=args.causal,
                                                            implementation="cute"))
+    elif args.peer == "upstream":
+        from benchmarks import bench_attention
+
+        library = bench_attention._upstream_library(os.environ[bench_attention.UPSTREAM_LIB_ENV])
+        attend = jax.jit(bench_attention.upstream_attention(library, args.causal))
     else:
         attend = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, is_causal=args.causal, implementation="cudnn"))

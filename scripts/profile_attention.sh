@@ -7,7 +7,8 @@
 # (/work/.library/device/KINDS.md); --clock-control none leaves the clocks alone. Reports (text)
 # go into one file, $OUT/ncu/reports.txt: the device returns only a few files per call.
 #   usage: bash scripts/profile_attention.sh ["d s causal [backward]" ...]
-#   default: "128 16384 0" "128 1024 1"; NCU_PEERS="fa4_jax" profiles ours only
+#   default: "128 16384 0" "128 1024 1"; NCU_PEERS="fa4_jax" profiles ours only, "fa4_jax upstream"
+#   ours against FA4 upstream's exported kernels ($FA4_UPSTREAM_LIB, scripts/upstream_peer/)
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-.device_out}/ncu
@@ -23,12 +24,15 @@ for case in "${cases[@]}"; do
     flag="$flag --backward"; kernels="regex:FlashAttentionBackwardSm90_|bprop|dgrad|bwd"; pass=bwd
   fi
   for peer in ${NCU_PEERS:-fa4_jax cudnn}; do
+    # Upstream's preprocess and postprocess kernels have "bwd" in their names too.
+    peer_kernels=$kernels
+    [ "$peer" = upstream ] && [ "$pass" = bwd ] && peer_kernels="regex:FlashAttentionBackwardSm90_"
     name="${peer}_${pass}_d${d}_s${s}_c${causal}"
     # Skip the compiling call's launch. The report is kept for its source page (per-instruction
     # stall samples), which goes back summarized: the whole page is thousands of rows.
     report=$(mktemp -d)/$name
     timeout "${NCU_TIMEOUT:-150}" ncu --clock-control none --launch-skip 1 --launch-count 1 \
-      --kernel-name-base demangled -k "$kernels" -o "$report" \
+      --kernel-name-base demangled -k "$peer_kernels" -o "$report" \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
       --section WarpStateStats --section SchedulerStats --section SourceCounters --section Occupancy \
       python3 scripts/profile_attention.py --peer "$peer" --head-dim "$d" --seqlen "$s" $flag \

@@ -28,6 +28,9 @@ HEAD_DIMS = {
 # the benchmark (`ffi.forward(..., tuning=NAME)`, `--fa4-tunings`).
 # On 128-key blocks: at d128 O's own buffer leaves no room for two 176-key K/V stages (240 KB).
 _LPT_SEPARATE_O = {"scheduler": "lpt", "separate_o": True, "tile_n": 128}
+# A tile's boundary overlapped with the next tile's start; padded warp groups then run their
+# GEMMs (the skip is not implemented there).
+_OVERLAP = {"pingpong": True, "overlap_tiles": True, "skip_padded_groups": False}
 TUNINGS: dict[str, dict] = {
     "default": {},
     "tau0": {"rescale_threshold": 0.0},  # rescale whenever the row max grows
@@ -46,9 +49,9 @@ TUNINGS: dict[str, dict] = {
     # One CTA per tile, the first K issued before Q and after the lengths are read (before
     # session 14).
     "k_first": {"q_first": False},
-    # MMA warp groups whose rows are all padding skip their GEMMs (not measured yet; d64's
-    # 192-row tiles leave 1-2 of 3 groups padded in a sequence's last m-block below 16k).
-    "skip_padded": {"skip_padded_groups": True},
+    # MMA warp groups whose rows are all padding run their GEMMs anyway (d64's default skips
+    # them: its 192-row tiles leave 1-2 of 3 groups padded in a sequence's last m-block).
+    "no_skip_padded": {"skip_padded_groups": False},
     # A tile's first Q·Kᵀ GEMM issued in ping-pong turn, so that the groups' first softmaxes
     # are staggered instead of running together with the tensor pipe idle.
     "pp_first": {"pingpong_first_block": True},
@@ -71,14 +74,13 @@ TUNINGS: dict[str, dict] = {
     "lpt_so_l2s8": {**_LPT_SEPARATE_O, "l2_section_mb": 8},
     # The short rule's kernel with each tile boundary as one overlapped step (the next tile's
     # first Q·Kᵀ issued with this tile's last P·V; docs/perf-log.md, "overlap a tile's drain").
-    "lpt_so_overlap": {**_LPT_SEPARATE_O, "pingpong": True, "overlap_tiles": True},
+    "lpt_so_overlap": {**_LPT_SEPARATE_O, **_OVERLAP},
     # and with 8 MB L2 sections, which `lpt_so` needed to match one CTA per tile (session 12)
-    "lpt_so_overlap_l2s8": {**_LPT_SEPARATE_O, "pingpong": True, "overlap_tiles": True,
-                            "l2_section_mb": 8},
+    "lpt_so_overlap_l2s8": {**_LPT_SEPARATE_O, **_OVERLAP, "l2_section_mb": 8},
     # and on 160-key blocks, the widest whose two stages fit beside Q and O's own buffer at d128
     # (224 KB), against the 176 of one CTA per tile; "n160" is that width without persistence.
-    "lpt_so_overlap_l2s8_n160": {**_LPT_SEPARATE_O, "pingpong": True, "overlap_tiles": True,
-                                 "l2_section_mb": 8, "tile_n": 160},
+    "lpt_so_overlap_l2s8_n160": {**_LPT_SEPARATE_O, **_OVERLAP, "l2_section_mb": 8,
+                                 "tile_n": 160},
     # The short rule's kernel on 128-row tiles (two MMA warp groups, 128-key blocks): what
     # `call_tuning` picks for short causal forward calls at d64.
     "short_wg2": {**_LPT_SEPARATE_O, "pingpong": True, "mma_warp_groups": 2},
@@ -115,8 +117,9 @@ TUNINGS: dict[str, dict] = {
     # Deterministic mode without the waits for the turn (not reproducible): what the order costs.
     "det_unordered": {"det_ordered": False},
     # The next query block's Sᵀ issued before this block's dQ hand-over (d192's default), or
-    # after it (the others'); the two overlaps of the hand-over exclude each other.
-    "scores_ahead": {"scores_ahead": True, "dq_during_dk": False},
+    # after it (the others'); the two overlaps of the hand-over exclude each other, and the
+    # Sᵀ issued ahead reads no LSE before it (`lse_before_scores`).
+    "scores_ahead": {"scores_ahead": True, "dq_during_dk": False, "lse_before_scores": False},
     "scores_late": {"scores_ahead": False},
     # The dQ hand-over after every GEMM of the block (dK issued before dQ: d192's and d256's
     # order), not during the dK GEMM (d64's, d96's and d128's).
@@ -139,6 +142,10 @@ TUNINGS: dict[str, dict] = {
     "dq_tile_order": {"dq_fragment_order": False},
     "dq_tile_order_w1": {"dq_fragment_order": False, "dq_writers": 1},
     "dq_tile_order_late": {"dq_fragment_order": False, "dq_writers": 1, "det_free_sdq_on_read": False},
+    # The LSE values read ahead read after the dPᵀ GEMM's issue (d128's place before session
+    # 16), or before the Sᵀ GEMM's (d128's default since; measured at d96 and d256 here).
+    "lse_late": {"lse_before_scores": False},
+    "lse_early": {"lse_before_scores": True},
     # Deterministic without a mask: every key block walks the query blocks from the first, as
     # before session 10 (no rotation; the masked kernels are the default's).
     "det_in_order": {"det_rotated_walk": False},
@@ -157,19 +164,19 @@ ABLATIONS = (
                   "lpt_so_overlap_l2s8", "n160", "lpt_so_overlap_l2s8_n160", "max_tree",
                   "n128", "v_wait_first", "o_sts", "k_first", "lpt_single", "lpt_grid")),
     ("fwd", 64, ("wg2", "linear", "lpt", "lpt_so", "n96", "n128", "nopingpong", "lpt_so_overlap",
-                 "max_tree", "v_wait_first", "o_sts", "k_first", "lpt_single", "skip_padded")),
+                 "max_tree", "v_wait_first", "o_sts", "k_first", "lpt_single", "no_skip_padded")),
     ("fwd", 256, ("lpt", "linear", "n80", "max_tree", "v_wait_first", "o_sts", "lpt_single")),
     ("bwd", 64, ("det_asc", "dq_atomic", "m64", "det_free_late", "det_unordered", "dq_after_dk",
                  "dq_writer1", "dq_tile_order_w1", "det_in_order", "no_pdl", "stats_ahead")),
     ("bwd", 128, ("det_asc", "dq_atomic", "det_free_late", "scores_ahead", "stats_at_use",
                   "det_unordered", "dq_after_dk", "dq_writer1", "dq_tile_order_late", "det_in_order",
-                  "no_pdl", "bwd_v11_order", "dv_during_ds")),
+                  "no_pdl", "bwd_v11_order", "dv_during_ds", "lse_late")),
     ("bwd", 96, ("d96_v11_order", "dq_atomic", "det_unordered", "dq_writer1", "dq_tile_order",
-                 "det_in_order")),
+                 "det_in_order", "lse_early")),
     ("bwd", 192, ("scores_late", "dq_atomic", "det_unordered", "dq_writer1", "dq_tile_order",
                   "det_in_order", "det_one_copy", "dq_writers3")),
     ("bwd", 256, ("det_asc", "dq_atomic_2stage", "det_free_late", "det_unordered", "dq_writer1",
-                  "dq_tile_order", "det_in_order", "det_one_copy", "dq_writers3")),
+                  "dq_tile_order", "det_in_order", "det_one_copy", "dq_writers3", "lse_early")),
 )
 
 
@@ -186,7 +193,10 @@ ABLATIONS = (
 #   the bound was 2k. Session 12 (two runs, docs/perf-log.md "d64 short calls"): at 2k the
 #   same persistent order on the default's 192-row tiles ("short" at d64) ran 347/348 against
 #   327/339 for "short_wg2" (cuDNN 349/342), at 1k 248/250 against 274/270: "short_wg2" up to
-#   1k, "short" up to 2k.
+#   1k, "short" up to 2k. Since padded warp groups skip their GEMMs (session 16) the default
+#   wins at 2k: 349 against 336/342 for "short" (run 2), 354 against 341 (run 1, the skip
+#   against "short" without it), so "short" is gone. At 1k "short_wg2" stays (271/272 against
+#   249 for the default with the skip; its 128-row tiles divide 1k).
 # - d128, "short" up to 1k: 321/414 against 275/388 at 1k/2k; at 4k even (481 vs 480 without
 #   ping-pong), at 8k/16k it loses (527/559 against 550/598). Since session 15's "lpt_grid" it
 #   is ahead at 1k only (366/372 against 365/365) and behind at 2k (450/443 against 467/482).
@@ -199,7 +209,7 @@ ABLATIONS = (
 #   four runs of session 12 (+1.2% at 2k, +0.9% at 4k on average, single runs −1.8% to +4.9%):
 #   not adopted.
 SHORT_CALLS = {
-    ("causal", 64): (("short_wg2", 1024), ("short", 2048)),
+    ("causal", 64): (("short_wg2", 1024),),
     ("causal", 128): (("short", 1024),),
     ("none", 128): (("n128_tree", 1024),),
 }

@@ -163,6 +163,17 @@ class TileConfig:
     # was +0-4% by default and 7-11% slower deterministically in session 8's GEMM order, −1 to
     # +1% in session 11's, and +0.3-2% in both modes in session 13's (the default since).
     row_stats_ahead: int = 16
+    # The LSE values read ahead are read right after Q's slot is ready, before the Sᵀ GEMM is
+    # issued (FA4 upstream's place), instead of after the dPᵀ GEMM's issue. There ptxas left
+    # the loads under the other warp group's GEMMs' shared-memory reads, and the
+    # exponentials' first FFMAs still waited on them: Nsight Compute, d128 causal s4k (session
+    # 16), 10% of the stall samples on four of those FFMAs against 1% on upstream's, whose
+    # kernel took 1.90 M cycles against our 2.07 M. With the loads moved those stalls went,
+    # but the warps then waited for the dPᵀ GEMM instead: 2.04 M cycles, forward+backward
+    # +0.5% over two runs (−0.6 to +1.3% per row; docs/perf-log.md "LSE read before the Sᵀ
+    # GEMM"). Not with scores_ahead (the values would be held through the previous block's dQ
+    # hand-over) or softcap (which reads them one column at a time).
+    lse_before_scores: bool = False
     # The dK GEMM is issued after dQ's, and the dQ hand-over (its stores to sdQ, or its atomics)
     # runs while dK's GEMM does; False: dK is issued first (from registers, before dSᵀ goes to
     # shared memory) and the hand-over waits for every GEMM of the block, the tensor pipe idle
@@ -233,7 +244,7 @@ TILE_CONFIGS = {
     96: TileConfig(64, 128, 2, True, 2, dq_tma_reduce=True, dv_during_ds=False, dq_during_dk=True,
                    dq_writers=2, dq_fragment_order=True),
     128: TileConfig(64, 128, 2, True, 2, dq_tma_reduce=True, dv_during_ds=False, dq_during_dk=True,
-                    dq_writers=2, dq_fragment_order=True),
+                    dq_writers=2, dq_fragment_order=True, lse_before_scores=True),
     192: TileConfig(64, 64, 2, False, 2, dq_tma_reduce=True, scores_ahead=True, dq_writers=2,
                     dq_fragment_order=True),
     256: TileConfig(64, 64, 1, False, 1, dq_tma_reduce=True, dq_writers=2, dq_fragment_order=True),
@@ -395,6 +406,8 @@ class FlashAttentionBackwardSm90:
                 config.dq_writers > 1 and config.dq_tma_reduce and not config.det_free_sdq_on_read):
             raise ValueError(f"{config}: dq_writers is 1, or 2-3 with det_free_sdq_on_read (a writer "
                              "holding sdQ to its add's completion would hold the other too)")
+        if config.lse_before_scores and config.scores_ahead:
+            raise ValueError(f"{config}: lse_before_scores is not implemented with scores_ahead")
         if config.scores_ahead and config.dq_during_dk:
             raise ValueError(f"{config}: scores_ahead and dq_during_dk both overlap the dQ hand-over; "
                              "choose one")
@@ -887,11 +900,12 @@ class FlashAttentionBackwardSm90:
                 dq_step(index=blocks_total - 1)
         else:
             for index in cutlass.range(blocks_total, unroll=1):
-                self.issue_scores(blocks, state)
+                lse_ahead = self.issue_scores(blocks, state)
                 if cutlass.const_expr(self.config.dq_during_dk):
-                    dkv_step(state=state, index=index, hand_over_dq=functools.partial(dq_step, index=index))
+                    dkv_step(state=state, index=index, hand_over_dq=functools.partial(dq_step, index=index),
+                             lse_ahead=lse_ahead)
                 else:
-                    dkv_step(state=state, index=index)
+                    dkv_step(state=state, index=index, lse_ahead=lse_ahead)
                     dq_step(index=index)
                 state.advance()
 
@@ -921,14 +935,16 @@ class FlashAttentionBackwardSm90:
 
     @cute.jit
     def dkv_step(self, blocks, state, index, coords, n_block, seqlen_q, seqlen_k, window_left,
-                 window_right, block_info, apply_mask, key_tail, mask_key_tail, hand_over_dq=None):
+                 window_right, block_info, apply_mask, key_tail, mask_key_tail, hand_over_dq=None,
+                 lse_ahead=()):
         """Block `index`'s dK/dV updates and its dQ share in blocks.acc_dq (handed over by
-        `hand_over_dq` during the dK GEMM when dq_during_dk)."""
+        `hand_over_dq` during the dK GEMM when dq_during_dk); `lse_ahead` from `issue_scores`."""
         _, m_block = coords(index)
         needs_mask = cutlass.Boolean(False)
         if cutlass.const_expr(block_info.has_right_bound):
             needs_mask = block_info.tile_needs_mask(m_block, n_block, seqlen_q, seqlen_k, window_left, window_right)
-        self.query_block(blocks, state, m_block, needs_mask, apply_mask, key_tail, mask_key_tail, hand_over_dq)
+        self.query_block(blocks, state, m_block, needs_mask, apply_mask, key_tail, mask_key_tail, hand_over_dq,
+                         lse_ahead)
 
     @cute.jit
     def dq_step(self, blocks, index, coords, mdQaccum, mSemaphore, n_block, batch, seqlen_q,
@@ -942,14 +958,31 @@ class FlashAttentionBackwardSm90:
 
     @cute.jit
     def issue_scores(self, blocks, state):
-        """Sᵀ = K·Qᵀ of the query block in `state`, issued, not awaited."""
+        """Sᵀ = K·Qᵀ of the query block in `state`, issued, not awaited. Returns the LSE values
+        of the columns read ahead when they are read here (`lse_before_scores`), else []."""
         blocks.pipeline_q.consumer_wait(state)
+        lse_ahead = []
+        if cutlass.const_expr(self._lse_before_scores()):
+            lse_ahead = [self._row_stat(blocks, blocks.sLSE, c, state.index)
+                         for c in range(self._stats_ahead(blocks))]
         wgmma_gemm(blocks.tiled_mma_sdp, blocks.acc_s, blocks.tSrK, blocks.tSrQ[None, None, None, state.index],
                   zero_init=True, wait_group=-1)
+        return lse_ahead
+
+    def _lse_before_scores(self) -> bool:
+        return self.config.lse_before_scores and not self.has_softcap
+
+    def _stats_ahead(self, blocks) -> int:
+        """Columns of a thread's Sᵀ fragment whose LSE and D values are read ahead."""
+        return min(cute.size(acc_rows_cols(blocks.acc_s), mode=[1]), self.config.row_stats_ahead)
+
+    def _row_stat(self, blocks, table, c: int, stage):
+        """sLSE or sdPsum of the query row that register column c holds, in Q's slot `stage`."""
+        return table[self._query_of(blocks, c), stage]
 
     @cute.jit
     def query_block(self, blocks, state, m_block, needs_mask, apply_mask, key_tail, mask_key_tail,
-                    hand_over_dq=None):
+                    hand_over_dq=None, lse_ahead=()):
         """dV and dK updates, and this query block's dQ share in blocks.acc_dq (its Sᵀ GEMM
         already issued: `issue_scores`), handed over by `hand_over_dq` when dq_during_dk."""
         stage = state.index
@@ -962,11 +995,8 @@ class FlashAttentionBackwardSm90:
         scores = acc_rows_cols(blocks.acc_s)
         dp = acc_rows_cols(blocks.acc_dp)
 
-        def row_stat(table, c):
-            # sLSE or sdPsum of the query row that register column c holds.
-            return table[self._query_of(blocks, c), stage]
-
-        stats_ahead = min(cute.size(scores, mode=[1]), self.config.row_stats_ahead)
+        row_stat = functools.partial(self._row_stat, blocks, stage=stage)
+        stats_ahead = self._stats_ahead(blocks)
         if cutlass.const_expr(self.has_softcap):
             # One pass over Sᵀ and dPᵀ: t = tanh, P, dSᵀ = P ∘ (dPᵀ − D) ∘ (1 − t²), so only one
             # LSE and one D value are live at a time; the mask then zeroes P and dSᵀ (masking the
@@ -991,7 +1021,8 @@ class FlashAttentionBackwardSm90:
                 mask_key_tail(scores, fill=0.0)
                 mask_key_tail(dp, fill=0.0)
         else:
-            lse_ahead = [row_stat(blocks.sLSE, c) for c in range(stats_ahead)]
+            if cutlass.const_expr(not self._lse_before_scores()):
+                lse_ahead = [row_stat(blocks.sLSE, c) for c in range(stats_ahead)]
             # Sᵀ is done; the exponentials overlap the dPᵀ GEMM.
             warpgroup.wait_group(1)
             if cutlass.const_expr(self.causal or self.local):

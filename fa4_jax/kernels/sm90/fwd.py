@@ -97,7 +97,8 @@ class TileConfig:
     # sequence that tile_m does not divide: d64's 192-row tiles at s = 1k leave two of three
     # groups there) skips its GEMMs and softmax and only keeps the pipelines' and ping-pong's
     # barriers in step (`mma_tile_skipped`); its rows come out as O = 0, LSE = −inf as
-    # before. Not with overlap_tiles.
+    # before. Not with overlap_tiles. On at d64 (the tile table); off elsewhere, where 128-row
+    # tiles leave a group all padding only at lengths of 64 mod 128 (unmeasured).
     skip_padded_groups: bool = False
 
     def for_mask(self, masked: bool) -> "TileConfig":
@@ -141,7 +142,8 @@ MMA_REGISTERS = {1: 240, 2: 240, 3: 160}
 #   TF/s for two groups at s4k/s16k, equal under a causal mask. 128-key blocks (S 64 + P 32 + O 32
 #   of 160 registers since P's conversion stopped spilling, docs/perf-log.md "P converted through
 #   asm"): 471/523 vs 453/497 for 96-key blocks without a mask at s4k/s16k, 395/492 vs 372/482
-#   causal.
+#   causal. Padded warp groups skip their GEMMs (session 16, run 1, against the same kernel
+#   without the skip): 385 vs 364 at 1k, 487 vs 477 at 4k, causal 421 vs 410 at 4k.
 # - d128: two groups, 128 x 176 without a mask (582/647 vs 568/617 for 128 x 128 at s4k/s16k;
 #   128 x 192 578/635), 128 x 128 under one (n176 501/584 vs 504/610). Ping-pong on without a
 #   mask; exp2 polynomial share 0 (the conversion-free polynomial of session 12: an eighth
@@ -170,7 +172,8 @@ MMA_REGISTERS = {1: 240, 2: 240, 3: 160}
 # - d192/dv128 (DeepSeek's shape) is not measured yet: the registers of d128 (Q·Kᵀ only has
 #   more k-steps), an 80 KB K/V stage, so two stages (208 KB).
 TILE_CONFIGS = {
-    (64, 64): TileConfig(192, 128, 3, True, SoftmaxConfig(rescale_threshold=8.0), mma_warp_groups=3),
+    (64, 64): TileConfig(192, 128, 3, True, SoftmaxConfig(rescale_threshold=8.0), mma_warp_groups=3,
+                         skip_padded_groups=True),
     (96, 96): TileConfig(128, 128, 3, True, SoftmaxConfig(rescale_threshold=8.0)),
     (128, 128): TileConfig(128, 176, 2, True, SoftmaxConfig(rescale_threshold=8.0), masked_pingpong=False,
                            masked_tile_n=128),
