@@ -78,9 +78,15 @@ def test_d96_d128_backward_issue_in_upstreams_order(head_dim):
     config = _backward(head_dim).config
     assert (config.dv_during_ds, config.dq_during_dk, config.scores_ahead) == (False, True, False)
     assert config.row_stats_ahead == 16
-    assert _backward(head_dim, scores_ahead=True, dq_during_dk=False).config.scores_ahead
+    # d128 reads LSE before the Sᵀ GEMM, as upstream does (session 16); the Sᵀ issued ahead
+    # reads it later, and refuses the combination.
+    assert config.lse_before_scores == (head_dim == 128)
+    ahead = _backward(head_dim, scores_ahead=True, dq_during_dk=False, lse_before_scores=False)
+    assert ahead.config.scores_ahead
     with pytest.raises(ValueError, match="scores_ahead and dq_during_dk"):
-        _backward(head_dim, scores_ahead=True)
+        _backward(head_dim, scores_ahead=True, lse_before_scores=False)
+    with pytest.raises(ValueError, match="lse_before_scores"):
+        _backward(head_dim, scores_ahead=True, dq_during_dk=False, lse_before_scores=True)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 31, 32, 44, 88])
