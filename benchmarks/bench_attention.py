@@ -336,7 +336,7 @@ UPSTREAM_LIB_ENV = "FA4_UPSTREAM_LIB"
 
 
 @functools.cache
-def _upstream_library(path: str) -> ctypes.CDLL:
+def upstream_library(path: str) -> ctypes.CDLL:
     """The library, its targets registered: fa4_upstream_fwd, and fa4_upstream_bwd where the
     library has it (one built before the backward was exported has not)."""
     library = ctypes.cdll.LoadLibrary(path)
@@ -351,7 +351,7 @@ def _upstream_library(path: str) -> ctypes.CDLL:
     return library
 
 
-def _upstream_forward(q, k, v, causal: bool):
+def upstream_forward(q, k, v, causal: bool):
     """(out, lse [b, h, sq] f32) from upstream's FlashAttentionForwardSm90."""
     batch, seqlen, heads, head_dim = q.shape
     call = jax.ffi.ffi_call(
@@ -388,10 +388,10 @@ def upstream_attention(library: ctypes.CDLL, causal: bool) -> Callable:
     out and lse; no gradient flows into lse)."""
     @jax.custom_vjp
     def attention(q, k, v):
-        return _upstream_forward(q, k, v, causal)[0]
+        return upstream_forward(q, k, v, causal)[0]
 
     def attention_fwd(q, k, v):
-        out, lse = _upstream_forward(q, k, v, causal)
+        out, lse = upstream_forward(q, k, v, causal)
         return out, (q, k, v, out, lse)
 
     def attention_bwd(residuals, d_out):
@@ -414,7 +414,7 @@ def upstream_candidates(case: Case, settings: Settings) -> list[Candidate]:
     if not os.path.exists(path):
         raise Skip(f"${UPSTREAM_LIB_ENV} names {path}, which does not exist "
                    "(scripts/upstream_peer/ builds the library)")
-    library = _upstream_library(path)
+    library = upstream_library(path)
     if case.mode == "fwd_bwd" and (not hasattr(library, "UpstreamBwdExecute")
                                    or library.UpstreamBwdTileM(case.head_dim, case.causal) < 0):
         raise Skip(f"{path} holds no upstream backward at head dim {case.head_dim}"

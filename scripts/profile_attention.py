@@ -38,7 +38,7 @@ def main(argv=None):
     elif args.peer == "upstream":
         from benchmarks import bench_attention
 
-        library = bench_attention._upstream_library(os.environ[bench_attention.UPSTREAM_LIB_ENV])
+        library = bench_attention.upstream_library(os.environ[bench_attention.UPSTREAM_LIB_ENV])
         attend = jax.jit(bench_attention.upstream_attention(library, args.causal))
     else:
         attend = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(

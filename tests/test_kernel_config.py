@@ -43,6 +43,25 @@ def test_d128_key_blocks_are_narrower_under_a_mask(mask, width):
     assert _kernel(mask, tile_n=192).tile_n == 192
 
 
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_d64_padded_warp_groups_skip_their_gemms(mask):
+    # d64's default since session 16; the overlapped persistent order has no skip, so its
+    # tunings turn it off rather than being refused (variants._OVERLAP).
+    from fa4_jax.aot import variants
+
+    def d64(tuning):
+        kwargs = variants.TUNINGS[tuning]
+        return FlashAttentionForwardSm90(cutlass.BFloat16, 64, 64, mask, False, **kwargs).config
+
+    assert d64("default").skip_padded_groups
+    assert not d64("no_skip_padded").skip_padded_groups
+    assert d64("lpt_so_overlap").overlap_tiles and not d64("lpt_so_overlap").skip_padded_groups
+    assert not _kernel(mask).config.skip_padded_groups  # d128: unmeasured, off
+    with pytest.raises(ValueError, match="skip_padded_groups"):
+        FlashAttentionForwardSm90(cutlass.BFloat16, 64, 64, mask, False, scheduler="lpt",
+                                  separate_o=True, overlap_tiles=True, tile_n=128)
+
+
 def _backward(head_dim=64, mask="none", softcap=False, **tuning):
     return FlashAttentionBackwardSm90(cutlass.BFloat16, head_dim, head_dim, mask, softcap, **tuning)
 

@@ -143,7 +143,7 @@ TUNINGS: dict[str, dict] = {
     "dq_tile_order_w1": {"dq_fragment_order": False, "dq_writers": 1},
     "dq_tile_order_late": {"dq_fragment_order": False, "dq_writers": 1, "det_free_sdq_on_read": False},
     # The LSE values read ahead read after the dPᵀ GEMM's issue (d128's place before session
-    # 16), or before the Sᵀ GEMM's (d128's default since; measured at d96 and d256 here).
+    # 16), or before the Sᵀ GEMM's (d128's default since; an ablation at d96 and d256).
     "lse_late": {"lse_before_scores": False},
     "lse_early": {"lse_before_scores": True},
     # Deterministic without a mask: every key block walks the query blocks from the first, as

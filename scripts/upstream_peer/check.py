@@ -41,7 +41,7 @@ def upstream_step(case: bench.Case, settings: bench.Settings):
 
     def step(q, k, v, d_out):
         out, vjp = jax.vjp(attend, q, k, v)
-        lse = bench._upstream_forward(q, k, v, case.causal)[1]
+        lse = bench.upstream_forward(q, k, v, case.causal)[1]
         return (out, lse, *vjp(d_out))
 
     return jax.jit(step)
@@ -80,7 +80,7 @@ def check(head_dim: int, causal: bool, batch: int, seqlen: int, heads: int,
         passed = error <= TOLERANCE * max(1.0, scale)  # False for NaN
         ok &= passed
         parts.append(f"{name} {error:.2e}/{scale:.2f}" + ("" if passed else " (!)"))
-    tile_m = bench._upstream_library(os.environ[bench.UPSTREAM_LIB_ENV]).UpstreamBwdTileM(
+    tile_m = bench.upstream_library(os.environ[bench.UPSTREAM_LIB_ENV]).UpstreamBwdTileM(
         head_dim, causal)
     print(f"d{head_dim:<3d} {'causal' if causal else 'full  '} b{batch} s{seqlen:<4d} h{heads} "
           f"(bwd tile_m {tile_m:>3d})  max|err|/max|ref|: {'  '.join(parts)}  "
