@@ -75,6 +75,9 @@ def _backward(head_dim=64, mask="none", softcap=False, **tuning):
     (256, dict(dq_writers=4)),  # the producer group has three warps besides the loader
     (128, dict(stages=3)),  # pds_stages 2 does not divide it
     (128, dict(row_stats_ahead=-1)),
+    (128, dict(dv_after_ds_store=True, dv_during_ds=True)),  # dV is already issued earlier
+    (256, dict(dv_after_ds_store=True)),  # d256's dV GEMM reads Pᵀ from shared memory
+    (256, dict(do_release_early=True)),  # no hand-over under the dK GEMM to release before
     (64, dict(no_such_knob=1)),
 ])
 def test_bad_backward_tunings_are_refused(head_dim, tuning):

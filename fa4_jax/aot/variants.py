@@ -145,6 +145,9 @@ TUNINGS: dict[str, dict] = {
     # The LSE values read ahead read after the dPᵀ GEMM's issue (d128's place before session
     # 16), or before the Sᵀ GEMM's (d128's default since; an ablation at d96 and d256).
     "lse_late": {"lse_before_scores": False},
+    # The step's tail in FA4 upstream's order: dV issued after dSᵀ's stores, dO released once
+    # dV and dQ retire (compiled in session 16, not measured yet).
+    "upstream_tail": {"dv_after_ds_store": True, "do_release_early": True},
     "lse_early": {"lse_before_scores": True},
     # Deterministic without a mask: every key block walks the query blocks from the first, as
     # before session 10 (no rotation; the masked kernels are the default's).
@@ -170,7 +173,7 @@ ABLATIONS = (
                  "dq_writer1", "dq_tile_order_w1", "det_in_order", "no_pdl", "stats_ahead")),
     ("bwd", 128, ("det_asc", "dq_atomic", "det_free_late", "scores_ahead", "stats_at_use",
                   "det_unordered", "dq_after_dk", "dq_writer1", "dq_tile_order_late", "det_in_order",
-                  "no_pdl", "bwd_v11_order", "dv_during_ds", "lse_late")),
+                  "no_pdl", "bwd_v11_order", "dv_during_ds", "lse_late", "upstream_tail")),
     ("bwd", 96, ("d96_v11_order", "dq_atomic", "det_unordered", "dq_writer1", "dq_tile_order",
                  "det_in_order", "lse_early")),
     ("bwd", 192, ("scores_late", "dq_atomic", "det_unordered", "dq_writer1", "dq_tile_order",

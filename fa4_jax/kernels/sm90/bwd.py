@@ -119,6 +119,10 @@ class TileConfig:
     # so there dV is issued after dSᵀ, beside dK. At d128 issuing it after dSᵀ (FA4 upstream's
     # order) measured +0.3-1.6% (session 13; `dv_during_ds` is the ablation).
     dv_during_ds: bool = True
+    # With dv_during_ds off: dV's WGMMA issued once dSᵀ is in shared memory (before the fence
+    # and the warp groups' barrier), FA4 upstream's place, instead of as soon as dSᵀ is in
+    # registers. Not measured yet (session 16 compiled it; the ablation `upstream_tail`).
+    dv_after_ds_store: bool = False
     # Deterministic dq_tma_reduce: the dQ writer hands sdQ back to the MMA warp groups once its
     # TMA has read it, so they fill it with the next block's dQ while the add lands; False: once
     # the add is complete and the turn passed on (backward v2), so that a CTA's step cannot be
@@ -184,6 +188,11 @@ class TileConfig:
     # +0.3-1% with dV issued after it (session 13). The other warp group's GEMMs already fill
     # most of a hand-over.
     dq_during_dk: bool = False
+    # With dq_during_dk: dO's slot released as soon as the dV and dQ GEMMs retire, before the
+    # dQ hand-over (FA4 upstream releases it there), instead of with Q's at the end of the
+    # step, so the producer may load the dO two blocks ahead sooner. Not measured yet (the
+    # ablation `upstream_tail`).
+    do_release_early: bool = False
     # dq_tma_reduce: sdQ holds the MMA threads' dQ registers in fragment order
     # (layouts.fragment_order_view: 128-bit stores free of bank conflicts, one address per
     # thread) instead of the tile's; each warp group hands its chunk over on its own pair of
@@ -406,6 +415,12 @@ class FlashAttentionBackwardSm90:
                 config.dq_writers > 1 and config.dq_tma_reduce and not config.det_free_sdq_on_read):
             raise ValueError(f"{config}: dq_writers is 1, or 2-3 with det_free_sdq_on_read (a writer "
                              "holding sdQ to its add's completion would hold the other too)")
+        if config.dv_after_ds_store and (config.dv_during_ds or not config.dkv_from_registers):
+            raise ValueError(f"{config}: dv_after_ds_store moves dV's GEMM from registers, issued "
+                             "after dSᵀ (dkv_from_registers, not dv_during_ds)")
+        if config.do_release_early and not config.dq_during_dk:
+            raise ValueError(f"{config}: do_release_early releases dO before the dQ hand-over "
+                             "that dq_during_dk runs under the dK GEMM")
         if config.lse_before_scores and config.scores_ahead:
             raise ValueError(f"{config}: lse_before_scores is not implemented with scores_ahead")
         if config.scores_ahead and config.dq_during_dk:
@@ -1054,7 +1069,8 @@ class FlashAttentionBackwardSm90:
                 for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
                     dp[r, c] = scores[r, c] * (dp[r, c] - d_value)
             blocks.ds.store(blocks.acc_dp.load().to(self.dtype))
-        if cutlass.const_expr(self.config.dkv_from_registers and not self.config.dv_during_ds):
+        if cutlass.const_expr(self.config.dkv_from_registers and not self.config.dv_during_ds
+                              and not self.config.dv_after_ds_store):
             issue_dv_from_registers()
 
         def issue_dk():
@@ -1076,6 +1092,8 @@ class FlashAttentionBackwardSm90:
         cute.copy(blocks.store_pds, blocks.store_pds.retile(blocks.ds), blocks.tdSsdS[None, None, None, pds_index])
         if cutlass.const_expr(not self.config.dkv_from_registers):
             cute.copy(blocks.store_pds, blocks.store_pds.retile(blocks.p), blocks.tPsP[None, None, None, pds_index])
+        if cutlass.const_expr(self.config.dv_after_ds_store):
+            issue_dv_from_registers()
         # Ordinary stores must be made visible to WGMMA (async proxy) before it reads them.
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=self.pds_barrier_id, number_of_threads=self.num_mma_threads)
@@ -1090,11 +1108,15 @@ class FlashAttentionBackwardSm90:
             issue_dk()
             # dQ (and dV) retired; dK runs through the hand-over.
             warpgroup.wait_group(1)
+            if cutlass.const_expr(self.config.do_release_early):
+                # dK, still running, reads Q and dSᵀ only.
+                blocks.pipeline_do.consumer_release(state)
             hand_over_dq()
             warpgroup.wait_group(0)
         # Every GEMM reading this slot's Q and dO (and P, dS registers) has retired.
         blocks.pipeline_q.consumer_release(state)
-        blocks.pipeline_do.consumer_release(state)
+        if cutlass.const_expr(not self.config.do_release_early):
+            blocks.pipeline_do.consumer_release(state)
 
     @cute.jit
     def _query_of(self, blocks, c: cutlass.Constexpr[int]) -> Int32:
