@@ -145,10 +145,10 @@ TUNINGS: dict[str, dict] = {
     # The LSE values read ahead read after the dPᵀ GEMM's issue (d128's place before session
     # 16), or before the Sᵀ GEMM's (d128's default since; an ablation at d96 and d256).
     "lse_late": {"lse_before_scores": False},
+    "lse_early": {"lse_before_scores": True},
     # The step's tail in FA4 upstream's order: dV issued after dSᵀ's stores, dO released once
     # dV and dQ retire (compiled in session 16, not measured yet).
     "upstream_tail": {"dv_after_ds_store": True, "do_release_early": True},
-    "lse_early": {"lse_before_scores": True},
     # Deterministic without a mask: every key block walks the query blocks from the first, as
     # before session 10 (no rotation; the masked kernels are the default's).
     "det_in_order": {"det_rotated_walk": False},
