@@ -130,6 +130,39 @@ def test_softmax_work_stays_under_the_pv_gemm(library, name, floor):
         f"its steady loop, under the floor of {floor} (python scripts/ptxas_report.py {name})")
 
 
+# With pv_wait_in_branch (d128's masked kernels, the short causal rule's, the `pv_wait_pinned`
+# ablations) the wait for P·V sits in both arms of O's rescale branch, where ptxas cannot hoist
+# it: every exponential of the block runs under the GEMM. Each steady loop's span between the
+# wait for S and the wait for P·V must hold them on the MUFU pipe: tile_n / 2 per thread (64
+# rows × tile_n over 128 threads), less those the FMA pipes compute. The overlapped persistent
+# kernels' tile-boundary step keeps O's scale, has no rescale branch and is not pinned (the
+# last span).
+def _fwd_sm90_config(variant):
+    import cutlass
+
+    from fa4_jax.kernels.sm90.fwd import FlashAttentionForwardSm90
+
+    return FlashAttentionForwardSm90(cutlass.BFloat16, variant.head_dim, variant.head_dim_v,
+                                     variant.mask, variant.softcap, **variant.tuning_kwargs).config
+
+
+@pytest.mark.parametrize("variant", [v for v in variants.MENU if v.arch == "sm_90a" and v.kind == "fwd"],
+                         ids=lambda v: v.name)
+def test_pinned_pv_wait_keeps_the_softmax_under_the_gemm(library, variant):
+    config = _fwd_sm90_config(variant)
+    if not config.pv_wait_in_branch:
+        pytest.skip("the P·V wait is not pinned in this kernel (PV_OVERLAP_FLOORS covers some)")
+    gaps = load_script("ptxas_report").wgmma_wait_gaps(_sass(variant))
+    assert gaps, f"{variant.name}: no wait for S followed by a wait for P·V in its SASS"
+    pinned = gaps[:-1] if config.overlap_tiles else gaps
+    columns = config.tile_n // 4
+    exponentials = 2 * sum(not config.softmax.uses_poly(c) for c in range(columns))
+    short = [(address, mufu) for address, _, mufu, _ in pinned if mufu < exponentials]
+    assert not short, (
+        f"{variant.name}: loops at {short} have fewer than the block's {exponentials} exponentials "
+        f"between the wait for S and the wait for P·V (python scripts/ptxas_report.py {variant.name})")
+
+
 def test_second_build_is_all_cached(library):
     missing = [name for name, found in build.cubins().items() if not found]
     assert not missing, f"not in the cache {build.cache_dir()} (built with another one?): {missing}"

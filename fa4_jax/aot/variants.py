@@ -42,6 +42,11 @@ TUNINGS: dict[str, dict] = {
     # blocks, where it pays (+2-3%): the short rule's kernel since session 14 ("n128" before).
     "max_tree": {"max_tree": True},
     "n128_tree": {"tile_n": 128, "max_tree": True},
+    # The wait for the previous block's P·V GEMM in O's rescale branch, below the whole softmax
+    # (d128 causal's default since session 17), or before the branch, where ptxas may hoist it
+    # into the softmax (the other defaults; TileConfig.pv_wait_in_branch). Both masks.
+    "pv_wait_pinned": {"pv_wait_in_branch": True},
+    "pv_wait_hoisted": {"pv_wait_in_branch": False},
     # Block j-1's V waited for before the ping-pong turn, with K_j (the order before session 14).
     "v_wait_first": {"v_wait_in_turn": False},
     # O staged with element stores (33 STS per thread at d128), the epilogue before session 14.
@@ -83,7 +88,9 @@ TUNINGS: dict[str, dict] = {
                                  "tile_n": 160},
     # The short rule's kernel on 128-row tiles (two MMA warp groups, 128-key blocks): what
     # `call_tuning` picks for short causal forward calls at d64.
-    "short_wg2": {**_LPT_SEPARATE_O, "pingpong": True, "mma_warp_groups": 2},
+    # Its P·V wait pinned in the rescale branch (TileConfig.pv_wait_in_branch) since session 17:
+    # d64 causal 1k 281/284 TF/s in two runs against 271-277 before (cuDNN 283-288 throughout).
+    "short_wg2": {**_LPT_SEPARATE_O, "pingpong": True, "mma_warp_groups": 2, "pv_wait_in_branch": True},
     # One MMA warp group (64-row tiles): what `call_tuning` picks for decode-sized calls, whose
     # few rows (a GQA-packed group's heads) leave most of a 128- or 192-row tile as padding.
     # Measured (docs/perf-log.md, "Decode tiles"): d64 decode 285 vs 435 us on 192-row tiles,
@@ -165,10 +172,13 @@ ABLATIONS = (
     ("fwd", 128, ("tau0", "nopingpong", "pingpong", "poly25", "poly12", "pp_first", "lpt", "linear",
                   "lpt_so", "lpt_so_l2s8", "n176", "n192", "lpt_so_overlap",
                   "lpt_so_overlap_l2s8", "n160", "lpt_so_overlap_l2s8_n160", "max_tree",
-                  "n128", "v_wait_first", "o_sts", "k_first", "lpt_single", "lpt_grid")),
+                  "n128", "v_wait_first", "o_sts", "k_first", "lpt_single", "lpt_grid",
+                  "pv_wait_pinned", "pv_wait_hoisted")),
     ("fwd", 64, ("wg2", "linear", "lpt", "lpt_so", "n96", "n128", "nopingpong", "lpt_so_overlap",
-                 "max_tree", "v_wait_first", "o_sts", "k_first", "lpt_single", "no_skip_padded")),
-    ("fwd", 256, ("lpt", "linear", "n80", "max_tree", "v_wait_first", "o_sts", "lpt_single")),
+                 "max_tree", "v_wait_first", "o_sts", "k_first", "lpt_single", "no_skip_padded",
+                 "pv_wait_pinned")),
+    ("fwd", 256, ("lpt", "linear", "n80", "max_tree", "v_wait_first", "o_sts", "lpt_single",
+                  "pv_wait_pinned")),
     ("bwd", 64, ("det_asc", "dq_atomic", "m64", "det_free_late", "det_unordered", "dq_after_dk",
                  "dq_writer1", "dq_tile_order_w1", "det_in_order", "no_pdl", "stats_ahead")),
     ("bwd", 128, ("det_asc", "dq_atomic", "det_free_late", "scores_ahead", "stats_at_use",

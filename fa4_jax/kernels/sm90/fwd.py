@@ -100,6 +100,16 @@ class TileConfig:
     # before. Not with overlap_tiles. On at d64 (the tile table); off elsewhere, where 128-row
     # tiles leave a group all padding only at lengths of 64 mod 128 (unmeasured).
     skip_padded_groups: bool = False
+    # The wait for block j-1's P·V GEMM inside both arms of O's rescale branch (`if any row's
+    # maximum moved: rescale O`), not before the branch. ptxas schedules within a basic block:
+    # in the branch, the wait stays below the whole softmax of block j, which then runs under
+    # the GEMM. Before the branch ptxas hoists it, by an amount that code far from the loop
+    # decides (0 to 65 of a d128 block's 66 exponentials under the GEMM, sessions 14-16 of
+    # docs/perf-log.md). Measured in session 17 (four runs): +1-4% under d128's causal mask,
+    # whose unmasked loop had none of its exponentials under the GEMM; 1-2% behind at d64
+    # causal and d128 without a mask, mixed at d256 (the tile table's comment).
+    pv_wait_in_branch: bool = False
+    masked_pv_wait_in_branch: bool | None = None
 
     def for_mask(self, masked: bool) -> "TileConfig":
         """The settings a kernel with (masked) or without a causal/local mask runs."""
@@ -119,14 +129,15 @@ class TileConfig:
 
 # TileConfig fields that a causal/local mask may set apart: field -> its masked twin. A tuning
 # knob of the field's name sets both.
-MASKED_FIELDS = {"scheduler": "masked_scheduler", "pingpong": "masked_pingpong", "tile_n": "masked_tile_n"}
+MASKED_FIELDS = {"scheduler": "masked_scheduler", "pingpong": "masked_pingpong", "tile_n": "masked_tile_n",
+                 "pv_wait_in_branch": "masked_pv_wait_in_branch"}
 # Constructor overrides of a TileConfig, for ablation variants compiled side by side: the
 # softmax's settings, the MMA warp-group count (which sets tile_m), and TileConfig fields of the
 # same name.
 SOFTMAX_KNOBS = ("rescale_threshold", "exp2_poly_share", "max_tree")
 TILE_KNOBS = ("pingpong", "scheduler", "tile_n", "kv_stages", "separate_o", "l2_section_mb",
               "overlap_tiles", "pingpong_first_block", "v_wait_in_turn",
-              "o_stmatrix", "q_first", "skip_padded_groups")
+              "o_stmatrix", "q_first", "skip_padded_groups", "pv_wait_in_branch")
 TUNING_KNOBS = SOFTMAX_KNOBS + ("mma_warp_groups",) + TILE_KNOBS
 # setmaxnreg budget of each MMA thread by MMA warp-group count: the 64K registers of an SM less
 # the producer group's 128 · 24, shared by the MMA threads, rounded down to a multiple of 8, and
@@ -165,6 +176,13 @@ MMA_REGISTERS = {1: 240, 2: 240, 3: 160}
 #   607/595, 628/630 against 442/434, 528/526, 590/587, 603/618; d64 (4k-16k) +0.4-2.4% but
 #   one row (−0.6%); d256 −1 to +3%. Without a mask it loses to "linear" (d128 2k/4k/16k
 #   505/569/643 against 548/609/656).
+# - the wait for the previous block's P·V GEMM in O's rescale branch (`pv_wait_in_branch`: every
+#   exponential under the GEMM) only under d128's mask, where ptxas otherwise left none there.
+#   Session 17, pinned against hoisted, four runs, causal 2k/4k/8k/16k: d128 +0.9/+1.4/+1.4/+4.3%
+#   on average (3 of 14 comparisons behind, none by more than 0.4%); d64 −2.4/−1.6/−0.6/−2.0%
+#   (13 of 14 behind, one level); d256 +1.9/−0.4/−0.7/+2.8%; without a mask, two runs at
+#   2k/4k/16k, d128 −0.9/−1.8/−1.0%, d64 and d256 within ±1%. The short causal rule's d128
+#   kernel ("short") inherits it; d64's ("short_wg2") sets it (aot/variants.py).
 # - d96: the d128 shape (O is 48 registers, S 64), and its 48 KB K/V stage leaves room for three
 #   stages (168 KB). 1.13-1.20x cuDNN at s4k/s16k (494/525, causal 439/499); one run's
 #   alternatives were within 1-5% either way (176-key blocks on two stages 492/538, causal
@@ -176,7 +194,7 @@ TILE_CONFIGS = {
                          skip_padded_groups=True),
     (96, 96): TileConfig(128, 128, 3, True, SoftmaxConfig(rescale_threshold=8.0)),
     (128, 128): TileConfig(128, 176, 2, True, SoftmaxConfig(rescale_threshold=8.0), masked_pingpong=False,
-                           masked_tile_n=128),
+                           masked_tile_n=128, masked_pv_wait_in_branch=True),
     (192, 128): TileConfig(128, 128, 2, True, SoftmaxConfig(rescale_threshold=8.0)),
     (256, 256): TileConfig(128, 64, 2, False, SoftmaxConfig(rescale_threshold=8.0)),
 }
@@ -878,14 +896,31 @@ class FlashAttentionForwardSm90:
         warpgroup.wait_group(1)
         blocks.pipeline_k.consumer_release(kv_state)
         moved = self.softmax_block(blocks, n_block, apply_mask, convert_p=False)
-        # P_{j-1} (registers read by the in-flight WGMMA) and O may be touched only after it retires.
-        warpgroup.wait_group(0)
-        blocks.pipeline_v.consumer_release(v_state)
-        if cutlass.const_expr(rescale_o):
-            if cute.arch.vote_any_sync(moved):
-                scale_rows(blocks.acc_o_rc, blocks.row_scale)
+        # P_{j-1} (registers read by the in-flight WGMMA) and O may be touched only after it
+        # retires: the wait in the rescale branch (`retire_pv`, TileConfig.pv_wait_in_branch), or
+        # before it, where ptxas may hoist it into the softmax.
+        if cutlass.const_expr(self.config.pv_wait_in_branch and rescale_o):
+            self.retire_pv(blocks, v_state, moved)
+        else:
+            warpgroup.wait_group(0)
+            blocks.pipeline_v.consumer_release(v_state)
+            if cutlass.const_expr(rescale_o):
+                if cute.arch.vote_any_sync(moved):
+                    scale_rows(blocks.acc_o_rc, blocks.row_scale)
         convert_pairs(blocks.acc_s, blocks.p)
         return kv_state
+
+    @cute.jit
+    def retire_pv(self, blocks, v_state, moved):
+        """Wait for block j-1's P·V GEMM, rescale O if a row's maximum moved, free V_{j-1}'s
+        stage. Each arm of the branch waits: ptxas schedules within a basic block, so the wait
+        cannot rise above the code before the branch (TileConfig.pv_wait_in_branch)."""
+        if cute.arch.vote_any_sync(moved):
+            warpgroup.wait_group(0)
+            scale_rows(blocks.acc_o_rc, blocks.row_scale)
+        else:
+            warpgroup.wait_group(0)
+        blocks.pipeline_v.consumer_release(v_state)
 
     @cute.jit
     def mma_last_pv(self, blocks, kv_state):
