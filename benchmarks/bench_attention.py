@@ -10,7 +10,9 @@ under tuning A, default and deterministic mode; "default" names the untuned back
 same path, the like-for-like baseline). "upstream" is FA4 upstream's Hopper forward and backward
 (flash-attn-4) exported ahead of time into a library by scripts/upstream_peer/build.py and named
 by $FA4_UPSTREAM_LIB (skipped without it): upstream's kernels under this timer, beside ANCHORS.md's
-torch figures for them. Only the JAX peers count as "best peer".
+torch figures for them. "fa4_jax_full_lengths" (only when named) calls the kernels as before
+session 18, with dense calls' full lengths built in the graph. Only the JAX peers count as "best
+peer".
 Grid (ANCHORS.md): batch·seqlen = 16384 tokens, heads = 2048 / head_dim, head dims 64/128/256,
 seqlen 1024/4096/16384, causal and not, forward and forward+backward. Head dim 192 runs with
 value head dim 128 (DeepSeek's shape, the library's one d ≠ dv variant; HEAD_DIM_V).
@@ -240,27 +242,69 @@ def fa4_jax_bwd_tuning_candidates(tuning: str, deterministic: bool):
         def attend(q, k, v):
             params = attention_params(q, k, v, causal=case.causal, deterministic=deterministic,
                                       implementation="cute")
-
-            @jax.custom_vjp
-            def attention(q, k, v):
-                return ffi.forward(q, k, v, params)[0]
-
-            def attention_fwd(q, k, v):
-                out, lse = ffi.forward(q, k, v, params)
-                return out, (q, k, v, out, lse)
-
-            def attention_bwd(residuals, d_out):
-                q, k, v, out, lse = residuals
-                d_lse = jnp.zeros(lse.shape, jnp.float32)
-                return ffi.backward(q, k, v, out, lse, d_out, d_lse, params, tuning=tuning)
-
-            attention.defvjp(attention_fwd, attention_bwd)
-            return attention(q, k, v)
+            return _ffi_attention(params, tuning)(q, k, v)
 
         config = {"tuning": tuning, "deterministic": deterministic}
         return [Candidate(config, attend, DTYPES[settings.dtype])]
 
     return candidates
+
+
+def _ffi_attention(params, tuning: str = "default", traced: Callable = lambda fn: fn) -> Callable:
+    """attention(q, k, v) -> out straight through ffi.forward and ffi.backward (the backward
+    under `tuning`) in a custom_vjp; `traced` wraps both calls, which run when the step traces."""
+    from fa4_jax import ffi
+
+    forward = traced(lambda q, k, v: ffi.forward(q, k, v, params))
+    backward = traced(lambda *arrays: ffi.backward(*arrays, params, tuning=tuning))
+
+    @jax.custom_vjp
+    def attention(q, k, v):
+        return forward(q, k, v)[0]
+
+    def attention_fwd(q, k, v):
+        out, lse = forward(q, k, v)
+        return out, (q, k, v, out, lse)
+
+    def attention_bwd(residuals, d_out):
+        q, k, v, out, lse = residuals
+        return backward(q, k, v, out, lse, d_out, jnp.zeros(lse.shape, jnp.float32))
+
+    attention.defvjp(attention_fwd, attention_bwd)
+    return attention
+
+
+def fa4_jax_full_lengths_candidates(case: Case, settings: Settings) -> list[Candidate]:
+    """The ablation of dense calls' empty length operands (session 18, docs/perf-log.md): the
+    kernels called as before, with full lengths built in the graph (XLA runs a broadcast kernel
+    ahead of each call) that the kernels then read. Compare with "fa4_jax:default" (forward) and
+    "fa4_jax_bwd:default" (forward+backward), which take the same path with empty lengths."""
+    _fa4_jax()
+    from fa4_jax import ffi
+    from fa4_jax.api import attention_params
+
+    _require_compiled(case, settings, "fwd", "default", deterministic=False)
+    if case.mode == "fwd_bwd":
+        _require_compiled(case, settings, "bwd", "default", deterministic=False)
+
+    def full_lengths(q, k, seq_lengths):
+        b = q.shape[0]
+        return jnp.full((b,), q.shape[1], jnp.int32), jnp.full((b,), k.shape[1], jnp.int32)
+
+    def traced(fn):
+        def with_full_lengths(*args):
+            empty_lengths, ffi._seq_used = ffi._seq_used, full_lengths
+            try:
+                return fn(*args)
+            finally:
+                ffi._seq_used = empty_lengths
+        return with_full_lengths
+
+    def attend(q, k, v):
+        params = attention_params(q, k, v, causal=case.causal, implementation="cute")
+        return _ffi_attention(params, traced=traced)(q, k, v)
+
+    return [Candidate({"lengths": "full"}, attend, DTYPES[settings.dtype])]
 
 
 def with_value_padded(attend: Callable) -> Callable:
@@ -430,10 +474,14 @@ PEERS = {
     "xla": dot_product_attention_candidates("xla"),
     "mgpu": mgpu_candidates,
     "upstream": upstream_candidates,
+    "fa4_jax_full_lengths": fa4_jax_full_lengths_candidates,
 }
 PEER_LABELS = {"cudnn": "JAX cuDNN", "xla": "JAX XLA", "mgpu": "Pallas MGPU (fp16)",
                "fa4_jax_det": "fa4_jax (cute, deterministic)",
-               "upstream": "FA4 upstream (AOT, our timer)"}
+               "upstream": "FA4 upstream (AOT, our timer)",
+               "fa4_jax_full_lengths": "fa4_jax (dense calls pass full lengths)"}
+# Rows that measure one of fa4_jax's own changes, run only when named in --peers.
+ABLATION_PEERS = ("fa4_jax_full_lengths",)
 # The peers fa4_jax is measured against ("best peer"): what a JAX user has today.
 JAX_PEERS = ("cudnn", "xla", "mgpu")
 TUNING_PREFIX = "fa4_jax:"
@@ -837,8 +885,10 @@ def make_parser(description: str = __doc__.split("\n\n")[0]) -> argparse.Argumen
     p.add_argument("--seqlens", type=int_list, help="e.g. 1024,4096,16384")
     p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     p.add_argument("--modes", type=name_list(MODES), default=MODES, help="fwd,fwd_bwd")
-    p.add_argument("--peers", type=name_list(PEERS), default=tuple(PEERS),
-                   help="fa4_jax,fa4_jax_det,cudnn,xla,mgpu")
+    p.add_argument("--peers", type=name_list(PEERS),
+                   default=tuple(p for p in PEERS if p not in ABLATION_PEERS),
+                   help="fa4_jax,fa4_jax_det,cudnn,xla,mgpu,upstream (fa4_jax_full_lengths "
+                        "only when named)")
     p.add_argument("--fa4-tunings", type=lambda text: tuple(text.split(",")), default=(),
                    help="forward ablation rows: names from fa4_jax.aot.variants.TUNINGS")
     p.add_argument("--fa4-bwd-tunings", type=lambda text: tuple(text.split(",")), default=(),

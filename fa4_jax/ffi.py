@@ -17,8 +17,9 @@ Contract used by `vjp.py` and `api.py`:
 
 `seq_lengths` is None or (q_len, kv_len), int32 [batch] each, clamped to [0, seqlen] (a ragged
 batch, `backends.forward`). Both calls always pass the two length operands (`seq_used_q`,
-`seq_used_k`), full lengths when seq_lengths is None, so ragged and dense calls share one compiled
-variant. A TMA tile load cannot stop at a per-entry length, so padding reaches the kernels, and a
+`seq_used_k`), so ragged and dense calls share one compiled variant; a dense call passes them
+empty ([0] each), so that XLA builds nothing before the call and the kernels read no lengths
+(kernels/common/ragged.py). A TMA tile load cannot stop at a per-entry length, so padding reaches the kernels, and a
 masked P = 0 times a NaN or inf of the padding would still be NaN. The forward kernel makes the
 K/V padding harmless itself (the mask overwrites the scores, V's padding rows are zeroed in
 shared memory); ragged calls still zero the padding of q (forward and backward) and of d_out,
@@ -155,16 +156,17 @@ def _static_attrs(params, tuning: str) -> dict:
 
 
 def _seq_used(q, k, seq_lengths):
-    """The seq_used_q, seq_used_k operands: the ragged lengths, or full ones.
+    """The seq_used_q, seq_used_k operands: the ragged lengths, or empty ones for a dense call.
 
-    Full lengths are built by jnp (a broadcast in the jaxpr), not numpy: a numpy array would be
-    a closed-over constant, which custom_partitioning (sharding.py) rejects.
+    Empty, not full: full lengths were a broadcast kernel that XLA ran ahead of every call
+    (docs/perf-log.md, "dense calls pass no lengths"); a zero-sized array is no work at all.
+    Built by jnp, not numpy: a numpy array would be a closed-over constant, which
+    custom_partitioning (sharding.py) rejects.
     """
     import jax.numpy as jnp
 
     if seq_lengths is None:
-        b = q.shape[0]
-        return jnp.full((b,), q.shape[1], jnp.int32), jnp.full((b,), k.shape[1], jnp.int32)
+        return jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.int32)
     return tuple(lengths.astype(np.int32) for lengths in seq_lengths)
 
 

@@ -180,11 +180,14 @@ ffi::Error CheckQkv(const Errors& err, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::
 
 ffi::Error CheckSeqUsed(const Errors& err, ffi::Buffer<ffi::S32> seq_used_q,
                         ffi::Buffer<ffi::S32> seq_used_k, Fa4Args* args) {
-  const int64_t b = args->b;
+  // Dense calls pass both empty; a length operand of any other size must hold all b entries.
+  const bool dense = seq_used_q.element_count() == 0 && seq_used_k.element_count() == 0;
+  const int64_t b = dense ? 0 : args->b;
   if (ffi::Error e = ExpectShape(err, "seq_used_q", seq_used_q.dimensions(), {b}); e.failure())
     return e;
   if (ffi::Error e = ExpectShape(err, "seq_used_k", seq_used_k.dimensions(), {b}); e.failure())
     return e;
+  args->b_lengths = static_cast<int32_t>(b);
   args->seq_used_q = seq_used_q.untyped_data();
   args->seq_used_k = seq_used_k.untyped_data();
   return ffi::Error::Success();

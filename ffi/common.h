@@ -76,7 +76,8 @@ ffi::Error CheckQkv(const Errors& err, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::
                     Fa4Dtype* dtype, Fa4Args* args);
 
 // Checks seq_used_q and seq_used_k, int32 [b] each (every batch entry's valid query rows and
-// keys; the kernels clamp them to sq and sk), after CheckQkv, and fills args' pointers.
+// keys; the kernels clamp them to sq and sk) or [0] each (a dense batch: no lengths to read),
+// after CheckQkv, and fills args' pointers and b_lengths.
 ffi::Error CheckSeqUsed(const Errors& err, ffi::Buffer<ffi::S32> seq_used_q,
                         ffi::Buffer<ffi::S32> seq_used_k, Fa4Args* args);
 

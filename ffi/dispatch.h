@@ -19,7 +19,8 @@ struct Fa4Args {
   void* v = nullptr;
   void* out = nullptr;
   void* lse = nullptr;
-  // int32 [b] each: the valid query rows and keys of every batch entry (full when not ragged)
+  // int32 [b_lengths] each: the valid query rows and keys of every batch entry of a ragged
+  // batch (b_lengths = b), or nothing (b_lengths = 0: a dense batch, the buffers' lengths)
   void* seq_used_q = nullptr;
   void* seq_used_k = nullptr;
   // backward only
@@ -32,7 +33,7 @@ struct Fa4Args {
   void* dpsum = nullptr;
   void* lse_log2 = nullptr;
   void* semaphore = nullptr;
-  int32_t b = 0, seqlen_q = 0, seqlen_k = 0, heads = 0, heads_k = 0;
+  int32_t b = 0, seqlen_q = 0, seqlen_k = 0, heads = 0, heads_k = 0, b_lengths = 0;
   int32_t seqlen_q_pad = 0, semaphore_blocks = 0, dq_copies = 1;  // backward workspaces, see compile.py
   float softmax_scale = 1.0f, softcap = 0.0f;
   int32_t window_left = 0, window_right = 0;

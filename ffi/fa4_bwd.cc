@@ -3,7 +3,7 @@
 //   inputs  q [b, sq, h, d], k [b, sk, hk, d], v [b, sk, hk, dv], out [b, sq, h, dv],
 //           d_out [b, sq, h, dv] (one dtype, bf16 or f16), lse [b, h, sq] f32, d_lse [b, h, sq] f32,
 //           seq_used_q s32 [b], seq_used_k s32 [b] (as for fa4_fwd_v1: rows past seq_used_q get
-//           dq 0, keys past seq_used_k get dk = dv = 0)
+//           dq 0, keys past seq_used_k get dk = dv = 0; both [0] for a dense batch)
 //   results dq [b, sq, h, d], dk [b, sk, hk, d], dv [b, sk, hk, dv] (q's dtype), then the
 //           workspaces (fa4_jax/aot/compile.py): dq_accum f32 [copies, b, h, sq_pad, d],
 //           dpsum f32 [b, h, sq_pad], lse_log2 f32 [b, h, sq_pad],

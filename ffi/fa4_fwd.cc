@@ -2,7 +2,8 @@
 //
 //   inputs  q [b, sq, h, d], k [b, sk, hk, d], v [b, sk, hk, dv]   (bf16 or f16, all the same),
 //           seq_used_q s32 [b], seq_used_k s32 [b]: each batch entry's valid query rows and keys
-//           (full lengths unless the batch is ragged; rows past seq_used_q get out 0, lse -inf)
+//           of a ragged batch (rows past seq_used_q get out 0, lse -inf); both [0] for a dense
+//           batch, whose lengths are the buffers' (the kernels then read none)
 //   results out [b, sq, h, dv] (q's dtype), lse [b, h, sq] (f32)
 //   attrs   softmax_scale f32, causal bool, window_left/window_right i32 (-1 = unbounded),
 //           softcap f32 (0 = none), tuning string ("default")

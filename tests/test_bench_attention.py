@@ -73,3 +73,16 @@ def test_upstream_rows_say_why_they_are_skipped(tmp_path, monkeypatch):
                 assert reason in str(skip), (mode, head_dim, skip)
             else:
                 raise AssertionError(f"{mode} d{head_dim} without the library must be skipped")
+
+
+def test_the_full_lengths_ablation_runs_only_when_named(tmp_path):
+    # An ablation row of fa4_jax's own: absent from the default peers, and a skip that says why
+    # where no kernel serves the call (here: no GPU).
+    assert "fa4_jax_full_lengths" not in bench_attention.parse_args([]).peers
+    argv = ["--dry-run", "--modes", "fwd,fwd_bwd", "--head-dims", "64", "--seqlens", "128",
+            "--causal", "no", "--peers", "fa4_jax_full_lengths", "--out", str(tmp_path)]
+    assert bench_attention.main(argv) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert {r["mode"] for r in rows} == {"fwd", "fwd_bwd"}
+    for row in rows:
+        assert row["status"] == "skipped" and row["note"], row

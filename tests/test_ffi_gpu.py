@@ -81,9 +81,13 @@ def test_handler_names_a_wrong_length_operand():
     q = jnp.ones((2, 8, 2, 64), jnp.bfloat16)
     call = jax.ffi.ffi_call(ffi.FWD_TARGET, (jax.ShapeDtypeStruct(q.shape, q.dtype),
                                               jax.ShapeDtypeStruct((2, 2, 8), jnp.float32)))
-    seq_used_q, _ = ffi._seq_used(q, q, None)
+    full = jnp.full((2,), 8, jnp.int32)
     with pytest.raises(Exception, match=r"seq_used_k has shape \[3\], expected \[2\]"):
-        jax.block_until_ready(call(q, q, q, seq_used_q, jnp.full((3,), 8, jnp.int32), **_ATTRS))
+        jax.block_until_ready(call(q, q, q, full, jnp.full((3,), 8, jnp.int32), **_ATTRS))
+    # Empty operands mean a dense batch only when both are empty.
+    empty, _ = ffi._seq_used(q, q, None)
+    with pytest.raises(Exception, match=r"seq_used_q has shape \[0\], expected \[2\]"):
+        jax.block_until_ready(call(q, q, q, empty, full, **_ATTRS))
 
 
 _ATTRS = dict(softmax_scale=np.float32(1), causal=False, window_left=np.int32(-1),

@@ -29,14 +29,16 @@ _ALIGN = 16
 #   m_blocks = sq_pad / BWD_SEMAPHORE_ROWS
 #   copies   = dQ accumulators per query block: 1, or 2 for some deterministic calls
 #              (BWD_MAX_DQ_COPIES; variants.dq_copies picks)
+#   b_lengths = b for a ragged batch, 0 for a dense one (mSeqUsedQ / mSeqUsedK below)
 # Backward workspaces (results of the FFI call, so XLA owns them; the kernels own them, the
 # preprocess zeroing what needs zeros): mdQaccum accumulates dS·K in fp32 (dQ =
 # softmax_scale · the sum of its copies, written to mdQ by the last pass), mdPsum holds
 # D = rowsum(dO ∘ O) - dLSE, mLSElog2 holds lse · log2(e), and mSemaphore orders the dQ
 # accumulation in deterministic mode (one counter per copy and 64 query rows).
 # mSeqUsedQ / mSeqUsedK: each batch entry's valid query rows and keys (FlashAttention's
-# seqused_q / seqused_k; the ragged batch). Every call passes them, full lengths when the batch is
-# not ragged, so one compiled variant serves both; the kernels clamp them to sq / sk.
+# seqused_q / seqused_k; the ragged batch), which the kernels clamp to sq / sk. A dense call
+# passes them empty and the kernels read none (kernels/common/ragged.py), so one compiled variant
+# serves both.
 TENSORS = {
     "fwd": (
         ("mQ", "io", ("b", "sq", "h", "d")),
@@ -44,8 +46,8 @@ TENSORS = {
         ("mV", "io", ("b", "sk", "hk", "dv")),
         ("mO", "io", ("b", "sq", "h", "dv")),
         ("mLSE", "f32", ("b", "h", "sq")),
-        ("mSeqUsedQ", "i32", ("b",)),
-        ("mSeqUsedK", "i32", ("b",)),
+        ("mSeqUsedQ", "i32", ("b_lengths",)),
+        ("mSeqUsedK", "i32", ("b_lengths",)),
     ),
     "bwd": (
         ("mQ", "io", ("b", "sq", "h", "d")),
@@ -62,11 +64,11 @@ TENSORS = {
         ("mdPsum", "f32", ("b", "h", "sq_pad")),
         ("mLSElog2", "f32", ("b", "h", "sq_pad")),
         ("mSemaphore", "i32", ("copies", "b", "h", "m_blocks")),
-        ("mSeqUsedQ", "i32", ("b",)),
-        ("mSeqUsedK", "i32", ("b",)),
+        ("mSeqUsedQ", "i32", ("b_lengths",)),
+        ("mSeqUsedK", "i32", ("b_lengths",)),
     ),
 }
-DYNAMIC_DIMS = ("b", "sq", "sk", "h", "hk", "sq_pad", "m_blocks", "copies")
+DYNAMIC_DIMS = ("b", "sq", "sk", "h", "hk", "sq_pad", "m_blocks", "copies", "b_lengths")
 STATIC_DIMS = ("d", "dv")
 
 # Each kind's scalar arguments after the tensors (then the CUDA stream): name and dtype.

@@ -94,8 +94,10 @@ TUNINGS: dict[str, dict] = {
     # One MMA warp group (64-row tiles): what `call_tuning` picks for decode-sized calls, whose
     # few rows (a GQA-packed group's heads) leave most of a 128- or 192-row tile as padding.
     # Measured (docs/perf-log.md, "Decode tiles"): d64 decode 285 vs 435 us on 192-row tiles,
-    # d128 509 vs 534 us (b=64, 8k cache, 32/8 heads).
-    "decode": {"mma_warp_groups": 1, "pingpong": False},
+    # d128 509 vs 534 us (b=64, 8k cache, 32/8 heads). The P·V wait pinned since session 18:
+    # reading no lengths in dense calls (kernels/common/ragged.py) let ptxas hoist it above every
+    # exponential at d128 (41 under the GEMM before; 153 of 192 with softcap, then 17).
+    "decode": {"mma_warp_groups": 1, "pingpong": False, "pv_wait_in_branch": True},
     # Key block widths (the knob sets both masks'), against the defaults: d128 176 without a mask
     # and 128 under one, d64 128, d256 64.
     "n96": {"tile_n": 96},  # d64's default before P's conversion stopped spilling

@@ -2,7 +2,8 @@
 
 mdQaccum [copies, b, h, sq_pad, d] (fp32, filled by the main kernel's adds; the copies summed in
 order) -> mdQ [b, sq, h, d]; rows >= seqlen_q are padding and are not written. Rows past the
-batch entry's valid query rows (mSeqUsedQ [b]: a ragged batch's padding) are written as 0.
+batch entry's valid query rows (mSeqUsedQ [b]: a ragged batch's padding; [0] for a dense batch)
+are written as 0.
 With `det_stores_first` a deterministic call's copies were not zeroed: a copy of a query block
 that no key block wrote (its semaphore, mSemaphore [copies, b, h, sq_pad / 64], still 0) holds
 stale memory and counts as 0.
@@ -22,6 +23,7 @@ from cutlass import Float32
 
 from fa4_jax.kernels.bwd_workspace import BWD_SEMAPHORE_ROWS
 from fa4_jax.kernels.common.layouts import FRAGMENT_GROUP_THREADS, fragment_order_view
+from fa4_jax.kernels.common.ragged import entry_length
 
 
 class BackwardPostprocess:
@@ -72,7 +74,7 @@ class BackwardPostprocess:
             cute.arch.griddepcontrol_wait()
         tidx, _, _ = cute.arch.thread_idx()
         row_block, head, batch = cute.arch.block_idx()
-        return tidx, row_block, head, batch, mdQ.shape[1], mSeqUsedQ[batch]
+        return tidx, row_block, head, batch, mdQ.shape[1], entry_length(mSeqUsedQ, batch, mdQ.shape[1])
 
     @cute.kernel
     def kernel(self, mdQaccum, mdQ, mSeqUsedQ, softmax_scale: Float32):

@@ -6,7 +6,7 @@ For every padded query row r < sq_pad of every (batch, head):
                       (no visible key), so the main kernel's P = exp2(s·scale_log2 − LSElog2) is 0
                       there instead of NaN.
 Rows past the batch entry's valid query rows (mSeqUsedQ [b], clamped to sq: a ragged batch's
-padding) are padded rows too.
+padding; [0] for a dense batch) are padded rows too.
 It also zeroes its rows of every copy of the dQ accumulator (mdQaccum [copies, b, h, sq_pad, d]),
 which the main kernel then adds into: the same bytes the handler's cudaMemsetAsync wrote, in a
 kernel that runs anyway. Not in deterministic mode when the main kernel's first add into each
@@ -24,6 +24,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from fa4_jax.kernels.bwd_workspace import BWD_SEMAPHORE_ROWS
+from fa4_jax.kernels.common.ragged import entry_length
 
 LOG2_E = math.log2(math.e)
 
@@ -75,7 +76,7 @@ class BackwardPreprocess:
             self._zero_dq_rows(mdQaccum, row_block, head, batch, tidx)
         lane_in_row = tidx % self.lanes_per_row
         row = row_block * self.rows_per_block + tidx // self.lanes_per_row
-        seqlen_q = cutlass.min(mSeqUsedQ[batch], mO.shape[1])
+        seqlen_q = entry_length(mSeqUsedQ, batch, mO.shape[1])
 
         partial_sum = Float32(0.0)
         if row < seqlen_q:

@@ -53,8 +53,8 @@ they need no mask. Keys past seqlen_k are zero, score 0 and would get P = exp2(�
 overflows for a row with lse below about −88 (inf · 0 = NaN in dQ); the CTA of the partial key
 block masks them (AttentionMask.apply_key_tail). Their dK/dV rows are never stored.
 
-Ragged batches (mSeqUsedQ, mSeqUsedK: each entry's valid query rows and keys; full lengths
-otherwise): seqlen_q and seqlen_k above are the entry's, clamped to the buffers, and the padding
+Ragged batches (mSeqUsedQ, mSeqUsedK: each entry's valid query rows and keys; empty for a dense
+batch, whose lengths are the buffers', common/ragged.py): seqlen_q and seqlen_k above are the entry's, clamped to the buffers, and the padding
 past them is zero (ffi.backward zeroes Q, K, V and dO there): padded rows get LSElog2 = +inf and
 D = 0 from the preprocess, so P = dS = 0 and their dQ rows stay 0 (the postprocess writes 0 there
 anyway); padded keys are loaded (a TMA box cannot stop at a per-entry length) and masked like the
@@ -82,6 +82,7 @@ from fa4_jax.kernels.common.layouts import (
     acc_as_operand_a, acc_rows_cols, fragment_order_view, opaque_int32,
 )
 from fa4_jax.kernels.common.mask import AttentionMask
+from fa4_jax.kernels.common.ragged import entry_length
 from fa4_jax.kernels.sm90.operands import (
     permute_modes, smem_layout, swizzled_tensor, tma_pipeline, wgmma_gemm,
 )
@@ -709,8 +710,8 @@ class FlashAttentionBackwardSm90:
                 n_block = cute.ceil_div(seqlen_k, self.tile_n) - 1 - block_x
         # From here on the entry's own lengths (a ragged batch's; else the buffers'): the grid
         # above stays on the buffers' sizes.
-        seqlen_q = cutlass.min(mSeqUsedQ[batch], seqlen_q)
-        seqlen_k = cutlass.min(mSeqUsedK[batch], seqlen_k)
+        seqlen_q = entry_length(mSeqUsedQ, batch, seqlen_q)
+        seqlen_k = entry_length(mSeqUsedK, batch, seqlen_k)
         group = num_heads // mK.shape[2]
         block_info = BlockInfo(self.tile_m, self.tile_n, self.causal, self.local)
         m_block_min, m_block_max = block_info.m_block_range(
@@ -938,7 +939,7 @@ class FlashAttentionBackwardSm90:
         The length is loaded again on each use rather than held through the main loop: held,
         it made d128 with softcap spill.
         """
-        seqlen_k = cutlass.min(mSeqUsedK[batch], key_buffer)
+        seqlen_k = entry_length(mSeqUsedK, batch, key_buffer)
         mask.apply_key_tail(tile, blocks.score_coords0, blocks.thread_origin[0], n_block, seqlen_k, fill=fill)
 
     @cute.jit

@@ -22,8 +22,8 @@ Key blocks are visited from the highest to the lowest so the first block carries
 tail and the causal diagonal; the tail mask, the causal/window masks and the unmasked middle run
 in separate loops (block_info.py) so the common case does no per-element mask work.
 
-Ragged batches: each tile reads its batch entry's valid lengths (mSeqUsedQ, mSeqUsedK; the full
-ones otherwise) and they, not the buffers' sizes, bound its key blocks, masks and offset, so the
+Ragged batches: each tile reads its batch entry's valid lengths (mSeqUsedQ, mSeqUsedK; a dense
+call passes them empty and the buffers' sizes serve, common/ragged.py) and they, not the buffers' sizes, bound its key blocks, masks and offset, so the
 padding keys are masked like a sequence tail (and their V rows zeroed in shared memory); rows
 past the entry's length come out 0 with LSE −inf. The tile schedule stays on the buffers' sizes: a tile wholly past the length visits no
 key block and only writes those zeros.
@@ -43,6 +43,7 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from fa4_jax.kernels.common.block_info import BlockInfo
 from fa4_jax.kernels.common.layouts import acc_as_operand_a, acc_rows_cols, convert_pairs, opaque_int32
 from fa4_jax.kernels.common.mask import AttentionMask
+from fa4_jax.kernels.common.ragged import entry_length
 from fa4_jax.kernels.common.softmax import OnlineSoftmax, SoftmaxConfig, scale_rows
 from fa4_jax.kernels.common.tile_scheduler import L2_SECTION_BYTES, TileScheduler
 from fa4_jax.kernels.sm90.operands import (
@@ -188,14 +189,18 @@ MMA_REGISTERS = {1: 240, 2: 240, 3: 160}
 #   alternatives were within 1-5% either way (176-key blocks on two stages 492/538, causal
 #   435/523; ping-pong off 504/545, causal 426/489), so it stays.
 # - d192/dv128 (DeepSeek's shape) is not measured yet: the registers of d128 (Q·Kᵀ only has
-#   more k-steps), an 80 KB K/V stage, so two stages (208 KB).
+#   more k-steps), an 80 KB K/V stage, so two stages (208 KB). Its P·V wait is pinned without a
+#   mask since session 18, when reading no lengths in dense calls (common/ragged.py) let ptxas
+#   hoist it above all 64 exponentials of the block (41 of them under the GEMM before; 107 of
+#   128 with softcap, then 16); masked, it stayed where it was and is left unpinned.
 TILE_CONFIGS = {
     (64, 64): TileConfig(192, 128, 3, True, SoftmaxConfig(rescale_threshold=8.0), mma_warp_groups=3,
                          skip_padded_groups=True),
     (96, 96): TileConfig(128, 128, 3, True, SoftmaxConfig(rescale_threshold=8.0)),
     (128, 128): TileConfig(128, 176, 2, True, SoftmaxConfig(rescale_threshold=8.0), masked_pingpong=False,
                            masked_tile_n=128, masked_pv_wait_in_branch=True),
-    (192, 128): TileConfig(128, 128, 2, True, SoftmaxConfig(rescale_threshold=8.0)),
+    (192, 128): TileConfig(128, 128, 2, True, SoftmaxConfig(rescale_threshold=8.0), pv_wait_in_branch=True,
+                           masked_pv_wait_in_branch=False),
     (256, 256): TileConfig(128, 64, 2, False, SoftmaxConfig(rescale_threshold=8.0)),
 }
 # The most dynamic shared memory an sm_90 CTA may use (227 KB). On top of TileConfig.smem_bytes
@@ -230,7 +235,7 @@ class _BlockOperands:
 @dataclasses.dataclass(frozen=True)
 class _Problem:
     """The runtime sizes every role needs to walk the tile schedule, and each batch entry's
-    valid lengths (mSeqUsedQ, mSeqUsedK [b]: a ragged batch's, else the full ones)."""
+    valid lengths (mSeqUsedQ, mSeqUsedK [b]: a ragged batch's; empty for a dense one)."""
 
     seqlen_q: Int32
     seqlen_k: Int32
@@ -243,8 +248,8 @@ class _Problem:
     def seqlens(self, batch: Int32):
         """(query rows, keys) of entry `batch` that exist: its lengths, clamped to the buffers.
         The tile schedule stays on the buffers' sizes; these bound the blocks, masks and rows."""
-        return (cutlass.min(self.seq_used_q[batch], self.seqlen_q),
-                cutlass.min(self.seq_used_k[batch], self.seqlen_k))
+        return (entry_length(self.seq_used_q, batch, self.seqlen_q),
+                entry_length(self.seq_used_k, batch, self.seqlen_k))
 
     def tile_count(self, scheduler: TileScheduler) -> Int32:
         return scheduler.tile_count(self.seqlen_q, self.num_heads, self.batch)
@@ -383,7 +388,8 @@ class FlashAttentionForwardSm90:
         stream: cuda.CUstream,
     ):
         """mQ [b, sq, h, d], mK [b, sk, hk, d], mV [b, sk, hk, dv], mO [b, sq, h, dv], mLSE [b, h, sq],
-        mSeqUsedQ / mSeqUsedK [b] int32: each entry's valid query rows and keys.
+        mSeqUsedQ / mSeqUsedK [b] int32: each entry's valid query rows and keys; [0] for a
+        dense batch (the buffers' sizes).
 
         Rows past an entry's valid ones get O = 0 and LSE = −inf; keys past its valid ones are
         masked like the sequence tail, and the V rows of those inside the last key block read
