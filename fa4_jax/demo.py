@@ -4,7 +4,8 @@ The model (Flax Linen) uses `nn.MultiHeadDotProductAttention(attention_fn=make_a
 causal=True))`. It is trained on a synthetic corpus generated here (`demo_corpus`), then trained
 again from the same seed on the same batches with `jax.nn.dot_product_attention` as the
 attention. The two loss curves must agree within a tolerance set by the compute dtype; the demo
-prints both throughputs, writes a PNG of both curves, and exits non-zero when they disagree.
+prints both throughputs, writes a PNG of both curves and a JSON of their per-step losses, and
+exits non-zero when they disagree.
 
 Without a GPU it runs a small fp32 configuration on fa4_jax's pure-JAX reference (a minute or two
 on two CPU cores). On a GPU it runs a larger bf16 configuration on the fa4_jax kernels. All
@@ -72,7 +73,12 @@ CONFIGS = {
 #   implementations round probabilities and accumulate differently; measured 6e-4 on CPU);
 # - the whole curve after a SMOOTHING_STEPS moving average: 3e-2 fp32 (measured 1.1%), 8e-2
 #   bf16 (the 300-step GPU run against cuDNN measured 0.7-4.0e-2 over five H200 runs; twice the
-#   largest), which catches divergence, instability and NaN later in training.
+#   largest), which catches divergence, instability and NaN later in training. In bf16 it is
+#   not proof against chaos: both runs sit on a plateau near 2.15 nats/char from step ~30 to
+#   150-200, and in session 18 a 2-GPU run left it ~35 steps after cuDNN's and never caught up
+#   within 300 steps (1.2e-1, final losses 1.69 against 1.51), while the 1-GPU run left it first
+#   (4.0e-2). Each run writes both curves beside its PNG (`write_curves`), so a disagreement
+#   can be looked at step by step.
 # A real bug is far outside both: attention that sees the future, a wrong scale or a broken
 # gradient moves the loss by tens of percent within a few steps.
 EARLY_STEPS = 50
@@ -308,6 +314,23 @@ def _moving_average(values):
     return np.convolve(values, np.ones(window) / window, mode="valid")
 
 
+def write_curves(png_path: str, config_name: str, config: DemoConfig, comparison: CurveComparison,
+                 runs: dict[str, tuple[np.ndarray, float]]) -> str:
+    """Both runs' per-step losses and tokens/s, the config and the comparison, as JSON beside
+    the PNG (same name, .json); returns its path."""
+    import json
+    import os
+
+    path = os.path.splitext(png_path)[0] + ".json"
+    with open(path, "w") as f:
+        json.dump({"config": config_name, "settings": dataclasses.asdict(config),
+                   "devices": jax.device_count(), "comparison": dataclasses.asdict(comparison),
+                   "runs": {name: {"tokens_per_s": float(tps),
+                                   "losses": [float(x) for x in losses]}
+                            for name, (losses, tps) in runs.items()}}, f, indent=1)
+    return path
+
+
 def plot_curves(path: str, curves: dict[str, np.ndarray], title: str):
     import matplotlib
 
@@ -429,7 +452,10 @@ def main(argv=None) -> int:
           f"{SMOOTHING_STEPS}-step moving average over all steps {comparison.smoothed_max:.1e} "
           f"(tolerance {SMOOTHED_RTOL[config.dtype]:.0e}) -> "
           f"{'AGREE' if comparison.agree else 'DISAGREE'}")
-    print(f"loss curves written to {args.out}")
+    curves_path = write_curves(args.out, args.config, config, comparison,
+                               {"fa4_jax": (fa4_losses, fa4_tps),
+                                f"jax.nn ({baseline_impl})": (base_losses, base_tps)})
+    print(f"loss curves written to {args.out} and {curves_path}")
     return 0 if comparison.agree else 1
 
 

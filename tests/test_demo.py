@@ -1,5 +1,6 @@
 """The training demo: it runs, its two loss curves agree, and its agreement check can fail."""
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,13 @@ def test_demo_tiny_run_agrees_and_writes_plot(tmp_path, capsys):
     assert "-> AGREE" in printed
     assert "reference" in printed  # no GPU here: the demo must say it runs the reference
     assert plot.stat().st_size > 0
+    curves = json.loads((tmp_path / "loss.json").read_text())
+    assert curves["comparison"]["agree"] is True and curves["settings"]["steps"] == TINY_STEPS
+    runs = curves["runs"]
+    assert set(runs) == {"fa4_jax", "jax.nn (xla)"}
+    for run in runs.values():
+        assert len(run["losses"]) == TINY_STEPS and all(np.isfinite(run["losses"]))
+        assert run["tokens_per_s"] > 0
 
 
 def test_compare_curves_rule(seed):
