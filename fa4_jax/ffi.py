@@ -19,11 +19,11 @@ Contract used by `vjp.py` and `api.py`:
 batch, `backends.forward`). Both calls always pass the two length operands (`seq_used_q`,
 `seq_used_k`), so ragged and dense calls share one compiled variant; a dense call passes them
 empty ([0] each), so that XLA builds nothing before the call and the kernels read no lengths
-(kernels/common/ragged.py). A TMA tile load cannot stop at a per-entry length, so padding reaches the kernels, and a
-masked P = 0 times a NaN or inf of the padding would still be NaN. The forward kernel makes the
-K/V padding harmless itself (the mask overwrites the scores, V's padding rows are zeroed in
-shared memory); ragged calls still zero the padding of q (forward and backward) and of d_out,
-k and v (backward) with one elementwise pass over each.
+(kernels/common/ragged.py). A TMA tile load cannot stop at a per-entry length, so padding reaches
+the kernels, and a masked P = 0 times a NaN or inf of the padding would still be NaN. The forward
+kernel makes the K/V padding harmless itself (the mask overwrites the scores, V's padding rows are
+zeroed in shared memory); ragged calls still zero the padding of q (forward and backward) and of
+d_out, k and v (backward) with one elementwise pass over each.
 
 The library is fa4_jax/_lib/libfa4_jax.so (FA4_JAX_LIBRARY overrides), built by
 `python -m fa4_jax.aot.build`; fa4_jax/_lib/variants.json lists the variants compiled into it.

@@ -74,7 +74,8 @@ class BackwardPostprocess:
             cute.arch.griddepcontrol_wait()
         tidx, _, _ = cute.arch.thread_idx()
         row_block, head, batch = cute.arch.block_idx()
-        return tidx, row_block, head, batch, mdQ.shape[1], entry_length(mSeqUsedQ, batch, mdQ.shape[1])
+        seqlen_q = mdQ.shape[1]
+        return tidx, row_block, head, batch, seqlen_q, entry_length(mSeqUsedQ, batch, seqlen_q)
 
     @cute.kernel
     def kernel(self, mdQaccum, mdQ, mSeqUsedQ, softmax_scale: Float32):

@@ -23,10 +23,11 @@ tail and the causal diagonal; the tail mask, the causal/window masks and the unm
 in separate loops (block_info.py) so the common case does no per-element mask work.
 
 Ragged batches: each tile reads its batch entry's valid lengths (mSeqUsedQ, mSeqUsedK; a dense
-call passes them empty and the buffers' sizes serve, common/ragged.py) and they, not the buffers' sizes, bound its key blocks, masks and offset, so the
-padding keys are masked like a sequence tail (and their V rows zeroed in shared memory); rows
-past the entry's length come out 0 with LSE −inf. The tile schedule stays on the buffers' sizes: a tile wholly past the length visits no
-key block and only writes those zeros.
+call passes them empty and the buffers' sizes serve, common/ragged.py) and they, not the buffers'
+sizes, bound its key blocks, masks and offset, so the padding keys are masked like a sequence tail
+(and their V rows zeroed in shared memory); rows past the entry's length come out 0 with LSE −inf.
+The tile schedule stays on the buffers' sizes: a tile wholly past the length visits no key block
+and only writes those zeros.
 """
 import dataclasses
 import functools
