@@ -34,14 +34,19 @@ def test_padded_value_gives_the_narrow_output():
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
+def _dry_run_rows(tmp_path, *args) -> list[dict]:
+    """The result rows of a dry run over both modes at d64, s = 128, no mask, with `args`."""
+    argv = ["--dry-run", "--modes", "fwd,fwd_bwd", "--head-dims", "64", "--seqlens", "128",
+            "--causal", "no", *args, "--out", str(tmp_path)]
+    assert bench_attention.main(argv) == 0
+    return json.loads((tmp_path / "results.json").read_text())["results"]
+
+
 def test_tuning_rows_without_a_kernel_are_skipped_with_the_reason(tmp_path):
     # Ablation variants exist at some head dims only; a row the library cannot serve is a skip
     # that says why (here: no GPU), not a failure.
-    argv = ["--dry-run", "--modes", "fwd,fwd_bwd", "--head-dims", "64", "--seqlens", "128",
-            "--causal", "no", "--peers", "xla", "--fa4-tunings", "lpt",
-            "--fa4-bwd-tunings", "dq_writer1", "--out", str(tmp_path)]
-    assert bench_attention.main(argv) == 0
-    rows = json.loads((tmp_path / "results.json").read_text())["results"]
+    rows = _dry_run_rows(tmp_path, "--peers", "xla", "--fa4-tunings", "lpt",
+                         "--fa4-bwd-tunings", "dq_writer1")
     tuned = [r for r in rows if r["peer"] != "xla"]
     assert {r["peer"] for r in tuned} == {"fa4_jax:lpt", "fa4_jax_bwd:dq_writer1",
                                           "fa4_jax_bwd_det:dq_writer1"}
@@ -54,10 +59,7 @@ def test_upstream_rows_say_why_they_are_skipped(tmp_path, monkeypatch):
     # (or at a head dim it was not exported for) the row is a skip naming what is missing, not a
     # failure, forward and forward+backward alike.
     monkeypatch.delenv(bench_attention.UPSTREAM_LIB_ENV, raising=False)
-    argv = ["--dry-run", "--modes", "fwd,fwd_bwd", "--head-dims", "64", "--seqlens", "128",
-            "--causal", "no", "--peers", "upstream", "--out", str(tmp_path)]
-    assert bench_attention.main(argv) == 0
-    rows = json.loads((tmp_path / "results.json").read_text())["results"]
+    rows = _dry_run_rows(tmp_path, "--peers", "upstream")
     assert {r["mode"] for r in rows} == {"fwd", "fwd_bwd"}
     for row in rows:
         assert row["status"] == "skipped" and bench_attention.UPSTREAM_LIB_ENV in row["note"], row
@@ -79,10 +81,7 @@ def test_the_full_lengths_ablation_runs_only_when_named(tmp_path):
     # An ablation row of fa4_jax's own: absent from the default peers, and a skip that says why
     # where no kernel serves the call (here: no GPU).
     assert "fa4_jax_full_lengths" not in bench_attention.parse_args([]).peers
-    argv = ["--dry-run", "--modes", "fwd,fwd_bwd", "--head-dims", "64", "--seqlens", "128",
-            "--causal", "no", "--peers", "fa4_jax_full_lengths", "--out", str(tmp_path)]
-    assert bench_attention.main(argv) == 0
-    rows = json.loads((tmp_path / "results.json").read_text())["results"]
+    rows = _dry_run_rows(tmp_path, "--peers", "fa4_jax_full_lengths")
     assert {r["mode"] for r in rows} == {"fwd", "fwd_bwd"}
     for row in rows:
         assert row["status"] == "skipped" and row["note"], row

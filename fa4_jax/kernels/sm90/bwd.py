@@ -57,9 +57,9 @@ Ragged batches (mSeqUsedQ, mSeqUsedK: each entry's valid query rows and keys; em
 batch, whose lengths are the buffers', common/ragged.py): seqlen_q and seqlen_k above are the
 entry's, clamped to the buffers, and the padding past them is zero (ffi.backward zeroes Q, K, V
 and dO there): padded rows get LSElog2 = +inf and D = 0 from the preprocess, so P = dS = 0 and
-their dQ rows stay 0 (the postprocess writes 0 there anyway); padded keys are loaded (a TMA box cannot stop at a per-entry length) and masked like the
-tail above, so their dK/dV rows are exact zeros; key blocks wholly past the length visit no query
-block and store zeros.
+their dQ rows stay 0 (the postprocess writes 0 there anyway); padded keys are loaded (a TMA box
+cannot stop at a per-entry length) and masked like the tail above, so their dK/dV rows are exact
+zeros; key blocks wholly past the length visit no query block and store zeros.
 """
 import dataclasses
 import functools
