@@ -11,8 +11,9 @@ same path, the like-for-like baseline). "upstream" is FA4 upstream's Hopper forw
 (flash-attn-4) exported ahead of time into a library by scripts/upstream_peer/build.py and named
 by $FA4_UPSTREAM_LIB (skipped without it): upstream's kernels under this timer, beside ANCHORS.md's
 torch figures for them. "fa4_jax_full_lengths" (only when named) calls the kernels as before
-session 18, with dense calls' full lengths built in the graph. Only the JAX peers count as "best
-peer".
+session 18, with dense calls' full lengths built in the graph, and "fa4_jax_dlse_zeros" (only when
+named) gives the backward lse's cotangent as zeros, as before session 19. Only the JAX peers count
+as "best peer".
 Grid (ANCHORS.md): batch·seqlen = 16384 tokens, heads = 2048 / head_dim, head dims 64/128/256,
 seqlen 1024/4096/16384, causal and not, forward and forward+backward. Head dim 192 runs with
 value head dim 128 (DeepSeek's shape, the library's one d ≠ dv variant; HEAD_DIM_V).
@@ -250,9 +251,12 @@ def fa4_jax_bwd_tuning_candidates(tuning: str, deterministic: bool):
     return candidates
 
 
-def _ffi_attention(params, tuning: str = "default", traced: Callable = lambda fn: fn) -> Callable:
+def _ffi_attention(params, tuning: str = "default", traced: Callable = lambda fn: fn,
+                   d_lse_zeros: bool = False) -> Callable:
     """attention(q, k, v) -> out straight through ffi.forward and ffi.backward (the backward
-    under `tuning`) in a custom_vjp; `traced` wraps both calls, which run when the step traces."""
+    under `tuning`) in a custom_vjp; `traced` wraps both calls, which run when the step traces.
+    The backward gets no d_lse, as fa4_jax.attention's does when lse is not differentiated, or
+    with `d_lse_zeros` an fp32 array of zeros (before session 19)."""
     from fa4_jax import ffi
 
     forward = traced(lambda q, k, v: ffi.forward(q, k, v, params))
@@ -268,7 +272,8 @@ def _ffi_attention(params, tuning: str = "default", traced: Callable = lambda fn
 
     def attention_bwd(residuals, d_out):
         q, k, v, out, lse = residuals
-        return backward(q, k, v, out, lse, d_out, jnp.zeros(lse.shape, jnp.float32))
+        d_lse = jnp.zeros(lse.shape, jnp.float32) if d_lse_zeros else None
+        return backward(q, k, v, out, lse, d_out, d_lse)
 
     attention.defvjp(attention_fwd, attention_bwd)
     return attention
@@ -305,6 +310,26 @@ def fa4_jax_full_lengths_candidates(case: Case, settings: Settings) -> list[Cand
         return _ffi_attention(params, traced=traced)(q, k, v)
 
     return [Candidate({"lengths": "full"}, attend, DTYPES[settings.dtype])]
+
+
+def fa4_jax_dlse_zeros_candidates(case: Case, settings: Settings) -> list[Candidate]:
+    """The ablation of the symbolic dLSE cotangent (session 19, docs/perf-log.md): the backward
+    given lse's cotangent as an fp32 array of zeros (XLA runs a broadcast kernel ahead of each
+    backward, which the preprocess then reads). Compare with "fa4_jax_bwd:default", the same path
+    without it."""
+    _fa4_jax()
+    from fa4_jax.api import attention_params
+
+    if case.mode != "fwd_bwd":
+        raise Skip("the dLSE cotangent is a backward operand")
+    _require_compiled(case, settings, "fwd", "default", deterministic=False)
+    _require_compiled(case, settings, "bwd", "default", deterministic=False)
+
+    def attend(q, k, v):
+        params = attention_params(q, k, v, causal=case.causal, implementation="cute")
+        return _ffi_attention(params, d_lse_zeros=True)(q, k, v)
+
+    return [Candidate({"d_lse": "zeros"}, attend, DTYPES[settings.dtype])]
 
 
 def with_value_padded(attend: Callable) -> Callable:
@@ -475,13 +500,15 @@ PEERS = {
     "mgpu": mgpu_candidates,
     "upstream": upstream_candidates,
     "fa4_jax_full_lengths": fa4_jax_full_lengths_candidates,
+    "fa4_jax_dlse_zeros": fa4_jax_dlse_zeros_candidates,
 }
 PEER_LABELS = {"cudnn": "JAX cuDNN", "xla": "JAX XLA", "mgpu": "Pallas MGPU (fp16)",
                "fa4_jax_det": "fa4_jax (cute, deterministic)",
                "upstream": "FA4 upstream (AOT, our timer)",
-               "fa4_jax_full_lengths": "fa4_jax (dense calls pass full lengths)"}
+               "fa4_jax_full_lengths": "fa4_jax (dense calls pass full lengths)",
+               "fa4_jax_dlse_zeros": "fa4_jax (backward given dLSE zeros)"}
 # Rows that measure one of fa4_jax's own changes, run only when named in --peers.
-ABLATION_PEERS = ("fa4_jax_full_lengths",)
+ABLATION_PEERS = ("fa4_jax_full_lengths", "fa4_jax_dlse_zeros")
 # The peers fa4_jax is measured against ("best peer"): what a JAX user has today.
 JAX_PEERS = ("cudnn", "xla", "mgpu")
 TUNING_PREFIX = "fa4_jax:"
@@ -887,8 +914,8 @@ def make_parser(description: str = __doc__.split("\n\n")[0]) -> argparse.Argumen
     p.add_argument("--modes", type=name_list(MODES), default=MODES, help="fwd,fwd_bwd")
     p.add_argument("--peers", type=name_list(PEERS),
                    default=tuple(p for p in PEERS if p not in ABLATION_PEERS),
-                   help="fa4_jax,fa4_jax_det,cudnn,xla,mgpu,upstream (fa4_jax_full_lengths "
-                        "only when named)")
+                   help="fa4_jax,fa4_jax_det,cudnn,xla,mgpu,upstream (the ablations "
+                        "fa4_jax_full_lengths and fa4_jax_dlse_zeros only when named)")
     p.add_argument("--fa4-tunings", type=lambda text: tuple(text.split(",")), default=(),
                    help="forward ablation rows: names from fa4_jax.aot.variants.TUNINGS")
     p.add_argument("--fa4-bwd-tunings", type=lambda text: tuple(text.split(",")), default=(),

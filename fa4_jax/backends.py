@@ -40,7 +40,8 @@ def backward(q, k, v, out, lse, d_out, d_lse, params: AttentionParams, seq_lengt
     Args:
       q, k, v: the forward's inputs, shapes as `vjp.attention_op`.
       out: [batch, seqlen_q, heads_q, head_dim_v]; lse: [batch, heads_q, seqlen_q] float32.
-      d_out: the cotangent of out, like out; d_lse: the cotangent of lse, like lse.
+      d_out: the cotangent of out, like out; d_lse: the cotangent of lse, like lse, or None
+        when lse is not differentiated (zero).
       seq_lengths: None or (q_len, kv_len), as for the forward; the ring contract holds per
         entry (rows past q_len have block lse -inf, so weight 0 and zero gradient).
     """
@@ -63,7 +64,9 @@ def _reference_backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths):
     d_out_f32 = d_out.astype(jnp.float32)
     own_share = jnp.sum(d_out_f32 * (block_out.astype(jnp.float32) - out), axis=-1)
     d_block_out = (weight_by_row * d_out_f32).astype(d_out.dtype)
-    d_block_lse = weight * (d_lse + jnp.swapaxes(own_share, 1, 2))
+    d_block_lse = weight * jnp.swapaxes(own_share, 1, 2)
+    if d_lse is not None:
+        d_block_lse += weight * d_lse
     dq, dk, dv = reference_vjp((d_block_out, d_block_lse))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 

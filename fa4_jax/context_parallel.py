@@ -33,6 +33,7 @@ from fa4_jax import sharding
 from fa4_jax.api import attention_params
 from fa4_jax.lse_merge import merge_by_lse
 from fa4_jax.params import AttentionParams
+from fa4_jax.vjp import backward_cotangents
 
 
 def ring_attention(
@@ -209,6 +210,8 @@ def _ring_forward(query, key, value, ring):
 
 
 def _ring_attention_fwd(query, key, value, ring):
+    # Each array comes wrapped with whether it is differentiated (symbolic_zeros=True).
+    query, key, value = (primal.value for primal in (query, key, value))
     out, lse = _ring_forward(query, key, value, ring)
     return (out, lse), (query, key, value, out, lse)
 
@@ -216,14 +219,14 @@ def _ring_attention_fwd(query, key, value, ring):
 def _ring_attention_bwd(ring, residuals, cotangents):
     """(dq, dk, dv): the forward's ring again, each hop adding its block's gradient share."""
     query, key, value, out, lse = residuals
-    d_out, d_lse = cotangents
+    d_out, d_lse = backward_cotangents(cotangents)  # d_lse None: lse not differentiated
 
     def add_share(grads, key, value, piece, params):
         dq, dk, dv = grads
         rows, keys = piece.rows, piece.keys
         share = sharding.attention_backward(
             query[:, rows], key[:, keys], value[:, keys], out[:, rows], lse[..., rows],
-            d_out[:, rows], d_lse[..., rows], params,
+            d_out[:, rows], None if d_lse is None else d_lse[..., rows], params,
         )
         return (
             _update_rows(dq, rows, dq[:, rows] + share[0].astype(jnp.float32), axis=1),
@@ -254,7 +257,7 @@ def _ring_attention_bwd(ring, residuals, cotangents):
     return dq.astype(query.dtype), dk.astype(key.dtype), dv.astype(value.dtype)
 
 
-_ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
+_ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd, symbolic_zeros=True)
 
 
 def _update_rows(x, rows, new_rows, *, axis):

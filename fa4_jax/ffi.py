@@ -12,8 +12,8 @@ Contract used by `vjp.py` and `api.py`:
   grouped-query calls with few query rows run GQA-packed (`fa4_jax.pack_gqa`), and calls with
   too few tiles to fill the GPU split their keys (`fa4_jax.split_kv`).
 - `backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths=None) -> (dq, dk, dv)`: the
-  `fa4_bwd_v1` custom call; its fp32 workspaces are extra results XLA allocates and this
-  function drops.
+  `fa4_bwd_v1` custom call (d_lse None: lse not differentiated); its fp32 workspaces are
+  extra results XLA allocates and this function drops.
 
 `seq_lengths` is None or (q_len, kv_len), int32 [batch] each, clamped to [0, seqlen] (a ragged
 batch, `backends.forward`). Both calls always pass the two length operands (`seq_used_q`,
@@ -278,7 +278,10 @@ def backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths=None, tuning: 
     """(dq, dk, dv), each in its input's shape and dtype, from the compiled backward kernels.
 
     out and lse are the statistics the gradient is taken at (see `backends.backward`); d_lse is
-    the cotangent of lse (zeros when only out is differentiated). `params.deterministic` selects
+    the cotangent of lse, or None when lse is not differentiated: the call then passes an empty
+    [0, h, sq] operand and the preprocess reads no dLSE, where zeros were a b·h·sq fp32
+    broadcast kernel ahead of every backward (docs/perf-log.md, "the dLSE cotangent as a
+    symbolic zero"). `params.deterministic` selects
     the fixed-order dQ accumulation. seq_lengths: as for `forward`; rows of dq past q_len and
     of dk, dv past kv_len come out zero. The fp32 workspaces (dQ accumulators
     [copies, b, h, sq_pad, d], D and lse·log2(e) [b, h, sq_pad], semaphores
@@ -286,6 +289,7 @@ def backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths=None, tuning: 
     XLA owns and reuses their memory.
     """
     import jax
+    import jax.numpy as jnp
 
     from fa4_jax.aot.variants import dq_copies
     from fa4_jax.kernels.bwd_workspace import BWD_SEMAPHORE_ROWS, BWD_SEQ_PAD
@@ -308,7 +312,8 @@ def backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths=None, tuning: 
     call = jax.ffi.ffi_call(BWD_TARGET, results)
     d_out = d_out.astype(q.dtype)
     lengths, (q, d_out), (k, v) = _length_operands(seq_lengths, q, k, (q, d_out), (k, v))
+    d_lse = jnp.zeros((0, h, sq), f32) if d_lse is None else d_lse.astype(f32)
     dq, dk, dv, *_workspaces = call(
-        q, k, v, out.astype(q.dtype), d_out, lse.astype(f32), d_lse.astype(f32), *lengths,
+        q, k, v, out.astype(q.dtype), d_out, lse.astype(f32), d_lse, *lengths,
         deterministic=bool(params.deterministic), **_static_attrs(params, tuning))
     return dq, dk, dv

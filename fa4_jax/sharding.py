@@ -65,11 +65,16 @@ def attention_forward(q, k, v, params: AttentionParams, seq_lengths=None):
 
 def attention_backward(q, k, v, out, lse, d_out, d_lse, params: AttentionParams,
                        seq_lengths=None):
-    """(dq, dk, dv) of attention, partitioned like the forward; shapes as `backends.backward`."""
+    """(dq, dk, dv) of attention, partitioned like the forward; shapes as `backends.backward`.
+
+    d_lse None (lse not differentiated) selects ops without a d_lse operand.
+    """
     _check_not_partially_manual()
+    arrays = (q, k, v, out, lse, d_out) + (() if d_lse is None else (d_lse,))
+    with_d_lse = d_lse is not None
     if seq_lengths is None:
-        return _vmappable(_BACKWARD, params)(q, k, v, out, lse, d_out, d_lse)
-    return _vmappable(_RAGGED_BACKWARD, params)(q, k, v, out, lse, d_out, d_lse, *seq_lengths)
+        return _vmappable(_BACKWARD[with_d_lse], params)(*arrays)
+    return _vmappable(_RAGGED_BACKWARD[with_d_lse], params)(*arrays, *seq_lengths)
 
 
 def _check_not_partially_manual():
@@ -143,24 +148,25 @@ _FORWARD_LAYOUT = _OpLayout(
     operands=(("query", _QUERY), ("key", _KEY), ("value", _VALUE)),
     results=(("out", _OUT), ("lse", _LSE)),
 )
-_BACKWARD_LAYOUT = _OpLayout(
-    operands=(
-        ("query", _QUERY), ("key", _KEY), ("value", _VALUE), ("out", _OUT), ("lse", _LSE),
-        ("d_out", _OUT), ("d_lse", _LSE),
-    ),
-    results=(("dq", _QUERY), ("dk", _KEY), ("dv", _VALUE)),
+_BACKWARD_OPERANDS = (
+    ("query", _QUERY), ("key", _KEY), ("value", _VALUE), ("out", _OUT), ("lse", _LSE),
+    ("d_out", _OUT),
 )
+_D_LSE_OPERAND = (("d_lse", _LSE),)
+_GRADIENTS = (("dq", _QUERY), ("dk", _KEY), ("dv", _VALUE))
 _RAGGED_OPERANDS = (("query_seq_lengths", _LENGTHS), ("key_value_seq_lengths", _LENGTHS))
 _RAGGED_FORWARD_LAYOUT = _OpLayout(
     operands=(*zip(_FORWARD_LAYOUT.operand_names, _FORWARD_LAYOUT.operand_layouts),
               *_RAGGED_OPERANDS),
     results=(("out", _OUT), ("lse", _LSE)),
 )
-_RAGGED_BACKWARD_LAYOUT = _OpLayout(
-    operands=(*zip(_BACKWARD_LAYOUT.operand_names, _BACKWARD_LAYOUT.operand_layouts),
-              *_RAGGED_OPERANDS),
-    results=(("dq", _QUERY), ("dk", _KEY), ("dv", _VALUE)),
-)
+
+
+def _backward_layout(with_d_lse: bool, ragged: bool) -> _OpLayout:
+    """The backward op's layout: with a d_lse operand, or none (lse not differentiated)."""
+    operands = (_BACKWARD_OPERANDS + (_D_LSE_OPERAND if with_d_lse else ())
+                + (_RAGGED_OPERANDS if ragged else ()))
+    return _OpLayout(operands, _GRADIENTS)
 
 
 def _sharding_rule(layout, params, mesh, operand_types, result_types):
@@ -276,7 +282,8 @@ def _on_folded_batch(body, arrays, params):
     batch_shape = arrays[0].shape[: arrays[0].ndim - 3]
     if len(batch_shape) == 1:
         return tuple(body(*arrays, params))
-    results = body(*(x.reshape(-1, *x.shape[len(batch_shape):]) for x in arrays), params)
+    results = body(*(None if x is None else x.reshape(-1, *x.shape[len(batch_shape):])
+                     for x in arrays), params)
     return tuple(r.reshape(*batch_shape, *r.shape[1:]) for r in results)
 
 
@@ -286,6 +293,10 @@ def _forward_on_device(q, k, v, params):
 
 def _backward_on_device(q, k, v, out, lse, d_out, d_lse, params):
     return _on_folded_batch(backends.backward, (q, k, v, out, lse, d_out, d_lse), params)
+
+
+def _out_only_backward_on_device(q, k, v, out, lse, d_out, params):
+    return _backward_on_device(q, k, v, out, lse, d_out, None, params)
 
 
 def _ragged_forward(q, k, v, q_len, kv_len, params):
@@ -306,10 +317,23 @@ def _ragged_backward_on_device(q, k, v, out, lse, d_out, d_lse, q_len, kv_len, p
     )
 
 
+def _ragged_out_only_backward_on_device(q, k, v, out, lse, d_out, q_len, kv_len, params):
+    return _ragged_backward_on_device(q, k, v, out, lse, d_out, None, q_len, kv_len, params)
+
+
 _FORWARD = _custom_partitioned(_forward_on_device, _FORWARD_LAYOUT)
-_BACKWARD = _custom_partitioned(_backward_on_device, _BACKWARD_LAYOUT)
 _RAGGED_FORWARD = _custom_partitioned(_ragged_forward_on_device, _RAGGED_FORWARD_LAYOUT)
-_RAGGED_BACKWARD = _custom_partitioned(_ragged_backward_on_device, _RAGGED_BACKWARD_LAYOUT)
+# The backward ops, keyed by whether they take a d_lse operand.
+_BACKWARD = {
+    True: _custom_partitioned(_backward_on_device, _backward_layout(True, ragged=False)),
+    False: _custom_partitioned(_out_only_backward_on_device,
+                               _backward_layout(False, ragged=False)),
+}
+_RAGGED_BACKWARD = {
+    True: _custom_partitioned(_ragged_backward_on_device, _backward_layout(True, ragged=True)),
+    False: _custom_partitioned(_ragged_out_only_backward_on_device,
+                               _backward_layout(False, ragged=True)),
+}
 
 
 @functools.cache

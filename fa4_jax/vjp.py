@@ -4,12 +4,19 @@ Both passes go through `sharding.py`, so under `jax.jit` with sharded inputs eac
 the single-device body of `backends.py` on its block (batch and heads), and under `jax.vmap`
 the mapped axes fold into batch. The residuals are what the backward kernels need:
 (q, k, v, out, lse), and a ragged batch's valid lengths.
+
+The rules see symbolic zeros (`symbolic_zeros=True`): most callers differentiate out only, and
+lse's cotangent then reaches the backward as None instead of a b·h·sq fp32 array of zeros that
+XLA would build with a broadcast kernel before every backward and the kernels would read
+(docs/perf-log.md, "the dLSE cotangent as a symbolic zero").
 """
 from __future__ import annotations
 
 import functools
 
 import jax
+import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 
 from fa4_jax import sharding
 from fa4_jax.params import AttentionParams
@@ -34,15 +41,27 @@ def attention_op(q, k, v, params: AttentionParams, seq_lengths=None):
 
 
 def _attention_op_fwd(q, k, v, params, seq_lengths):
+    # Each array comes wrapped with whether it is differentiated (symbolic_zeros=True).
+    q, k, v, seq_lengths = jax.tree.map(lambda primal: primal.value, (q, k, v, seq_lengths))
     out, lse = sharding.attention_forward(q, k, v, params, seq_lengths)
     return (out, lse), (q, k, v, out, lse, seq_lengths)
 
 
 def _attention_op_bwd(params, residuals, cotangents):
     *arrays, seq_lengths = residuals
-    d_out, d_lse = cotangents
+    d_out, d_lse = backward_cotangents(cotangents)
     grads = sharding.attention_backward(*arrays, d_out, d_lse, params, seq_lengths)
     return (*grads, None)
 
 
-attention_op.defvjp(_attention_op_fwd, _attention_op_bwd)
+def backward_cotangents(cotangents):
+    """(d_out, d_lse) for the backward ops from a symbolic-zeros rule's (out, lse) cotangents:
+    d_out an array (zeros when only lse is differentiated, rare), d_lse None when lse is not
+    differentiated."""
+    d_out, d_lse = cotangents
+    if isinstance(d_out, SymbolicZero):
+        d_out = jnp.zeros(d_out.shape, d_out.dtype)
+    return d_out, None if isinstance(d_lse, SymbolicZero) else d_lse
+
+
+attention_op.defvjp(_attention_op_fwd, _attention_op_bwd, symbolic_zeros=True)

@@ -34,6 +34,8 @@ struct Fa4Args {
   void* lse_log2 = nullptr;
   void* semaphore = nullptr;
   int32_t b = 0, seqlen_q = 0, seqlen_k = 0, heads = 0, heads_k = 0, b_lengths = 0;
+  // backward: d_lse's leading dim, b, or 0 when lse is not differentiated (d_lse is empty)
+  int32_t b_dlse = 0;
   int32_t seqlen_q_pad = 0, semaphore_blocks = 0, dq_copies = 1;  // backward workspaces, see compile.py
   float softmax_scale = 1.0f, softcap = 0.0f;
   int32_t window_left = 0, window_right = 0;

@@ -1,7 +1,8 @@
 // XLA FFI handler for the custom call target `fa4_bwd_v1`: FlashAttention backward.
 //
 //   inputs  q [b, sq, h, d], k [b, sk, hk, d], v [b, sk, hk, dv], out [b, sq, h, dv],
-//           d_out [b, sq, h, dv] (one dtype, bf16 or f16), lse [b, h, sq] f32, d_lse [b, h, sq] f32,
+//           d_out [b, sq, h, dv] (one dtype, bf16 or f16), lse [b, h, sq] f32, d_lse [b, h, sq]
+//           f32 or [0, h, sq] (lse not differentiated: the preprocess reads no d_lse),
 //           seq_used_q s32 [b], seq_used_k s32 [b] (as for fa4_fwd_v1: rows past seq_used_q get
 //           dq 0, keys past seq_used_k get dk = dv = 0; both [0] for a dense batch)
 //   results dq [b, sq, h, d], dk [b, sk, hk, d], dv [b, sk, hk, dv] (q's dtype), then the
@@ -70,6 +71,9 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::A
   if (copies < 1 || copies > kFa4BwdMaxDqCopies)
     return kErr.Invalid("dq_accum must be [copies, b, h, sq_pad, d] with 1 <= copies <= " +
                         std::to_string(kFa4BwdMaxDqCopies));
+  // d_lse is [b, h, sq], or empty when the caller does not differentiate through lse.
+  const int64_t d_lse_batch =
+      d_lse.dimensions().size() == 3 && d_lse.dimensions()[0] == 0 ? 0 : b;
   struct Expected {
     const char* name;
     ffi::Span<const int64_t> got;
@@ -79,7 +83,7 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::A
            Expected{"out", out.dimensions(), {b, sq, h, head_dim_v}},
            Expected{"d_out", d_out.dimensions(), {b, sq, h, head_dim_v}},
            Expected{"lse", lse.dimensions(), {b, h, sq}},
-           Expected{"d_lse", d_lse.dimensions(), {b, h, sq}},
+           Expected{"d_lse", d_lse.dimensions(), {d_lse_batch, h, sq}},
            Expected{"dq", dq->dimensions(), {b, sq, h, d}},
            Expected{"dk", dk->dimensions(), {b, sk, hk, d}},
            Expected{"dv", dv->dimensions(), {b, sk, hk, head_dim_v}},
@@ -106,6 +110,7 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::A
   args.d_out = d_out.untyped_data();
   args.lse = lse.untyped_data();
   args.d_lse = d_lse.untyped_data();
+  args.b_dlse = static_cast<int32_t>(d_lse_batch);
   args.dq = dq->untyped_data();
   args.dk = dk->untyped_data();
   args.dv = dv->untyped_data();

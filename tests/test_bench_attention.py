@@ -4,6 +4,7 @@ import json
 
 import jax
 import numpy as np
+import pytest
 
 from benchmarks import bench_attention
 from fa4_jax import reference
@@ -77,11 +78,12 @@ def test_upstream_rows_say_why_they_are_skipped(tmp_path, monkeypatch):
                 raise AssertionError(f"{mode} d{head_dim} without the library must be skipped")
 
 
-def test_the_full_lengths_ablation_runs_only_when_named(tmp_path):
+@pytest.mark.parametrize("ablation", ["fa4_jax_full_lengths", "fa4_jax_dlse_zeros"])
+def test_an_ablation_runs_only_when_named(tmp_path, ablation):
     # An ablation row of fa4_jax's own: absent from the default peers, and a skip that says why
-    # where no kernel serves the call (here: no GPU).
-    assert "fa4_jax_full_lengths" not in bench_attention.parse_args([]).peers
-    rows = _dry_run_rows(tmp_path, "--peers", "fa4_jax_full_lengths")
+    # where no kernel serves the call (here: no GPU; the dLSE ablation times fwd_bwd only).
+    assert ablation not in bench_attention.parse_args([]).peers
+    rows = _dry_run_rows(tmp_path, "--peers", ablation)
     assert {r["mode"] for r in rows} == {"fwd", "fwd_bwd"}
     for row in rows:
         assert row["status"] == "skipped" and row["note"], row

@@ -94,10 +94,11 @@ _ATTRS = dict(softmax_scale=np.float32(1), causal=False, window_left=np.int32(-1
               window_right=np.int32(-1), softcap=np.float32(0), tuning="default")
 
 
-def _backward_workspace_call(dpsum_rows=128, copies=1):
+def _backward_workspace_call(dpsum_rows=128, copies=1, d_lse_batch=1):
     b, s, h, d = 1, 100, 2, 64
     q = jnp.ones((b, s, h, d), jnp.bfloat16)
     stats = jnp.zeros((b, h, s), jnp.float32)
+    d_lse = jnp.zeros((d_lse_batch, h, s), jnp.float32)
     sq_pad = 128
     results = [jax.ShapeDtypeStruct(q.shape, q.dtype)] * 3 + [
         jax.ShapeDtypeStruct((copies, b, h, sq_pad, d), jnp.float32),
@@ -106,13 +107,19 @@ def _backward_workspace_call(dpsum_rows=128, copies=1):
         jax.ShapeDtypeStruct((copies, b, h, sq_pad // 64), jnp.int32),
     ]
     call = jax.ffi.ffi_call(ffi.BWD_TARGET, results)
-    return lambda: jax.block_until_ready(call(q, q, q, q, q, stats, stats, *ffi._seq_used(q, q, None),
+    return lambda: jax.block_until_ready(call(q, q, q, q, q, stats, d_lse, *ffi._seq_used(q, q, None),
                                               deterministic=True, **_ATTRS))
 
 
 def test_backward_handler_rejects_a_wrong_workspace():
     with pytest.raises(Exception, match=r"dpsum has shape \[1, 2, 100\], expected \[1, 2, 128\]"):
         _backward_workspace_call(dpsum_rows=100)()  # dpsum must be padded to sq_pad
+
+
+def test_backward_handler_takes_d_lse_whole_or_empty():
+    _backward_workspace_call(d_lse_batch=0)()  # lse not differentiated
+    with pytest.raises(Exception, match=r"d_lse has shape \[2, 2, 100\], expected \[1, 2, 100\]"):
+        _backward_workspace_call(d_lse_batch=2)()
 
 
 def test_backward_handler_rejects_more_dq_copies_than_the_kernels_take():

@@ -117,3 +117,37 @@ def test_deterministic_grads_are_bitwise_repeatable(next_key):
         lambda q: fa4_jax.attention(q, k, v, causal=True, deterministic=True).sum()
     ))
     np.testing.assert_array_equal(grad(q), grad(q))
+
+
+@pytest.mark.parametrize("differentiated", ["out", "lse", "both"])
+def test_lse_cotangent_reaches_the_backward_only_when_lse_is_differentiated(
+        next_key, monkeypatch, differentiated):
+    # vjp.py's rules see symbolic zeros: a loss of out alone must give the backward no d_lse (the
+    # kernels then read none and XLA builds no zeros), and a loss of lse alone must still get
+    # the exact gradient with d_out instantiated as zeros.
+    q, k, v = _qkv(next_key, 9, 9, 2, 2)
+    weights_out = jax.random.normal(next_key(), q.shape)
+    weights_lse = jax.random.normal(next_key(), (1, 2, 9))
+    seen = []
+    backward = fa4_jax.backends.backward
+
+    def recording_backward(q, k, v, out, lse, d_out, d_lse, *args, **kwargs):
+        seen.append(None if d_lse is None else d_lse.shape)
+        return backward(q, k, v, out, lse, d_out, d_lse, *args, **kwargs)
+
+    monkeypatch.setattr(fa4_jax.backends, "backward", recording_backward)
+
+    def loss(attend):
+        def weighted(q, k, v):
+            out, lse = attend(q, k, v)
+            terms = {"out": (out * weights_out).sum(), "lse": (lse * weights_lse).sum()}
+            return sum(terms.values()) if differentiated == "both" else terms[differentiated]
+
+        return jax.jit(jax.grad(weighted, argnums=(0, 1, 2)))
+
+    ours = loss(lambda q, k, v: fa4_jax.attention(q, k, v, return_lse=True, causal=True))(q, k, v)
+    want = loss(lambda q, k, v: naive_attention_jax(q, k, v, softmax_scale=1 / math.sqrt(8),
+                                                    causal=True))(q, k, v)
+    assert seen == [None if differentiated == "out" else (1, 2, 9)]
+    for name, grad, want_grad in zip("qkv", ours, want):
+        np.testing.assert_allclose(grad, want_grad, atol=1e-5, rtol=1e-4, err_msg=f"d{name}")

@@ -15,7 +15,7 @@ from fa4_jax.kernels.bwd_workspace import BWD_MAX_DQ_COPIES, BWD_SEMAPHORE_ROWS,
 # Fa4Args fields of the dynamic dims and of the tensors (ffi/dispatch.h).
 _ARGS_FIELD = {"b": "b", "sq": "seqlen_q", "sk": "seqlen_k", "h": "heads", "hk": "heads_k",
                "sq_pad": "seqlen_q_pad", "m_blocks": "semaphore_blocks", "copies": "dq_copies",
-               "b_lengths": "b_lengths"}
+               "b_lengths": "b_lengths", "b_dlse": "b_dlse"}
 _PTR_FIELD = {"mQ": "q", "mK": "k", "mV": "v", "mO": "out", "mLSE": "lse", "mdO": "d_out",
               "mdLSE": "d_lse", "mdQ": "dq", "mdK": "dk", "mdV": "dv", "mdQaccum": "dq_accum",
               "mdPsum": "dpsum", "mLSElog2": "lse_log2", "mSemaphore": "semaphore",

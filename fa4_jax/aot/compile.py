@@ -30,6 +30,7 @@ _ALIGN = 16
 #   copies   = dQ accumulators per query block: 1, or 2 for some deterministic calls
 #              (BWD_MAX_DQ_COPIES; variants.dq_copies picks)
 #   b_lengths = b for a ragged batch, 0 for a dense one (mSeqUsedQ / mSeqUsedK below)
+#   b_dlse   = b when the caller differentiates through lse, 0 when not (mdLSE below)
 # Backward workspaces (results of the FFI call, so XLA owns them; the kernels own them, the
 # preprocess zeroing what needs zeros): mdQaccum accumulates dS·K in fp32 (dQ =
 # softmax_scale · the sum of its copies, written to mdQ by the last pass), mdPsum holds
@@ -38,7 +39,8 @@ _ALIGN = 16
 # mSeqUsedQ / mSeqUsedK: each batch entry's valid query rows and keys (FlashAttention's
 # seqused_q / seqused_k; the ragged batch), which the kernels clamp to sq / sk. A dense call
 # passes them empty and the kernels read none (kernels/common/ragged.py), so one compiled variant
-# serves both.
+# serves both. mdLSE, the cotangent of lse, is empty ([0, h, sq]) when only out is differentiated
+# (the common case: vjp.py's symbolic zeros), and the preprocess then reads none.
 TENSORS = {
     "fwd": (
         ("mQ", "io", ("b", "sq", "h", "d")),
@@ -56,7 +58,7 @@ TENSORS = {
         ("mO", "io", ("b", "sq", "h", "dv")),
         ("mdO", "io", ("b", "sq", "h", "dv")),
         ("mLSE", "f32", ("b", "h", "sq")),
-        ("mdLSE", "f32", ("b", "h", "sq")),
+        ("mdLSE", "f32", ("b_dlse", "h", "sq")),
         ("mdQ", "io", ("b", "sq", "h", "d")),
         ("mdK", "io", ("b", "sk", "hk", "d")),
         ("mdV", "io", ("b", "sk", "hk", "dv")),
@@ -68,7 +70,8 @@ TENSORS = {
         ("mSeqUsedK", "i32", ("b_lengths",)),
     ),
 }
-DYNAMIC_DIMS = ("b", "sq", "sk", "h", "hk", "sq_pad", "m_blocks", "copies", "b_lengths")
+DYNAMIC_DIMS = ("b", "sq", "sk", "h", "hk", "sq_pad", "m_blocks", "copies", "b_lengths",
+                "b_dlse")
 STATIC_DIMS = ("d", "dv")
 
 # Each kind's scalar arguments after the tensors (then the CUDA stream): name and dtype.

@@ -2,6 +2,7 @@
 
 For every padded query row r < sq_pad of every (batch, head):
   mdPsum[b, h, r]   = rowsum(dO ∘ O)[r] − dLSE[r]  in fp32 (0 for padded rows), the `D` of dS = P∘(dP − D);
+                      dLSE is 0 when mdLSE is empty ([0, h, sq]: lse not differentiated);
   mLSElog2[b, h, r] = lse[r] · log2(e), or +inf for padded rows and for rows with lse = −inf
                       (no visible key), so the main kernel's P = exp2(s·scale_log2 − LSElog2) is 0
                       there instead of NaN.
@@ -50,9 +51,9 @@ class BackwardPreprocess:
     @cute.jit
     def __call__(self, mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2, mdQaccum, mSemaphore, mSeqUsedQ,
                  deterministic, stream):
-        """mO/mdO [b, sq, h, dv]; mLSE/mdLSE [b, h, sq]; mdPsum/mLSElog2 [b, h, sq_pad];
-        mdQaccum [copies, b, h, sq_pad, d]; mSemaphore [copies, b, h, sq_pad / 64];
-        mSeqUsedQ [b]; deterministic 0 or 1."""
+        """mO/mdO [b, sq, h, dv]; mLSE [b, h, sq]; mdLSE [b, h, sq] or [0, h, sq];
+        mdPsum/mLSElog2 [b, h, sq_pad]; mdQaccum [copies, b, h, sq_pad, d];
+        mSemaphore [copies, b, h, sq_pad / 64]; mSeqUsedQ [b] or [0]; deterministic 0 or 1."""
         sq_pad, heads, batch = mdPsum.shape[2], mdPsum.shape[1], mdPsum.shape[0]
         self.kernel(mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2, mdQaccum, mSemaphore, mSeqUsedQ,
                     deterministic).launch(
@@ -90,7 +91,9 @@ class BackwardPreprocess:
             d_value = Float32(0.0)
             lse_log2 = Float32.inf
             if row < seqlen_q:
-                d_value = row_sum - mdLSE[batch, head, row]
+                d_value = row_sum
+                if mdLSE.shape[0] > 0:
+                    d_value -= mdLSE[batch, head, row]
                 lse = mLSE[batch, head, row]
                 if lse != -Float32.inf:
                     lse_log2 = lse * LOG2_E

@@ -235,6 +235,41 @@ def test_deterministic_mode_is_bitwise_repeatable(next_key, causal, head_dim):
         assert_close_by_rule(fast, want, want_lowp, name=f"default {name}")
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_an_empty_d_lse_gives_the_bits_of_zeros(next_key, head_dim):
+    # When lse is not differentiated the call passes an empty d_lse and the preprocess reads
+    # none (vjp.py's symbolic zeros): D = rowsum(dO ∘ O) − 0 either way, so in deterministic
+    # mode both calls give the same bits. A stale dLSE read (garbage past an empty buffer)
+    # would not.
+    q, k, v, d_out = _deterministic_case(next_key, head_dim)
+    require_kernels(q, k, v, causal=True, deterministic=True)
+    params = attention_params(q, k, v, causal=True, deterministic=True, implementation="cute")
+    out, lse = jax.jit(lambda q, k, v: ffi.forward(q, k, v, params))(q, k, v)
+    backward = jax.jit(lambda d_lse: ffi.backward(q, k, v, out, lse, d_out, d_lse, params))
+    without = backward(None)
+    with_zeros = backward(jnp.zeros(lse.shape, jnp.float32))
+    for name, got, want in zip(("dq", "dk", "dv"), without, with_zeros):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
+    # And the d_lse operand is read when given: a constant c shifts D by -c, which moves dQ.
+    shifted = backward(jnp.ones(lse.shape, jnp.float32))
+    assert not np.array_equal(np.asarray(shifted[0]), np.asarray(without[0]))
+
+
+def test_a_loss_of_out_passes_the_backward_an_empty_d_lse(next_key):
+    # What the symbolic zeros buy, in the program XLA runs: the backward custom call's d_lse
+    # operand is empty ([0, h, sq]), not an fp32 array of zeros built by a broadcast kernel.
+    q, k, v = qkv(next_key, 1, 512, 512, 4, 4, 64, jnp.bfloat16)
+    require_kernels(q, k, v, causal=False)
+
+    def loss(q, k, v):
+        return fa4_jax.attention(q, k, v, implementation="cute").astype(jnp.float32).sum()
+
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile().as_text()
+    calls = [line for line in hlo.splitlines() if f'custom_call_target="{ffi.BWD_TARGET}"' in line]
+    assert len(calls) == 1, hlo
+    assert "f32[0,4,512]" in calls[0] and "f32[1,4,512]" in calls[0], calls[0]  # d_lse, lse
+
+
 _FRESH_PROCESS = """
 import hashlib, json, sys
 import jax, jax.numpy as jnp, numpy as np
