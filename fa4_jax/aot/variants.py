@@ -164,6 +164,10 @@ TUNINGS: dict[str, dict] = {
     # The default kernel, called deterministically with one dQ accumulator where
     # DET_DQ_COPIES_MAX_KEYS gives two (`dq_copies`).
     "det_one_copy": {},
+    # Default mode: the first add into each query block stores, claimed through its semaphore,
+    # and the preprocess zeroes no mdQaccum; the walk without a mask rotated
+    # (TileConfig.default_stores_first).
+    "stores_first": {"default_stores_first": True},
     # The main backward kernel and its postprocess launched plainly, not as programmatic
     # dependents of the kernel before them.
     "no_pdl": {"pdl": False},
@@ -182,16 +186,19 @@ ABLATIONS = (
     ("fwd", 256, ("lpt", "linear", "n80", "max_tree", "v_wait_first", "o_sts", "lpt_single",
                   "pv_wait_pinned")),
     ("bwd", 64, ("det_asc", "dq_atomic", "m64", "det_free_late", "det_unordered", "dq_after_dk",
-                 "dq_writer1", "dq_tile_order_w1", "det_in_order", "no_pdl", "stats_ahead")),
+                 "dq_writer1", "dq_tile_order_w1", "det_in_order", "no_pdl", "stats_ahead",
+                 "stores_first")),
     ("bwd", 128, ("det_asc", "dq_atomic", "det_free_late", "scores_ahead", "stats_at_use",
                   "det_unordered", "dq_after_dk", "dq_writer1", "dq_tile_order_late", "det_in_order",
-                  "no_pdl", "bwd_v11_order", "dv_during_ds", "lse_late", "upstream_tail")),
+                  "no_pdl", "bwd_v11_order", "dv_during_ds", "lse_late", "upstream_tail",
+                  "stores_first")),
     ("bwd", 96, ("d96_v11_order", "dq_atomic", "det_unordered", "dq_writer1", "dq_tile_order",
                  "det_in_order", "lse_early")),
     ("bwd", 192, ("scores_late", "dq_atomic", "det_unordered", "dq_writer1", "dq_tile_order",
                   "det_in_order", "det_one_copy", "dq_writers3")),
     ("bwd", 256, ("det_asc", "dq_atomic_2stage", "det_free_late", "det_unordered", "dq_writer1",
-                  "dq_tile_order", "det_in_order", "det_one_copy", "dq_writers3", "lse_early")),
+                  "dq_tile_order", "det_in_order", "det_one_copy", "dq_writers3", "lse_early",
+                  "stores_first")),
 )
 
 

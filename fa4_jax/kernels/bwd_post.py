@@ -4,9 +4,9 @@ mdQaccum [copies, b, h, sq_pad, d] (fp32, filled by the main kernel's adds; the 
 order) -> mdQ [b, sq, h, d]; rows >= seqlen_q are padding and are not written. Rows past the
 batch entry's valid query rows (mSeqUsedQ [b]: a ragged batch's padding; [0] for a dense batch)
 are written as 0.
-With `det_stores_first` a deterministic call's copies were not zeroed: a copy of a query block
-that no key block wrote (its semaphore, mSemaphore [copies, b, h, sq_pad / 64], still 0) holds
-stale memory and counts as 0.
+With `det_stores_first` a deterministic call's copies were not zeroed, nor with
+`default_stores_first` a default call's: a copy of a query block that no key block wrote (its
+semaphore, mSemaphore [copies, b, h, sq_pad / 64], still 0) holds stale memory and counts as 0.
 With `pdl` it is launched as the main kernel's programmatic dependent: its CTAs take the SMs the
 main kernel's last CTAs leave and wait there (griddepcontrol.wait) for the whole grid's writes.
 
@@ -32,13 +32,16 @@ class BackwardPostprocess:
     chunk = 8
 
     def __init__(self, dtype, head_dim: int, fragment_tile_m: int | None = None,
-                 det_stores_first: bool = False, pdl: bool = False):
+                 det_stores_first: bool = False, default_stores_first: bool = False,
+                 pdl: bool = False):
         assert head_dim % self.chunk == 0, "whole chunks per row"
-        assert not det_stores_first or fragment_tile_m is not None, "only fragment order stores first"
+        assert not (det_stores_first or default_stores_first) or fragment_tile_m is not None, \
+            "only fragment order stores first"
         self.dtype = dtype
         self.head_dim = head_dim
         self.fragment_tile_m = fragment_tile_m
         self.det_stores_first = det_stores_first
+        self.default_stores_first = default_stores_first
         self.pdl = pdl
         self.chunks_per_row = head_dim // self.chunk
         assert self.rows_per_block * self.chunks_per_row % self.threads == 0, "whole steps per block"
@@ -111,10 +114,14 @@ class BackwardPostprocess:
         groups = cute.size(tiled_mma_dq) // FRAGMENT_GROUP_THREADS
         for copy in cutlass.range(mdQaccum.shape[0], unroll=1):
             written = cutlass.Boolean(True)
-            if cutlass.const_expr(self.det_stores_first):
-                if deterministic != 0:
-                    written = mSemaphore[copy, batch, head,
-                                         m_block * (self.fragment_tile_m // BWD_SEMAPHORE_ROWS)] > 0
+            if cutlass.const_expr(self.det_stores_first or self.default_stores_first):
+                turns = mSemaphore[copy, batch, head, m_block * (self.fragment_tile_m // BWD_SEMAPHORE_ROWS)]
+                if cutlass.const_expr(self.det_stores_first):
+                    if deterministic != 0:
+                        written = turns > 0
+                if cutlass.const_expr(self.default_stores_first):
+                    if deterministic == 0:
+                        written = turns > 0
             if written:
                 slab = cute.local_tile(mdQaccum[copy, batch, head, None, None], tile, (m_block, 0)).iterator
                 cute.autovec_copy(fragment_order_view(slab, acc.shape, tidx, groups), part)

@@ -9,11 +9,11 @@ For every padded query row r < sq_pad of every (batch, head):
 Rows past the batch entry's valid query rows (mSeqUsedQ [b], clamped to sq: a ragged batch's
 padding; [0] for a dense batch) are padded rows too.
 It also zeroes its rows of every copy of the dQ accumulator (mdQaccum [copies, b, h, sq_pad, d]),
-which the main kernel then adds into: the same bytes the handler's cudaMemsetAsync wrote, in a
-kernel that runs anyway. Not in deterministic mode when the main kernel's first add into each
-copy of a query block stores instead (`det_stores_first`): then nothing zeroes them. In
-deterministic mode it zeroes the turn counters (mSemaphore [copies, b, h, sq_pad / 64]), so the
-FFI handler launches nothing before it. Every CTA lets the main kernel launch once it has
+which the main kernel then adds into, unless the main kernel's first add into each copy of a
+query block stores instead: in deterministic mode its turn 0 (`det_stores_first`), in the
+default mode the add that claims the store (`default_stores_first`). Then it zeroes the
+semaphores (mSemaphore [copies, b, h, sq_pad / 64]) that order or claim those adds, and nothing
+zeroes mdQaccum. So the FFI handler launches nothing before it. Every CTA lets the main kernel launch once it has
 started (`griddepcontrol.launch_dependents`: programmatic dependent launch, `pdl` in bwd.py).
 `lanes_per_row` adjacent lanes share a row, each reducing a contiguous chunk of dv elements, so
 the loads are wide and a warp covers several rows.
@@ -35,7 +35,8 @@ class BackwardPreprocess:
     # Elements per 16-byte vector of the 2-byte io dtype: each lane's chunk is whole vectors.
     vector = 8
 
-    def __init__(self, dtype, head_dim: int, head_dim_v: int, det_stores_first: bool):
+    def __init__(self, dtype, head_dim: int, head_dim_v: int, det_stores_first: bool,
+                 default_stores_first: bool):
         # Up to 8 lanes per row, as many as split the row into whole vectors (dv = 96: 4 lanes of 24).
         self.lanes_per_row = next(n for n in (8, 4, 2, 1) if head_dim_v % (self.vector * n) == 0)
         self.dtype = dtype
@@ -44,6 +45,7 @@ class BackwardPreprocess:
         self.rows_per_block = self.threads // self.lanes_per_row
         self.head_dim = head_dim
         self.det_stores_first = det_stores_first
+        self.default_stores_first = default_stores_first
         # The accumulator's rows of a block are contiguous: each thread zeroes 4 fp32 per step.
         assert self.rows_per_block * head_dim % (self.threads * 4) == 0, "whole zeroing steps"
         self.zero_steps = self.rows_per_block * head_dim // (self.threads * 4)
@@ -68,13 +70,17 @@ class BackwardPreprocess:
         cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         row_block, head, batch = cute.arch.block_idx()
+        # Where the main kernel's first add into a query block stores (its turn 0 when
+        # deterministic, its claim otherwise) its semaphores must start at 0 and mdQaccum need not.
         if deterministic != 0:
             self._zero_turns(mSemaphore, row_block, head, batch, tidx)
-        zero_dq = cutlass.Boolean(True)
-        if cutlass.const_expr(self.det_stores_first):
-            zero_dq = deterministic == 0
-        if zero_dq:
-            self._zero_dq_rows(mdQaccum, row_block, head, batch, tidx)
+            if cutlass.const_expr(not self.det_stores_first):
+                self._zero_dq_rows(mdQaccum, row_block, head, batch, tidx)
+        else:
+            if cutlass.const_expr(self.default_stores_first):
+                self._zero_turns(mSemaphore, row_block, head, batch, tidx)
+            else:
+                self._zero_dq_rows(mdQaccum, row_block, head, batch, tidx)
         lane_in_row = tidx % self.lanes_per_row
         row = row_block * self.rows_per_block + tidx // self.lanes_per_row
         seqlen_q = entry_length(mSeqUsedQ, batch, mO.shape[1])

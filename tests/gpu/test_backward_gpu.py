@@ -270,6 +270,34 @@ def test_a_loss_of_out_passes_the_backward_an_empty_d_lse(next_key):
     assert "f32[0,4,512]" in calls[0] and "f32[1,4,512]" in calls[0], calls[0]  # d_lse, lse
 
 
+@pytest.mark.parametrize("tuning", ["default", "stores_first"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_default_mode_repeats_agree_to_rounding(next_key, causal, head_dim, tuning):
+    # The default mode adds dQ in a varying order: runs agree to rounding, not bits. A lost or
+    # doubled add in a rare interleaving would move a dQ row by a key block's share, far beyond
+    # that: 10 runs against the first. `stores_first` (TileConfig.default_stores_first) is where
+    # such a race could hide: the first add into each query block claims a store over the
+    # unzeroed accumulator and the others wait for it.
+    q, k, v, d_out = _deterministic_case(next_key, head_dim)
+    require_kernels(q, k, v, causal=causal)
+    params = attention_params(q, k, v, causal=causal, implementation="cute")
+    reason = ffi.unsupported_reason(q, k, v, params, "bwd", tuning=tuning)
+    if reason is not None:
+        pytest.skip(reason)
+    out, lse = jax.jit(lambda q, k, v: ffi.forward(q, k, v, params))(q, k, v)
+    grad = jax.jit(lambda q, k, v, out, lse, d_out: ffi.backward(q, k, v, out, lse, d_out, None,
+                                                                 params, tuning=tuning))
+    arrays = (q, k, v, out, lse, d_out)
+    first = [np.asarray(g, np.float32) for g in grad(*arrays)]
+    for _ in range(9):
+        for name, want, got in zip(("dq", "dk", "dv"), first, grad(*arrays)):
+            got = np.asarray(got, np.float32)
+            # bf16 holds 8 mantissa bits: a reordered fp32 sum rounds to within 2^-7 relative.
+            np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=2 ** -7 * float(np.abs(want).max()),
+                                       err_msg=name)
+
+
 _FRESH_PROCESS = """
 import hashlib, json, sys
 import jax, jax.numpy as jnp, numpy as np

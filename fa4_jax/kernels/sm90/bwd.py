@@ -205,6 +205,18 @@ class TileConfig:
     # +2-7% forward+backward at every head dim without a mask, +0-6% under one; deterministic
     # +3-9% (d128 with the second writer its tile order could not take).
     dq_fragment_order: bool = False
+    # Default mode, fragment order: the first key block to reach a query block stores its dQ
+    # instead of adding it (a compare-and-swap on the block's semaphore claims the store; the
+    # others wait until the claimer's store is complete, then add), so the preprocess need not
+    # zero mdQaccum: b·h·sq·d·4 bytes, 128 MB on the ANCHORS grid, half the preprocess's
+    # traffic (Nsight Compute, d128: 66 µs at 79% of the DRAM bandwidth, 6% of forward+backward
+    # at 1k tokens). Without a mask the walk is then rotated as a deterministic call's is, so
+    # that a head's key blocks reach each query block a step apart rather than all at once.
+    # The ablation `stores_first`; measured (docs/perf-log.md, "the default mode's first add
+    # stores", one run): +2-3% at 1k at d64 and under d128's and d64's causal mask, even at
+    # d64/d128 from 4k, 1-5% slower at d256 (the claim's L2 round trip sits on the dQ writer's
+    # path between the hand-over and the add) and at d128 16k without a mask. Not the default.
+    default_stores_first: bool = False
     # Deterministic without a mask: each key block's walk over the query blocks starts n_block
     # steps before the end, so that a chain's key blocks never queue at one query block
     # (`_query_walk`, where it applies); False: every walk starts at the first query block.
@@ -290,7 +302,7 @@ def _bulk_f32(dst: cute.Pointer, src: cute.Pointer, num_bytes: int, add: bool):
 @dataclasses.dataclass(frozen=True)
 class _QueryWalk:
     """The query blocks a CTA visits, [m_block_min, m_block_max), and in what order: from
-    m_block_min, or, when `rotated`, from the one that is n_block steps before the end
+    m_block_min, or, when `rotated`, from the one that is `shift` steps before the end
     (FlashAttentionBackwardSm90._query_walk). key_blocks: the entry's key blocks (the chain)."""
 
     m_block_min: Int32
@@ -298,6 +310,7 @@ class _QueryWalk:
     rotated: cutlass.Boolean
     n_block: Int32
     key_blocks: Int32
+    shift: Int32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -395,10 +408,12 @@ class FlashAttentionBackwardSm90:
         if self.config.dq_tma_reduce and self.dq_cols % 8:
             raise ValueError(f"{self.config}: dq_tma_reduce needs {self.dq_cols} columns of dQ per "
                              "warp group to be a multiple of 8")
-        self.preprocess = BackwardPreprocess(dtype, head_dim, head_dim_v, self._det_stores_first())
+        self.preprocess = BackwardPreprocess(dtype, head_dim, head_dim_v, self._det_stores_first(),
+                                             self._default_stores_first())
         self.postprocess = BackwardPostprocess(
             dtype, head_dim, fragment_tile_m=self.tile_m if self._dq_fragment_order() else None,
-            det_stores_first=self._det_stores_first(), pdl=self.config.pdl)
+            det_stores_first=self._det_stores_first(),
+            default_stores_first=self._default_stores_first(), pdl=self.config.pdl)
 
     def _check_config(self):
         """Refuses settings the kernel cannot run correctly, naming the setting."""
@@ -1247,8 +1262,9 @@ class FlashAttentionBackwardSm90:
 
     @cute.jit
     def _query_walk(self, m_block_min, m_block_max, n_block, seqlen_k, deterministic, num_sms):
-        """The CTA's walk over its query blocks: in order, or, deterministic without a mask,
-        rotated so that key block n starts n steps before the end (query block M − n of M).
+        """The CTA's walk over its query blocks: in order, or, without a mask, deterministic or
+        with default_stores_first, rotated so that key block n starts n steps before the end
+        (query block M − n of M; by default n mod M).
 
         In order, every key block of a chain (a head's) starts at query block 0, where key block
         n waits for the n below it to add: a wavefront whose fill repeats at every query block,
@@ -1269,6 +1285,7 @@ class FlashAttentionBackwardSm90:
         """
         key_blocks = cute.ceil_div(seqlen_k, self.tile_n)
         rotated = cutlass.Boolean(False)
+        shift = n_block
         if cutlass.const_expr(self.config.det_rotated_walk and not (self.causal or self.local)):
             if deterministic != 0:
                 if 2 * key_blocks <= num_sms:
@@ -1277,14 +1294,22 @@ class FlashAttentionBackwardSm90:
                         if key_blocks > 0:
                             if num_sms % key_blocks <= num_sms // 16:
                                 rotated = cutlass.Boolean(True)
-        return _QueryWalk(m_block_min, m_block_max, rotated, n_block, key_blocks)
+        if cutlass.const_expr(self._default_stores_first() and not (self.causal or self.local)):
+            # Not an order here, only a spread: a claim waits for nothing but a running
+            # claimer's store, so any chain length is safe. With more key blocks than query
+            # blocks, two key blocks a multiple of m-blocks apart share each step's block.
+            if deterministic == 0:
+                if m_block_max > m_block_min:
+                    rotated = cutlass.Boolean(True)
+                    shift = n_block % (m_block_max - m_block_min)
+        return _QueryWalk(m_block_min, m_block_max, rotated, n_block, key_blocks, shift)
 
     @cute.jit
     def _m_block_at(self, walk, step):
         """The query block of the walk's step `step`."""
         offset = step
         if walk.rotated:
-            offset = step - walk.n_block
+            offset = step - walk.shift
             if offset < 0:
                 offset += walk.m_block_max - walk.m_block_min
         return walk.m_block_min + offset
@@ -1328,6 +1353,7 @@ class FlashAttentionBackwardSm90:
                 adds, turn = self._dq_turn(block_info, m_block, n_block, seqlen_q, seqlen_k, window_left, window_right, walk)
                 if adds:
                     copy, copy_turn = self._dq_copy(mdQaccum, turn, deterministic)
+                    claimed = cutlass.Boolean(False)
                     writes_this_add = cutlass.Boolean(True)
                     if cutlass.const_expr(writers > 1):
                         writes_this_add = adds_seen % writers == writer
@@ -1346,6 +1372,8 @@ class FlashAttentionBackwardSm90:
                                     cute.arch.sync_warp()
                                     # The previous key block's adds (acquired above) precede this one.
                                     cute.arch.fence_proxy("async.global")
+                                elif cutlass.const_expr(self._default_stores_first()):
+                                    claimed = self._claim_store(self._semaphore(mSemaphore, 0, batch, head, m_block), lane)
                             if cutlass.const_expr(self._dq_fragment_order()):
                                 chunk_elems = cute.cosize(sdQ.layout) // chunks
                                 if lane == 0:
@@ -1355,6 +1383,9 @@ class FlashAttentionBackwardSm90:
                                     if cutlass.const_expr(self._det_stores_first()):
                                         if deterministic != 0:
                                             stores = copy_turn == 0
+                                    if cutlass.const_expr(self._default_stores_first()):
+                                        if deterministic == 0:
+                                            stores = claimed
                                     if stores:
                                         _bulk_f32(dst, src, chunk_elems * Float32.width // 8, add=False)
                                     else:
@@ -1376,6 +1407,9 @@ class FlashAttentionBackwardSm90:
                                 cute.arch.barrier_arrive(barrier_id=self.dq_token_barrier_ids[(writer + 1) % writers], number_of_threads=token_threads)
                         if deterministic != 0:
                             self._pass_turn(mSemaphore, copy, batch, head, m_block, lane)
+                        elif cutlass.const_expr(self._default_stores_first()):
+                            if claimed:
+                                self._publish_store(self._semaphore(mSemaphore, 0, batch, head, m_block), lane)
                         if not free_early:
                             for chunk in cutlass.range_constexpr(chunks):
                                 cute.arch.barrier_arrive(barrier_id=self.dq_empty_barrier_ids[chunk], number_of_threads=self._dq_sync_threads())
@@ -1405,6 +1439,39 @@ class FlashAttentionBackwardSm90:
                 shift = mdQaccum.shape[0] - 1
                 copy, copy_turn = turn & shift, turn >> shift
         return copy, copy_turn
+
+    def _default_stores_first(self) -> bool:
+        """Default mode, fragment order: the first add into a query block stores
+        (TileConfig.default_stores_first), so the preprocess need not zero mdQaccum (the
+        postprocess skips blocks no add reached)."""
+        return self._dq_fragment_order() and self.config.default_stores_first
+
+    @cute.jit
+    def _claim_store(self, semaphore, lane) -> cutlass.Boolean:
+        """Default mode: True for the first dQ writer to reach the semaphore's query block, which
+        then stores (semaphore 0 -> 1, a compare-and-swap); the others wait until that store is
+        complete (2, `_publish_store`), to add onto it. A writer claims only once its sdQ is
+        full, so a claimer's store waits on nothing and every wait ends. Warp-uniform result."""
+        old = Int32(0)
+        if lane == 0:
+            old = cute.arch.atomic_cas(semaphore, cmp=Int32(0), val=Int32(1), sem="relaxed", scope="gpu")
+            if old != 0:
+                self._wait_for_turn(semaphore, Int32(2))
+        old = cute.arch.shuffle_sync(old, 0)
+        # The claimer's store (acquired above) precedes this add.
+        cute.arch.fence_proxy("async.global")
+        return old == 0
+
+    @cute.jit
+    def _publish_store(self, semaphore, lane):
+        """Once the claimer's store is complete in global memory, lets the waiting adds go
+        (semaphore 1 -> 2; the fences as in `_pass_turn`)."""
+        cute.arch.cp_async_bulk_wait_group(0, read=False)
+        cute.arch.fence_proxy("async.global")
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.sync_warp()
+        if lane == 0:
+            cute.arch.store(semaphore, Int32(2), sem="release", scope="gpu")
 
     def _det_stores_first(self) -> bool:
         """Deterministic in fragment order, a copy's first add into a query block stores, so the
