@@ -64,9 +64,7 @@ def _reference_backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths):
     d_out_f32 = d_out.astype(jnp.float32)
     own_share = jnp.sum(d_out_f32 * (block_out.astype(jnp.float32) - out), axis=-1)
     d_block_out = (weight_by_row * d_out_f32).astype(d_out.dtype)
-    d_block_lse = weight * jnp.swapaxes(own_share, 1, 2)
-    if d_lse is not None:
-        d_block_lse += weight * d_lse
+    d_block_lse = weight * (jnp.swapaxes(own_share, 1, 2) + (0.0 if d_lse is None else d_lse))
     dq, dk, dv = reference_vjp((d_block_out, d_block_lse))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 

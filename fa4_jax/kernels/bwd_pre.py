@@ -13,8 +13,9 @@ which the main kernel then adds into, unless the main kernel's first add into ea
 query block stores instead: in deterministic mode its turn 0 (`det_stores_first`), in the
 default mode the add that claims the store (`default_stores_first`). Then it zeroes the
 semaphores (mSemaphore [copies, b, h, sq_pad / 64]) that order or claim those adds, and nothing
-zeroes mdQaccum. So the FFI handler launches nothing before it. Every CTA lets the main kernel launch once it has
-started (`griddepcontrol.launch_dependents`: programmatic dependent launch, `pdl` in bwd.py).
+zeroes mdQaccum. So the FFI handler launches nothing before it. Every CTA lets the main kernel
+launch once it has started (`griddepcontrol.launch_dependents`: programmatic dependent launch,
+`pdl` in bwd.py).
 `lanes_per_row` adjacent lanes share a row, each reducing a contiguous chunk of dv elements, so
 the loads are wide and a warp covers several rows.
 """

@@ -1264,7 +1264,7 @@ class FlashAttentionBackwardSm90:
     def _query_walk(self, m_block_min, m_block_max, n_block, seqlen_k, deterministic, num_sms):
         """The CTA's walk over its query blocks: in order, or, without a mask, deterministic or
         with default_stores_first, rotated so that key block n starts n steps before the end
-        (query block M − n of M; by default n mod M).
+        (query block M − n of M; with default_stores_first n mod M steps, any n).
 
         In order, every key block of a chain (a head's) starts at query block 0, where key block
         n waits for the n below it to add: a wavefront whose fill repeats at every query block,
