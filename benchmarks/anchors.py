@@ -7,6 +7,11 @@ fa4_jax at the best peer of each row. "–" (not measured) becomes None.
 """
 from __future__ import annotations
 
+# ANCHORS.md's ceiling: a bf16 8192³ matmul through JAX in the same run as its figures (790 on
+# other days). bench_attention times the same matmul, so that a run's figures can be read against
+# ANCHORS' on the same scale when the GPU's sustained clock differs between days.
+MATMUL_TFLOPS = 732.0
+
 # Column names in the order of ANCHORS.md's tables.
 COLUMNS = ("fa4_upstream", "jax_cudnn", "torch_cudnn", "pallas_mgpu", "torch_fa2", "jax_xla")
 

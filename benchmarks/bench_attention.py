@@ -37,6 +37,10 @@ against CUDA-event timing, exactly as in ANCHORS.md.
 
 FLOPs: forward 2·b·h·sq·sk·(d + dv), halved when causal; forward+backward counts 3.5× the
 forward.
+
+Ceiling: before the grid, a bf16 8192³ matmul under the same timer (--ceiling-size), ANCHORS.md's
+own ceiling (732 TF/s in its run), printed and kept in results.json's meta: the H200 runs
+attention at its power limit, and a day's sustained clock moves every figure together.
 """
 from __future__ import annotations
 
@@ -75,12 +79,14 @@ PRESETS = {
     "h200": dict(
         tokens=16384, hidden=2048, head_dims=(64, 128, 256), seqlens=(1024, 4096, 16384),
         calls=20, repeats=5, warmup_s=0.3, max_xla_seqlen=4096, fa4_implementation="cute",
+        ceiling_size=8192,
     ),
     # max_xla_seqlen is below the largest seqlen so that the skip path runs too; fa4_jax uses its
     # pure-JAX reference backend because the "cute" kernels need a GPU.
     "dry_run": dict(
         tokens=512, hidden=256, head_dims=(64, 128), seqlens=(128, 256),
         calls=3, repeats=2, warmup_s=0.0, max_xla_seqlen=128, fa4_implementation="reference",
+        ceiling_size=128,
     ),
 }
 
@@ -616,6 +622,26 @@ def time_step(step: Callable, input_sets: list[tuple], settings: Settings) -> Ti
                   note)
 
 
+def matmul_ceiling(size: int, settings: Settings) -> dict:
+    """ANCHORS.md's ceiling, a jit'd size³ matmul in the run's dtype, under the same timer.
+    The H200 runs attention at its power limit, and its sustained clock has differed between
+    days (ANCHORS.md: 732 TF/s for this matmul in its run, 790 on others); this says which kind
+    of day a run had, against anchors.MATMUL_TFLOPS."""
+    dtype = DTYPES[settings.dtype]
+    keys = jax.random.split(jax.random.key(0), 2 * INPUT_SETS)
+    input_sets = [tuple(jax.random.normal(key, (size, size), dtype) for key in keys[i::INPUT_SETS])
+                  for i in range(INPUT_SETS)]
+    timing = time_step(jax.jit(jnp.matmul), input_sets, settings)
+    return dict(size=size, ms=timing.ms, tflops=2 * size**3 / (timing.ms * 1e-3) / 1e12,
+                anchors_tflops=anchors.MATMUL_TFLOPS)
+
+
+def format_ceiling(ceiling: dict) -> str:
+    return (f"ceiling: bf16 {ceiling['size']}³ matmul {ceiling['tflops']:.0f} TF/s "
+            f"(ANCHORS.md's run: {ceiling['anchors_tflops']:.0f}; ratio "
+            f"{ceiling['tflops'] / ceiling['anchors_tflops']:.3f})")
+
+
 # ---------------------------------------------------------------------------------------------
 # Running the grid.
 
@@ -936,6 +962,8 @@ def make_parser(description: str = __doc__.split("\n\n")[0]) -> argparse.Argumen
                         "(clocks drop while the next peer compiles; 0.3)")
     p.add_argument("--max-xla-seqlen", type=int, help="XLA is skipped above this seqlen (4096)")
     p.add_argument("--fa4-implementation", help='fa4_jax implementation= ("cute")')
+    p.add_argument("--ceiling-size", type=int,
+                   help="time a bf16 N³ matmul first, ANCHORS.md's ceiling (8192; 0: skip)")
     p.add_argument("--time-budget-s", type=float, default=420.0,
                    help="stop starting new measurements after this; results are still written")
     p.add_argument("--out", default=".bench_out", help="directory for results.json and PNGs")
@@ -1000,6 +1028,9 @@ def main(argv=None) -> int:
         started_unix=time.time())
     print(f"{len(cases)} cases x {len(peers)} peers on {meta['device']} ({meta['backend']}), "
           f"budget {args.time_budget_s:.0f} s", flush=True)
+    if args.ceiling_size:
+        meta["matmul_ceiling"] = matmul_ceiling(args.ceiling_size, settings)
+        print(format_ceiling(meta["matmul_ceiling"]), flush=True)
 
     results = []
 
@@ -1020,6 +1051,8 @@ def main(argv=None) -> int:
     print(f"\n{ended} after {time.monotonic() - started:.0f} s; wrote {json_path} "
           f"{' '.join(pngs)}\n")
     print(format_table(results, peers, settings))
+    if "matmul_ceiling" in meta:
+        print("\n" + format_ceiling(meta["matmul_ceiling"]))
     return 0
 
 

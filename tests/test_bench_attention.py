@@ -24,6 +24,18 @@ def test_dry_run_times_d192_with_value_head_dim_128(tmp_path):
         assert row["flops"] == forward * factor
 
 
+def test_the_matmul_ceiling_is_recorded_beside_anchors(tmp_path):
+    argv = ["--dry-run", "--modes", "fwd", "--head-dims", "64", "--seqlens", "128", "--causal", "no",
+            "--peers", "xla", "--ceiling-size", "96", "--out", str(tmp_path)]
+    assert bench_attention.main(argv) == 0
+    ceiling = json.loads((tmp_path / "results.json").read_text())["meta"]["matmul_ceiling"]
+    assert ceiling["size"] == 96 and ceiling["anchors_tflops"] == 732.0
+    assert ceiling["tflops"] == pytest.approx(2 * 96**3 / (ceiling["ms"] * 1e-3) / 1e12)
+    argv[argv.index("96")] = "0"
+    assert bench_attention.main(argv) == 0
+    assert "matmul_ceiling" not in json.loads((tmp_path / "results.json").read_text())["meta"]
+
+
 def test_padded_value_gives_the_narrow_output():
     q, k, v = (jax.random.normal(key, shape) for key, shape in zip(
         jax.random.split(jax.random.key(0), 3), [(2, 33, 3, 192), (2, 33, 3, 192), (2, 33, 3, 128)]))
