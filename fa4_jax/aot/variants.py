@@ -168,6 +168,9 @@ TUNINGS: dict[str, dict] = {
     # and the preprocess zeroes no mdQaccum; the walk without a mask rotated
     # (TileConfig.default_stores_first).
     "stores_first": {"default_stores_first": True},
+    # and d64's default before session 20, which claims them: every add adds into an mdQaccum
+    # the preprocess zeroed.
+    "dq_zeroed": {"default_stores_first": False},
     # The main backward kernel and its postprocess launched plainly, not as programmatic
     # dependents of the kernel before them.
     "no_pdl": {"pdl": False},
@@ -187,7 +190,7 @@ ABLATIONS = (
                   "pv_wait_pinned")),
     ("bwd", 64, ("det_asc", "dq_atomic", "m64", "det_free_late", "det_unordered", "dq_after_dk",
                  "dq_writer1", "dq_tile_order_w1", "det_in_order", "no_pdl", "stats_ahead",
-                 "stores_first")),
+                 "dq_zeroed")),
     ("bwd", 128, ("det_asc", "dq_atomic", "det_free_late", "scores_ahead", "stats_at_use",
                   "det_unordered", "dq_after_dk", "dq_writer1", "dq_tile_order_late", "det_in_order",
                   "no_pdl", "bwd_v11_order", "dv_during_ds", "lse_late", "upstream_tail",

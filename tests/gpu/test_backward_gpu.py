@@ -276,9 +276,9 @@ def test_a_loss_of_out_passes_the_backward_an_empty_d_lse(next_key):
 def test_default_mode_repeats_agree_to_rounding(next_key, causal, head_dim, tuning):
     # The default mode adds dQ in a varying order: runs agree to rounding, not bits. A lost or
     # doubled add in a rare interleaving would move a dQ row by a key block's share, far beyond
-    # that: 10 runs against the first. `stores_first` (TileConfig.default_stores_first) is where
-    # such a race could hide: the first add into each query block claims a store over the
-    # unzeroed accumulator and the others wait for it.
+    # that: 10 runs against the first. `stores_first` (TileConfig.default_stores_first, d64's
+    # default, so "default" there) is where such a race could hide: the first add into each
+    # query block claims a store over the unzeroed accumulator and the others wait for it.
     q, k, v, d_out = _deterministic_case(next_key, head_dim)
     require_kernels(q, k, v, causal=causal)
     params = attention_params(q, k, v, causal=causal, implementation="cute")

@@ -212,10 +212,12 @@ class TileConfig:
     # traffic (Nsight Compute, d128: 66 µs at 79% of the DRAM bandwidth, 6% of forward+backward
     # at 1k tokens). Without a mask the walk is then rotated as a deterministic call's is, so
     # that a head's key blocks reach each query block a step apart rather than all at once.
-    # The ablation `stores_first`; measured (docs/perf-log.md, "the default mode's first add
-    # stores", one run): +2-3% at 1k at d64 and under d128's and d64's causal mask, even at
-    # d64/d128 from 4k, 1-5% slower at d256 (the claim's L2 round trip sits on the dQ writer's
-    # path between the hand-over and the add) and at d128 16k without a mask. Not the default.
+    # Measured (docs/perf-log.md, "the default mode's first add stores", one run): +2-3% at 1k
+    # at d64 and under d128's and d64's causal mask, even at d64/d128 from 4k, 1-5% slower at
+    # d256 (the claim's L2 round trip sits on the dQ writer's path between the hand-over and
+    # the add) and at d128 16k without a mask. d64's default since session 20, after two more
+    # runs ("first add stores at d64"): 1k +1.7%, causal +2.2% on average over three, 4k and
+    # 16k within ±1.5%; elsewhere the ablation `stores_first` (d64's old kernel: `dq_zeroed`).
     default_stores_first: bool = False
     # Deterministic without a mask: each key block's walk over the query blocks starts n_block
     # steps before the end, so that a chain's key blocks never queue at one query block
@@ -263,7 +265,8 @@ class TileConfig:
 # but for the statistics, reading those ahead loses 1-2% (`stats_ahead` there).
 TILE_CONFIGS = {
     64: TileConfig(128, 128, 2, True, 2, dq_tma_reduce=True, dv_during_ds=False,
-                   row_stats_ahead=0, dq_during_dk=True, dq_writers=2, dq_fragment_order=True),
+                   row_stats_ahead=0, dq_during_dk=True, dq_writers=2, dq_fragment_order=True,
+                   default_stores_first=True),
     96: TileConfig(64, 128, 2, True, 2, dq_tma_reduce=True, dv_during_ds=False, dq_during_dk=True,
                    dq_writers=2, dq_fragment_order=True),
     128: TileConfig(64, 128, 2, True, 2, dq_tma_reduce=True, dv_during_ds=False, dq_during_dk=True,
