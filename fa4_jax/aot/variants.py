@@ -168,8 +168,8 @@ TUNINGS: dict[str, dict] = {
     # and the preprocess zeroes no mdQaccum; the walk without a mask rotated
     # (TileConfig.default_stores_first).
     "stores_first": {"default_stores_first": True},
-    # and d64's default before session 20, which claims them: every add adds into an mdQaccum
-    # the preprocess zeroed.
+    # The opposite, where stores_first is the default (d64 since session 20): every add adds
+    # into an mdQaccum the preprocess zeroed.
     "dq_zeroed": {"default_stores_first": False},
     # The main backward kernel and its postprocess launched plainly, not as programmatic
     # dependents of the kernel before them.
