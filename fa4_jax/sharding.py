@@ -295,10 +295,6 @@ def _backward_on_device(q, k, v, out, lse, d_out, d_lse, params):
     return _on_folded_batch(backends.backward, (q, k, v, out, lse, d_out, d_lse), params)
 
 
-def _out_only_backward_on_device(q, k, v, out, lse, d_out, params):
-    return _backward_on_device(q, k, v, out, lse, d_out, None, params)
-
-
 def _ragged_forward(q, k, v, q_len, kv_len, params):
     return backends.forward(q, k, v, params, (q_len, kv_len))
 
@@ -317,23 +313,21 @@ def _ragged_backward_on_device(q, k, v, out, lse, d_out, d_lse, q_len, kv_len, p
     )
 
 
-def _ragged_out_only_backward_on_device(q, k, v, out, lse, d_out, q_len, kv_len, params):
-    return _ragged_backward_on_device(q, k, v, out, lse, d_out, None, q_len, kv_len, params)
+def _backward_ops(body, ragged: bool) -> dict:
+    """`body`'s partitioned backward ops keyed by whether they take a d_lse operand; the op
+    without one passes body None there (lse not differentiated)."""
+    def without_d_lse(q, k, v, out, lse, d_out, *lengths_and_params):
+        return body(q, k, v, out, lse, d_out, None, *lengths_and_params)
+
+    without_d_lse.__name__ = f"{body.__name__}_without_d_lse"
+    return {True: _custom_partitioned(body, _backward_layout(True, ragged)),
+            False: _custom_partitioned(without_d_lse, _backward_layout(False, ragged))}
 
 
 _FORWARD = _custom_partitioned(_forward_on_device, _FORWARD_LAYOUT)
 _RAGGED_FORWARD = _custom_partitioned(_ragged_forward_on_device, _RAGGED_FORWARD_LAYOUT)
-# The backward ops, keyed by whether they take a d_lse operand.
-_BACKWARD = {
-    True: _custom_partitioned(_backward_on_device, _backward_layout(True, ragged=False)),
-    False: _custom_partitioned(_out_only_backward_on_device,
-                               _backward_layout(False, ragged=False)),
-}
-_RAGGED_BACKWARD = {
-    True: _custom_partitioned(_ragged_backward_on_device, _backward_layout(True, ragged=True)),
-    False: _custom_partitioned(_ragged_out_only_backward_on_device,
-                               _backward_layout(False, ragged=True)),
-}
+_BACKWARD = _backward_ops(_backward_on_device, ragged=False)
+_RAGGED_BACKWARD = _backward_ops(_ragged_backward_on_device, ragged=True)
 
 
 @functools.cache
