@@ -311,7 +311,6 @@ class _QueryWalk:
     m_block_min: Int32
     m_block_max: Int32
     rotated: cutlass.Boolean
-    n_block: Int32
     key_blocks: Int32
     shift: Int32
 
@@ -1305,7 +1304,7 @@ class FlashAttentionBackwardSm90:
                 if m_block_max > m_block_min:
                     rotated = cutlass.Boolean(True)
                     shift = n_block % (m_block_max - m_block_min)
-        return _QueryWalk(m_block_min, m_block_max, rotated, n_block, key_blocks, shift)
+        return _QueryWalk(m_block_min, m_block_max, rotated, key_blocks, shift)
 
     @cute.jit
     def _m_block_at(self, walk, step):
