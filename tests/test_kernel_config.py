@@ -62,6 +62,30 @@ def test_d64_padded_warp_groups_skip_their_gemms(mask):
                                   separate_o=True, overlap_tiles=True, tile_n=128)
 
 
+def test_tail_rule_agrees_with_the_tile_table():
+    # variants.TAIL_CALLS carries each head dim's unmasked tile_n for the CPU-side rule.
+    from fa4_jax.aot import variants
+
+    for head_dim, tile_n in variants.TAIL_CALLS.items():
+        kernel = FlashAttentionForwardSm90(cutlass.BFloat16, head_dim, head_dim, "none", False)
+        assert kernel.tile_n == tile_n
+        for width in variants.TAIL_WIDTHS:
+            tuning = variants.TUNINGS[f"tail{width}"]
+            assert FlashAttentionForwardSm90(cutlass.BFloat16, head_dim, head_dim, "none", False,
+                                             **tuning).tail_keys == width
+            # Under a mask the tail block keeps the full width.
+            assert FlashAttentionForwardSm90(cutlass.BFloat16, head_dim, head_dim, "causal", False,
+                                             **tuning).tail_keys == 0
+
+
+@pytest.mark.parametrize("tuning", [dict(tail_keys=40), dict(tail_keys=176), dict(tail_keys=-16),
+                                    dict(tail_keys=48, scheduler="lpt", separate_o=True,
+                                         overlap_tiles=True, tile_n=128)])
+def test_bad_tail_widths_are_refused(tuning):
+    with pytest.raises(ValueError, match="tail_keys"):
+        _kernel("none", **tuning)
+
+
 def _backward(head_dim=64, mask="none", softcap=False, **tuning):
     return FlashAttentionBackwardSm90(cutlass.BFloat16, head_dim, head_dim, mask, softcap, **tuning)
 

@@ -1,5 +1,6 @@
 """CPU tier: the variant menu and the selection rule the C++ handler mirrors."""
 import dataclasses
+import itertools
 import re
 
 import pytest
@@ -114,8 +115,9 @@ def test_decode_sized_forwards_take_the_decode_tuning(head_dim, head_dim_v):
     rows = variants.DECODE_ROWS
     assert variants.call_tuning("fwd", "none", head_dim, rows, 50_000) == "decode"
     assert variants.call_tuning("fwd", "none", head_dim, 1, 1) == "decode"
-    # More rows, a mask, the backward, or an explicit tuning: unchanged.
-    assert variants.call_tuning("fwd", "none", head_dim, rows + 1, 50_000) == "default"
+    # More rows, a mask, the backward, or an explicit tuning: unchanged (49_984 keys fill
+    # d128's 176-key blocks, so the tail rule leaves them alone too).
+    assert variants.call_tuning("fwd", "none", head_dim, rows + 1, 49_984) == "default"
     assert variants.call_tuning("fwd", "local", head_dim, 1, 100) == "default"
     assert variants.call_tuning("bwd", "none", head_dim, 1, 100) == "default"
     assert variants.call_tuning("fwd", "none", head_dim, 1, 100, "lpt") == "lpt"
@@ -123,3 +125,41 @@ def test_decode_sized_forwards_take_the_decode_tuning(head_dim, head_dim_v):
         for softcap in (False, True):
             v = select(dtype, head_dim, head_dim_v, False, None, None, softcap, tuning="decode")
             assert v in MENU
+
+
+def test_dense_d128_forwards_take_the_narrowest_tail_that_holds_their_last_block():
+    tile_n = variants.TAIL_CALLS[128]
+    assert tile_n not in variants.TAIL_WIDTHS and list(variants.TAIL_WIDTHS) == sorted(variants.TAIL_WIDTHS)
+    rule = lambda seqlen_k, **kw: variants.call_tuning("fwd", "none", 128, 4096, seqlen_k, **kw)  # noqa: E731
+    # The benchmark grid's lengths: 2k leaves 112 keys in the last block, 4k 48, 8k 96, 16k 16.
+    assert [rule(s) for s in (2048, 4096, 8192, 16384)] == ["tail128", "tail48", "tail96", "tail48"]
+    previous = 0
+    for width in variants.TAIL_WIDTHS:
+        for tail in (previous + 1, width):
+            seqlen_k = 7 * tile_n + tail
+            assert rule(seqlen_k) == f"tail{width}"
+            assert variants.tail_mismatch(f"tail{width}", "none", 128, seqlen_k, False) is None
+        previous = width
+    # A last block wider than every width, a full one, or a single block: the default.
+    for seqlen_k in (7 * tile_n + previous + 1, 8 * tile_n, tile_n, 100):
+        assert rule(seqlen_k) == "default"
+    # Ragged batches, masks, other head dims, the backward and explicit tunings: unchanged.
+    assert rule(4096, ragged=True) == "default"
+    assert rule(4096, tuning="tail_full") == "tail_full"
+    assert variants.call_tuning("fwd", "causal", 128, 4096, 4096) == "default"
+    assert variants.call_tuning("fwd", "none", 64, 4096, 4000) == "default"
+    assert variants.call_tuning("bwd", "none", 128, 4096, 4096) == "default"
+    # Every dtype and softcap setting of the rule's calls is compiled.
+    for width, dtype, softcap in itertools.product(variants.TAIL_WIDTHS, variants.DTYPES, (False, True)):
+        assert select(dtype, 128, 128, False, None, None, softcap, tuning=f"tail{width}") in MENU
+
+
+def test_a_tail_tuning_is_refused_where_it_would_drop_keys():
+    mismatch = variants.tail_mismatch
+    assert "ragged" in mismatch("tail48", "none", 128, 4096, True)
+    assert "seqlen_k=4200" in mismatch("tail48", "none", 128, 4200, False)  # 152 keys in the last block
+    assert "seqlen_k=100" in mismatch("tail128", "none", 128, 100, False)  # one block
+    assert "head dim 64" in mismatch("tail48", "none", 64, 4096, False)
+    # A mask keeps the full width, and other tunings narrow nothing.
+    assert mismatch("tail48", "causal", 128, 4200, False) is None
+    assert mismatch("default", "none", 128, 4200, True) is None

@@ -109,6 +109,11 @@ TUNINGS: dict[str, dict] = {
     "n160": {"tile_n": 160},
     "n192": {"tile_n": 192},
     "n80": {"tile_n": 80},  # d256: FlashAttention-3's width, 224 of 227 KB of shared memory
+    # A dense call's last key block computed only as wide as the keys it holds
+    # (TileConfig.tail_keys), where `call_tuning` picks it (TAIL_CALLS); and the default kernel,
+    # which computes it at the full width, under a name that escapes that rule.
+    **{f"tail{width}": {"tail_keys": width} for width in (48, 96, 128)},
+    "tail_full": {},
     # Backward (kernels/sm90/bwd.py TileConfig): the two choices that made backward v2, each
     # turned back to v1's. det_asc changes only deterministic masked calls; the benchmark times
     # every backward tuning both ways (fa4_jax_bwd:NAME, fa4_jax_bwd_det:NAME).
@@ -182,7 +187,7 @@ ABLATIONS = (
                   "lpt_so", "lpt_so_l2s8", "n176", "n192", "lpt_so_overlap",
                   "lpt_so_overlap_l2s8", "n160", "lpt_so_overlap_l2s8_n160", "max_tree",
                   "n128", "v_wait_first", "o_sts", "k_first", "lpt_single", "lpt_grid",
-                  "pv_wait_pinned", "pv_wait_hoisted")),
+                  "pv_wait_pinned", "pv_wait_hoisted", "tail_full")),
     ("fwd", 64, ("wg2", "linear", "lpt", "lpt_so", "n96", "n128", "nopingpong", "lpt_so_overlap",
                  "max_tree", "v_wait_first", "o_sts", "k_first", "lpt_single", "no_skip_padded",
                  "pv_wait_pinned")),
@@ -238,15 +243,23 @@ SHORT_CALLS = {
     ("causal", 128): (("short", 1024),),
     ("none", 128): (("n128_tree", 1024),),
 }
+# Dense forward calls without a mask at these head dims, longer than the short rule's and with
+# keys for more than one block, run the narrowest "tail{width}" tuning whose width holds their
+# last key block (TileConfig.tail_keys), if one does: head dim -> the default's tile_n there
+# (kernels/sm90/fwd.py's tile table; tests/test_kernel_config.py checks they agree). The widths
+# cover the powers of two: 2k leaves 112 of d128's 176-key blocks, 4k 48, 8k 96, 16k 16.
+TAIL_CALLS = {128: 176}
+TAIL_WIDTHS = (48, 96, 128)
 # Forward calls without a mask and with at most this many query rows (as the kernel sees them:
 # GQA-packed, fa4_jax/pack_gqa.py) run the "decode" tuning, compiled at every head dim.
 DECODE_ROWS = 64
 
 
 def call_tuning(kind: str, mask: str, head_dim: int, seqlen_q: int, seqlen_k: int,
-                tuning: str = "default") -> str:
+                tuning: str = "default", ragged: bool = False) -> str:
     """The tuning a call runs: "decode" for a forward of at most DECODE_ROWS query rows without
-    a mask, the short tuning of a short forward's mask and head dim (SHORT_CALLS), else
+    a mask, the short tuning of a short forward's mask and head dim (SHORT_CALLS), the tail
+    tuning of a dense one without a mask whose last key block it holds (TAIL_CALLS), else
     `tuning`."""
     if kind != "fwd" or tuning != "default":
         return tuning
@@ -255,7 +268,34 @@ def call_tuning(kind: str, mask: str, head_dim: int, seqlen_q: int, seqlen_k: in
     for short_tuning, longest in SHORT_CALLS.get((mask, head_dim), ()):
         if max(seqlen_q, seqlen_k) <= longest:
             return short_tuning
+    if mask == "none" and not ragged:
+        width = next((w for w in TAIL_WIDTHS if tail_fits(w, head_dim, seqlen_k)), None)
+        if width is not None:
+            return f"tail{width}"
     return tuning
+
+
+def tail_fits(tail_keys: int, head_dim: int, seqlen_k: int) -> bool:
+    """Whether a dense call of seqlen_k keys has more than one key block and at most tail_keys
+    keys in its last, at the tile_n that TAIL_CALLS gives for head_dim."""
+    tile_n = TAIL_CALLS.get(head_dim)
+    if tile_n is None or seqlen_k <= tile_n:
+        return False
+    return seqlen_k - (seqlen_k - 1) // tile_n * tile_n <= tail_keys
+
+
+def tail_mismatch(tuning: str, mask: str, head_dim: int, seqlen_k: int, ragged: bool) -> str | None:
+    """Why a forward call may not run `tuning`, one whose kernel computes only the first
+    tail_keys keys of the last key block; None if it may (or the tuning narrows nothing)."""
+    tail_keys = TUNINGS[tuning].get("tail_keys", 0)
+    if not tail_keys or mask != "none":
+        return None
+    if ragged:
+        return f"tuning {tuning!r} narrows the last key block, which a ragged batch's entries do not share"
+    if not tail_fits(tail_keys, head_dim, seqlen_k):
+        return (f"tuning {tuning!r} computes {tail_keys} keys of the last key block and needs two or "
+                f"more blocks; seqlen_k={seqlen_k} at head dim {head_dim} does not fit")
+    return None
 
 
 # Deterministic backward calls at these head dims, with at most this many keys, give every
@@ -321,6 +361,10 @@ MENU: tuple[Variant, ...] = tuple(
 ) + tuple(
     Variant("sm_90a", dtype, d, d, mask, softcap, "fwd", short_tuning)
     for (mask, d), steps in SHORT_CALLS.items() for short_tuning, _ in steps
+    for dtype, softcap in itertools.product(DTYPES, (False, True))
+) + tuple(
+    Variant("sm_90a", dtype, d, d, "none", softcap, "fwd", f"tail{width}")
+    for d in TAIL_CALLS for width in TAIL_WIDTHS
     for dtype, softcap in itertools.product(DTYPES, (False, True))
 ) + tuple(
     Variant("sm_90a", dtype, d, dv, "none", softcap, "fwd", "decode")

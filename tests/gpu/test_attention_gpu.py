@@ -81,6 +81,42 @@ def test_short_calls_run_the_short_variant(next_key, mask, head_dim):
         _check_forward(next_key, 1, seqlen, seqlen, 2, 2, head_dim, jnp.bfloat16, causal=causal)
 
 
+def _tail_cases():
+    """(width, keys in the last block) at both ends of each tail width's range."""
+    from fa4_jax.aot.variants import TAIL_WIDTHS
+
+    narrower = (0,) + TAIL_WIDTHS[:-1]
+    return [(width, tail) for low, width in zip(narrower, TAIL_WIDTHS) for tail in (low + 1, width)]
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("width,tail", _tail_cases())
+def test_dense_calls_run_their_narrowed_tail_variant(next_key, width, tail, dtype, softcap):
+    # Dense d128 calls without a mask compute their last key block only as wide as the tail
+    # variant's width (variants.TAIL_CALLS): pin the choice, then the numerics at both ends of
+    # the width's range (the keys past the tail must not leak in; none of the tail may drop).
+    from fa4_jax import ffi
+    from fa4_jax.aot.variants import TAIL_CALLS
+    from fa4_jax.api import attention_params
+
+    seqlen_q, seqlen_k = 300, 7 * TAIL_CALLS[128] + tail
+    q, k, v = qkv(next_key, 1, seqlen_q, seqlen_k, 2, 2, 128, dtype)
+    params = attention_params(q, k, v, softcap=softcap, implementation="cute")
+    assert ffi._forward_tuning(q, k, v, params, "default") == f"tail{width}"
+    _check_forward(next_key, 2, seqlen_q, seqlen_k, 4, 2, 128, dtype, softcap=softcap)
+
+
+def test_a_tail_variant_refuses_a_call_it_would_cut_short(next_key):
+    from fa4_jax import ffi
+    from fa4_jax.api import attention_params
+
+    q, k, v = qkv(next_key, 1, 300, 4200, 2, 2, 128, jnp.bfloat16)  # 152 keys in the last block
+    params = attention_params(q, k, v, implementation="cute")
+    with pytest.raises(ValueError, match="tuning: .*seqlen_k=4200"):
+        ffi.forward(q, k, v, params, tuning="tail48")
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
@@ -190,6 +226,7 @@ def test_ablation_tunings_compute_the_same_attention(next_key, head_dim, head_di
                                                       shape):
     # The benchmark's ablation rows must be correct kernels, or their timings mean nothing.
     from fa4_jax import ffi
+    from fa4_jax.aot.variants import tail_mismatch
     from fa4_jax.api import attention_params
 
     batch, seqlen_q, seqlen_k, heads_q, heads_kv = shape
@@ -197,6 +234,12 @@ def test_ablation_tunings_compute_the_same_attention(next_key, head_dim, head_di
                   head_dim_v)
     params = attention_params(q, k, v, causal=causal, implementation="cute")
     reason = ffi.unsupported_reason(q, k, v, params, tuning=tuning)
+    if reason is not None:
+        pytest.skip(reason)
+    # A tail tuning serves only the key counts whose last block it holds (variants.tail_fits;
+    # test_dense_calls_run_their_narrowed_tail_variant covers each width's range); ffi refuses
+    # the others (test_a_tail_variant_refuses_a_call_it_would_cut_short).
+    reason = tail_mismatch(tuning, "causal" if causal else "none", head_dim, seqlen_k, False)
     if reason is not None:
         pytest.skip(reason)
     out, lse = jax.jit(lambda q, k, v: ffi.forward(q, k, v, params, tuning=tuning))(q, k, v)

@@ -44,6 +44,14 @@ def acc_as_operand_a(tensor: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(tensor.iterator, layout)
 
 
+def acc_prefix(tensor: cute.Tensor, shape) -> cute.Tensor:
+    """The first columns of a ((2, 2, V), 1, 1) accumulator (one WGMMA's) as a fragment of
+    `shape`, ((2, 2, W), 1, 1) with W <= V: exactly the registers that a WGMMA of the narrower N
+    writes, since a column's eight-column group is the outermost register mode."""
+    compact = cute.make_layout(shape)
+    return cute.make_tensor(tensor.iterator, cute.composition(tensor.layout, compact))
+
+
 def opaque_int32(x):
     """x, through an asm statement the compiler may neither hoist nor merge with another copy.
 

@@ -42,7 +42,9 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from fa4_jax.kernels.common.block_info import BlockInfo
-from fa4_jax.kernels.common.layouts import acc_as_operand_a, acc_rows_cols, convert_pairs, opaque_int32
+from fa4_jax.kernels.common.layouts import (
+    acc_as_operand_a, acc_prefix, acc_rows_cols, convert_pairs, opaque_int32,
+)
 from fa4_jax.kernels.common.mask import AttentionMask
 from fa4_jax.kernels.common.ragged import entry_length
 from fa4_jax.kernels.common.softmax import OnlineSoftmax, SoftmaxConfig, scale_rows
@@ -112,6 +114,15 @@ class TileConfig:
     # causal and d128 without a mask, mixed at d256 (the tile table's comment).
     pv_wait_in_branch: bool = False
     masked_pv_wait_in_branch: bool | None = None
+    # Without a mask: the call's last key block holds at most this many keys (1 to tail_keys), so
+    # the tile's first block, that tail, is computed that wide: its S GEMM a WGMMA of N =
+    # tail_keys, its mask and softmax over those columns, its P·V over their k16 steps only; 0:
+    # at the full tile_n. When tile_n does not divide the keys the full width computes padding:
+    # at d128's 176-key blocks 64 of 2048 keys' worth and 128 of 4096 (3% of the GEMM work).
+    # The width is static: a WGMMA under a runtime branch between widths made ptxas serialize
+    # every WGMMA (C7511), so `variants.call_tuning` picks a variant by a dense call's key count.
+    # A multiple of 16 (P·V's k step); masked kernels keep the full width.
+    tail_keys: int = 0
 
     def for_mask(self, masked: bool) -> "TileConfig":
         """The settings a kernel with (masked) or without a causal/local mask runs."""
@@ -139,7 +150,7 @@ MASKED_FIELDS = {"scheduler": "masked_scheduler", "pingpong": "masked_pingpong",
 SOFTMAX_KNOBS = ("rescale_threshold", "exp2_poly_share", "max_tree")
 TILE_KNOBS = ("pingpong", "scheduler", "tile_n", "kv_stages", "separate_o", "l2_section_mb",
               "overlap_tiles", "pingpong_first_block", "v_wait_in_turn",
-              "o_stmatrix", "q_first", "skip_padded_groups", "pv_wait_in_branch")
+              "o_stmatrix", "q_first", "skip_padded_groups", "pv_wait_in_branch", "tail_keys")
 TUNING_KNOBS = SOFTMAX_KNOBS + ("mma_warp_groups",) + TILE_KNOBS
 # setmaxnreg budget of each MMA thread by MMA warp-group count: the 64K registers of an SM less
 # the producer group's 128 · 24, shared by the MMA threads, rounded down to a multiple of 8, and
@@ -185,6 +196,12 @@ MMA_REGISTERS = {1: 240, 2: 240, 3: 160}
 #   (13 of 14 behind, one level); d256 +1.9/−0.4/−0.7/+2.8%; without a mask, two runs at
 #   2k/4k/16k, d128 −0.9/−1.8/−1.0%, d64 and d256 within ±1%. The short causal rule's d128
 #   kernel ("short") inherits it; d64's ("short_wg2") sets it (aot/variants.py).
+# - d128's tail block without a mask (`tail_keys`, the "tail{48,96,128}" variants that
+#   `variants.call_tuning` routes dense calls to; session 21): against the full-width tail
+#   ("tail_full"), run 1 4k/8k/16k 623/650/668 against 603/646/656, run 2 4k/16k 613/664
+#   against 597/650 (+2-3% at 4k and 16k; 8k within its noise, where the same kernel read 614
+#   and 650 in one run); at 2k (112 keys in a 128-wide tail) 558-562 against 559, even. With
+#   the P·V wait pinned the tail kernels read the same (630/642/667 at 4k/8k/16k, run 1).
 # - d96: the d128 shape (O is 48 registers, S 64), and its 48 KB K/V stage leaves room for three
 #   stages (168 KB). 1.13-1.20x cuDNN at s4k/s16k (494/525, causal 439/499); one run's
 #   alternatives were within 1-5% either way (176-key blocks on two stages 492/538, causal
@@ -343,6 +360,12 @@ class FlashAttentionForwardSm90:
             raise ValueError(f"{config}: overlap_tiles needs the persistent 'lpt' order and separate_o")
         if config.overlap_tiles and config.skip_padded_groups:
             raise ValueError(f"{config}: skip_padded_groups is not implemented with overlap_tiles")
+        # The tail block's width; 0 where it is the full tile_n (always under a mask).
+        self.tail_keys = 0 if self.causal or self.local else config.tail_keys
+        if config.tail_keys % 16 or config.tail_keys < 0 or self.tail_keys >= config.tile_n:
+            raise ValueError(f"{config}: tail_keys must be a multiple of 16 (P·V's k step) below tile_n")
+        if self.tail_keys and (config.overlap_tiles or config.skip_padded_groups):
+            raise ValueError(f"{config}: tail_keys is not implemented with overlap_tiles or skip_padded_groups")
         self.pingpong = config.pingpong
         self.mma_warp_groups = tuple(range(1, config.mma_warp_groups + 1))
         self.mma_registers = MMA_REGISTERS[config.mma_warp_groups]
@@ -628,6 +651,11 @@ class FlashAttentionForwardSm90:
             softmax, row_scale, pipeline_k, pipeline_v, score_prescale,
         )
         step = functools.partial(self.mma_overlapped_block, blocks, warp_group)
+        # The tile's first block and, in the second block's step, its P·V (TileConfig.tail_keys).
+        first_blocks, first_step = blocks, None
+        if cutlass.const_expr(self.tail_keys):
+            first_blocks = self.tail_operands(blocks, warp_group, tidx, sQ, sK)
+            first_step = functools.partial(step, pv_k_blocks=self.tail_keys // 16)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
@@ -665,11 +693,11 @@ class FlashAttentionForwardSm90:
                         kv_state = self.mma_tile_skipped(blocks, warp_group, kv_state, n_block_min, n_block_max,
                                                          sV, seqlen_k, problem, tidx, pipeline_q, q_state)
                     else:
-                        self.mma_first_block(blocks, warp_group, kv_state, n_block_max - 1, apply_mask, sV,
-                                             seqlen_k, problem, tidx)
+                        self.mma_first_block(first_blocks, warp_group, kv_state, n_block_max - 1, apply_mask,
+                                             sV, seqlen_k, problem, tidx)
                         kv_state = self.mma_key_blocks(step, masked, kv_state, block_info, m_block,
                                                        n_block_min, n_block_max, seqlen_q, seqlen_k,
-                                                       window_left, window_right)
+                                                       window_left, window_right, first_step)
                         # Every Q·Kᵀ GEMM of the tile has retired (each block waits for its own).
                         if cutlass.const_expr(self.config.separate_o):
                             pipeline_q.consumer_release(q_state)
@@ -771,9 +799,11 @@ class FlashAttentionForwardSm90:
 
     @cute.jit
     def mma_key_blocks(self, step, masked, kv_state, block_info, m_block, n_block_min, n_block_max,
-                       seqlen_q, seqlen_k, window_left, window_right):
+                       seqlen_q, seqlen_k, window_left, window_right, first_step=None):
         """The overlapped steps of a tile's key blocks after the first, from n_block_max − 2 down:
-        right-masked (local), unmasked, left-masked (local). Returns the last block's ring slot."""
+        right-masked (local), unmasked, left-masked (local). Returns the last block's ring slot.
+        `first_step`, if given, replaces `step` for the first of them, which must exist (kernels
+        without a mask, on keys that fill more than one block)."""
         n_block = n_block_max - 2
         if cutlass.const_expr(block_info.has_right_bound):
             n_masked_from = block_info.n_block_min_right_masked(
@@ -785,6 +815,12 @@ class FlashAttentionForwardSm90:
         n_unmasked_from = block_info.n_block_min_unmasked(
             m_block, n_block_min, seqlen_q, seqlen_k, window_left
         )
+        if cutlass.const_expr(first_step is not None):
+            assert not (block_info.has_right_bound or self.local), "first_step: kernels without a mask"
+            # Unconditional: under a branch, P's registers past the tail would have to live on
+            # through this step for `mma_last_pv` (ptxas then serialized the WGMMAs, C7511).
+            kv_state = first_step(kv_state, n_block)
+            n_block -= 1
         for _ in cutlass.range(n_block + 1 - n_unmasked_from, unroll=1):
             kv_state = step(kv_state, n_block)
             n_block -= 1
@@ -859,6 +895,23 @@ class FlashAttentionForwardSm90:
         if seqlen_k < problem.seqlen_k:
             self.zero_v_past_keys(sV, blocks.pipeline_v, kv_state, n_block, seqlen_k, tidx)
 
+    def tail_operands(self, blocks, warp_group, tidx, sQ, sK) -> _BlockOperands:
+        """`blocks` narrowed to a block's first tail_keys keys: the S GEMM's MMA and K operand,
+        and S and P as prefixes of the full-width fragments (`acc_prefix`)."""
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            Float32, (len(self.mma_warp_groups), 1, 1), (64, self.tail_keys),
+        )
+        wg_mma = tiled_mma.get_slice(warp_group * self.threads_per_warp_group)
+        sK_tail = cute.local_tile(sK, (self.tail_keys, self.head_dim, self.kv_stages), (0, 0, 0))
+        shape = tiled_mma.get_slice(tidx).partition_shape_C((self.tile_m, self.tail_keys))
+        return dataclasses.replace(
+            blocks, tiled_mma_qk=tiled_mma,
+            tSrQ=wg_mma.make_fragment_A(wg_mma.partition_A(sQ)),
+            tSrK=wg_mma.make_fragment_B(wg_mma.partition_B(sK_tail)),
+            acc_s=acc_prefix(blocks.acc_s, shape), p=acc_prefix(blocks.p, shape),
+        )
+
     @cute.jit
     def zero_v_past_keys(self, sV, pipeline_v, kv_state, n_block, seqlen_k, tidx):
         """Zeroes the rows of block n_block's V that lie past a ragged entry's last key.
@@ -881,11 +934,13 @@ class FlashAttentionForwardSm90:
 
     @cute.jit
     def mma_overlapped_block(self, blocks, warp_group, kv_state, n_block, apply_mask=None,
-                             rescale_o: cutlass.Constexpr[bool] = True):
+                             rescale_o: cutlass.Constexpr[bool] = True,
+                             pv_k_blocks: cutlass.Constexpr[int] = 0):
         """S_j = Q·K_jᵀ issued with O += P_{j-1}·V_{j-1}; softmax of S_j overlaps the P·V GEMM.
 
         kv_state is block j-1's ring slot on entry; returns block j's. rescale_o=False: S_j is the
         next tile's first block (`mma_tiles_overlapped`), so O is this tile's and keeps its scale.
+        pv_k_blocks: P_{j-1}·V_{j-1} over only that many k16 steps (a narrowed tail block's).
         """
         v_state = kv_state.clone()
         kv_state.advance()
@@ -898,7 +953,8 @@ class FlashAttentionForwardSm90:
         if cutlass.const_expr(self.config.v_wait_in_turn):
             blocks.pipeline_v.consumer_wait(v_state)
         wgmma_gemm(blocks.tiled_mma_pv, blocks.acc_o, acc_as_operand_a(blocks.p),
-                  blocks.tOrVt[None, None, None, v_state.index], zero_init=False, wait_group=-1)
+                  blocks.tOrVt[None, None, None, v_state.index], zero_init=False, wait_group=-1,
+                  k_blocks=pv_k_blocks)
         self.pingpong_yield(warp_group)
         warpgroup.wait_group(1)
         blocks.pipeline_k.consumer_release(kv_state)

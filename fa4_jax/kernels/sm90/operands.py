@@ -40,14 +40,14 @@ def permute_modes(tensor: cute.Tensor, order) -> cute.Tensor:
 
 @cute.jit
 def wgmma_gemm(tiled_mma, acc, frag_a, frag_b, zero_init: cutlass.Constexpr[bool],
-               wait_group: cutlass.Constexpr[int]):
-    """acc (+)= A·B over the k blocks as one WGMMA batch; then wait until at most `wait_group`
-    batches are in flight (-1: don't wait)."""
+               wait_group: cutlass.Constexpr[int], k_blocks: cutlass.Constexpr[int] = 0):
+    """acc (+)= A·B over the k blocks (the first `k_blocks` of them, if nonzero) as one WGMMA
+    batch; then wait until at most `wait_group` batches are in flight (-1: don't wait)."""
     warpgroup.fence()
     # A fresh atom per GEMM: its ACCUMULATE field is mutated across the k loop.
     atom = cute.make_mma_atom(tiled_mma.op)
     atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(frag_a.shape[2])):
+    for k in cutlass.range_constexpr(k_blocks or cute.size(frag_a.shape[2])):
         cute.gemm(atom, acc, frag_a[None, None, k], frag_b[None, None, k], acc)
         atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
