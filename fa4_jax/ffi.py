@@ -155,7 +155,7 @@ def _static_attrs(params, tuning: str) -> dict:
                 tuning=tuning)
 
 
-def _seq_used(q, k, seq_lengths):
+def _seq_used(seq_lengths):
     """The seq_used_q, seq_used_k operands: the ragged lengths, or empty ones for a dense call.
 
     Empty, not full: full lengths were a broadcast kernel that XLA ran ahead of every call
@@ -184,7 +184,7 @@ def _length_operands(seq_lengths, q, k, by_query, by_key):
     by_query / by_key: tuples of arrays whose axis 1 runs over query rows / keys. A ragged call
     gets them back with their padding zeroed (module docstring), a dense call unchanged.
     """
-    seq_used_q, seq_used_k = _seq_used(q, k, seq_lengths)
+    seq_used_q, seq_used_k = _seq_used(seq_lengths)
     if seq_lengths is not None:
         by_query = tuple(_zero_padding(x, seq_used_q) for x in by_query)
         by_key = tuple(_zero_padding(x, seq_used_k) for x in by_key)

@@ -74,7 +74,7 @@ def test_handler_rejects_bad_shapes():
     call = jax.ffi.ffi_call(ffi.FWD_TARGET, (jax.ShapeDtypeStruct((1, 8, 2, 64), jnp.bfloat16),
                                               jax.ShapeDtypeStruct((1, 2, 8), jnp.float32)))
     with pytest.raises(Exception, match="multiple of heads"):
-        jax.block_until_ready(call(q, k, k, *ffi._seq_used(q, k, None), **_ATTRS))
+        jax.block_until_ready(call(q, k, k, *ffi._seq_used(None), **_ATTRS))
 
 
 def test_handler_names_a_wrong_length_operand():
@@ -85,7 +85,7 @@ def test_handler_names_a_wrong_length_operand():
     with pytest.raises(Exception, match=r"seq_used_k has shape \[3\], expected \[2\]"):
         jax.block_until_ready(call(q, q, q, full, jnp.full((3,), 8, jnp.int32), **_ATTRS))
     # Empty operands mean a dense batch only when both are empty.
-    empty, _ = ffi._seq_used(q, q, None)
+    empty, _ = ffi._seq_used(None)
     with pytest.raises(Exception, match=r"seq_used_q has shape \[0\], expected \[2\]"):
         jax.block_until_ready(call(q, q, q, empty, full, **_ATTRS))
 
@@ -107,7 +107,7 @@ def _backward_workspace_call(dpsum_rows=128, copies=1, d_lse_batch=1):
         jax.ShapeDtypeStruct((copies, b, h, sq_pad // 64), jnp.int32),
     ]
     call = jax.ffi.ffi_call(ffi.BWD_TARGET, results)
-    return lambda: jax.block_until_ready(call(q, q, q, q, q, stats, d_lse, *ffi._seq_used(q, q, None),
+    return lambda: jax.block_until_ready(call(q, q, q, q, q, stats, d_lse, *ffi._seq_used(None),
                                               deterministic=True, **_ATTRS))
 
 
