@@ -21,11 +21,19 @@ HEAD_DIMS = {
     "fwd": ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256)),
     "bwd": ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256)),
 }
+# Dense forward calls without a mask at these head dims, longer than the short rule's and with
+# keys for more than one block, run the narrowest "tail{width}" tuning whose width holds their
+# last key block (TileConfig.tail_keys), if one does: head dim -> the default's tile_n there
+# (kernels/sm90/fwd.py's tile table; tests/test_kernel_config.py checks they agree). The widths
+# cover the powers of two: 2k leaves 112 of d128's 176-key blocks, 4k 48, 8k 96, 16k 16.
+TAIL_CALLS = {128: 176}
+TAIL_WIDTHS = (48, 96, 128)
 # Named overrides of a kernel's tuned settings, passed to its constructor as keyword arguments.
-# "default" is what users get, and "short", "short_wg2", "n128_tree" and "decode" where `call_tuning`
-# picks them by a call's shape (SHORT_CALLS, DECODE_ROWS); the others exist for the ablations in
-# docs/perf-log.md, are compiled only where ABLATIONS lists them, and are reachable only through
-# the benchmark (`ffi.forward(..., tuning=NAME)`, `--fa4-tunings`).
+# "default" is what users get, and "short", "short_wg2", "n128_tree", "decode" and the "tail"
+# tunings where `call_tuning` picks them by a call's shape (SHORT_CALLS, DECODE_ROWS, TAIL_CALLS);
+# the others exist for the ablations in docs/perf-log.md, are compiled only where ABLATIONS lists
+# them, and are reachable only through the benchmark (`ffi.forward(..., tuning=NAME)`,
+# `--fa4-tunings`).
 # On 128-key blocks: at d128 O's own buffer leaves no room for two 176-key K/V stages (240 KB).
 _LPT_SEPARATE_O = {"scheduler": "lpt", "separate_o": True, "tile_n": 128}
 # A tile's boundary overlapped with the next tile's start; padded warp groups then run their
@@ -112,7 +120,7 @@ TUNINGS: dict[str, dict] = {
     # A dense call's last key block computed only as wide as the keys it holds
     # (TileConfig.tail_keys), where `call_tuning` picks it (TAIL_CALLS); and the default kernel,
     # which computes it at the full width, under a name that escapes that rule.
-    **{f"tail{width}": {"tail_keys": width} for width in (48, 96, 128)},
+    **{f"tail{width}": {"tail_keys": width} for width in TAIL_WIDTHS},
     "tail_full": {},
     # Backward (kernels/sm90/bwd.py TileConfig): the two choices that made backward v2, each
     # turned back to v1's. det_asc changes only deterministic masked calls; the benchmark times
@@ -243,13 +251,6 @@ SHORT_CALLS = {
     ("causal", 128): (("short", 1024),),
     ("none", 128): (("n128_tree", 1024),),
 }
-# Dense forward calls without a mask at these head dims, longer than the short rule's and with
-# keys for more than one block, run the narrowest "tail{width}" tuning whose width holds their
-# last key block (TileConfig.tail_keys), if one does: head dim -> the default's tile_n there
-# (kernels/sm90/fwd.py's tile table; tests/test_kernel_config.py checks they agree). The widths
-# cover the powers of two: 2k leaves 112 of d128's 176-key blocks, 4k 48, 8k 96, 16k 16.
-TAIL_CALLS = {128: 176}
-TAIL_WIDTHS = (48, 96, 128)
 # Forward calls without a mask and with at most this many query rows (as the kernel sees them:
 # GQA-packed, fa4_jax/pack_gqa.py) run the "decode" tuning, compiled at every head dim.
 DECODE_ROWS = 64

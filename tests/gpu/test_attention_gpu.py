@@ -101,7 +101,7 @@ def test_dense_calls_run_their_narrowed_tail_variant(next_key, width, tail, dtyp
     from fa4_jax.api import attention_params
 
     seqlen_q, seqlen_k = 300, 7 * TAIL_CALLS[128] + tail
-    q, k, v = qkv(next_key, 1, seqlen_q, seqlen_k, 2, 2, 128, dtype)
+    q, k, v = qkv(next_key, 2, seqlen_q, seqlen_k, 4, 2, 128, dtype)
     params = attention_params(q, k, v, softcap=softcap, implementation="cute")
     assert ffi._forward_tuning(q, k, v, params, "default") == f"tail{width}"
     _check_forward(next_key, 2, seqlen_q, seqlen_k, 4, 2, 128, dtype, softcap=softcap)

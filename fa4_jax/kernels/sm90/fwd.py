@@ -198,10 +198,11 @@ MMA_REGISTERS = {1: 240, 2: 240, 3: 160}
 #   kernel ("short") inherits it; d64's ("short_wg2") sets it (aot/variants.py).
 # - d128's tail block without a mask (`tail_keys`, the "tail{48,96,128}" variants that
 #   `variants.call_tuning` routes dense calls to; session 21): against the full-width tail
-#   ("tail_full"), run 1 4k/8k/16k 623/650/668 against 603/646/656, run 2 4k/16k 613/664
-#   against 597/650 (+2-3% at 4k and 16k; 8k within its noise, where the same kernel read 614
-#   and 650 in one run); at 2k (112 keys in a 128-wide tail) 558-562 against 559, even. With
-#   the P·V wait pinned the tail kernels read the same (630/642/667 at 4k/8k/16k, run 1).
+#   ("tail_full"), TF/s at 2k/4k/8k/16k: run 1 558/623/650/668 against 559/603/646/656, run
+#   2 (4k, 16k) 613/664 against 597/650, run 3 in two processes 553/609/644/661 and
+#   563/612/641/654 against 547/595/645/649 and 549/589/635/641: +2.4 to +3.9% at 4k, +1.8 to
+#   +2.2% at 16k, 0 to +2.6% at 2k (112 keys in a 128-wide tail), nothing at 8k. With the P·V
+#   wait pinned the tail kernels read the same (630/642/667 at 4k/8k/16k, run 1).
 # - d96: the d128 shape (O is 48 registers, S 64), and its 48 KB K/V stage leaves room for three
 #   stages (168 KB). 1.13-1.20x cuDNN at s4k/s16k (494/525, causal 439/499); one run's
 #   alternatives were within 1-5% either way (176-key blocks on two stages 492/538, causal
@@ -372,6 +373,14 @@ class FlashAttentionForwardSm90:
         self.num_mma_threads = len(self.mma_warp_groups) * self.threads_per_warp_group
         self.num_threads = self.num_mma_threads + self.threads_per_warp_group
 
+    def qk_tiled_mma(self, keys: int) -> cute.TiledMma:
+        """S = Q·Kᵀ over `keys` keys: one 64 x keys WGMMA per MMA warp group, both operands
+        K-major in shared memory."""
+        return sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            Float32, (len(self.mma_warp_groups), 1, 1), (self.rows_per_warp_group, keys),
+        )
+
     def _shared_storage(self, sQ_layout, sK_layout, sV_layout, sO_layout):
         """The CTA's shared memory: barriers, Q, the K/V ring and O. Without separate_o, O is
         staged in Q's buffer (sized for the larger of the two) and its own field is empty, which
@@ -424,10 +433,7 @@ class FlashAttentionForwardSm90:
         mQ, mK, mV, mO = [permute_modes(t, (1, 3, 2, 0)) for t in (mQ, mK, mV, mO)]
         mLSE = permute_modes(mLSE, (2, 1, 0))
 
-        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
-            Float32, (len(self.mma_warp_groups), 1, 1), (64, self.tile_n),
-        )
+        tiled_mma_qk = self.qk_tiled_mma(self.tile_n)
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
             Float32, (len(self.mma_warp_groups), 1, 1), (64, self.head_dim_v),
@@ -898,10 +904,7 @@ class FlashAttentionForwardSm90:
     def tail_operands(self, blocks, warp_group, tidx, sQ, sK) -> _BlockOperands:
         """`blocks` narrowed to a block's first tail_keys keys: the S GEMM's MMA and K operand,
         and S and P as prefixes of the full-width fragments (`acc_prefix`)."""
-        tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
-            Float32, (len(self.mma_warp_groups), 1, 1), (64, self.tail_keys),
-        )
+        tiled_mma = self.qk_tiled_mma(self.tail_keys)
         wg_mma = tiled_mma.get_slice(warp_group * self.threads_per_warp_group)
         sK_tail = cute.local_tile(sK, (self.tail_keys, self.head_dim, self.kv_stages), (0, 0, 0))
         shape = tiled_mma.get_slice(tidx).partition_shape_C((self.tile_m, self.tail_keys))
