@@ -194,14 +194,14 @@ def _length_operands(seq_lengths, q, k, by_query, by_key):
 def _forward_tuning(q, k, v, params, tuning: str, ragged: bool = False) -> str:
     """`tuning`, or the decode, short-call or tail variant that `variants.call_tuning` picks for
     the call's shape, when that variant is compiled. Raises ValueError for a tuning the call's
-    shape may not run (`variants.tail_mismatch`)."""
-    from fa4_jax.aot.variants import call_tuning, mask_kind, tail_mismatch
+    shape may not run (`variants.narrowing_mismatch`)."""
+    from fa4_jax.aot.variants import call_tuning, mask_kind, narrowing_mismatch
 
     mask = mask_kind(params.causal, params.window_left, params.window_right)
     chosen = call_tuning("fwd", mask, q.shape[-1], q.shape[1], k.shape[1], tuning, ragged)
     if chosen != tuning and unsupported_reason(q, k, v, params, "fwd", chosen) is None:
         return chosen
-    reason = tail_mismatch(tuning, mask, q.shape[-1], k.shape[1], ragged)
+    reason = narrowing_mismatch(tuning, mask, q.shape[-1], q.shape[1], k.shape[1], ragged)
     if reason is not None:
         raise ValueError(f"tuning: {reason}")
     return tuning

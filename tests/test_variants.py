@@ -76,15 +76,24 @@ def test_bad_variant_is_refused():
 def test_short_forwards_take_the_short_tuning(mask, head_dim):
     steps = variants.SHORT_CALLS[(mask, head_dim)]
     bounds = [longest for _, longest in steps]
-    assert bounds == sorted(set(bounds)), "steps go from the shortest bound up"
-    shortest = 0
+    assert bounds == sorted(bounds), "steps go from the shortest bound up"
     for tuning, longest in steps:
         assert tuning != "default"
-        # Both ends of the step's range, either length the longer one (past the decode rows).
+        rule = lambda sq, sk, **kw: variants.call_tuning("fwd", mask, head_dim, sq, sk, **kw)  # noqa: E731
+        shortest = max((b for b in bounds if b < longest), default=0)
         low = max(shortest + 1, variants.DECODE_ROWS + 1)
-        assert variants.call_tuning("fwd", mask, head_dim, longest, longest) == tuning
-        assert variants.call_tuning("fwd", mask, head_dim, low, variants.DECODE_ROWS + 1) == tuning
-        assert variants.call_tuning("fwd", mask, head_dim, variants.DECODE_ROWS + 1, low) == tuning
+        if variants.TUNINGS[tuning].get("first_group_diagonal"):
+            # Both ends of the step's range on block-aligned diagonals; a ragged call passes it over.
+            assert rule(longest, longest) == tuning and rule(low, low) == tuning
+            assert rule(low + 128, low) == tuning
+            assert rule(longest, longest, ragged=True) != tuning
+            assert rule(longest, longest - 1) != tuning
+        else:
+            # Both ends of the step's range, either length the longer one (past the decode rows);
+            # ragged, so that no narrowing step of the same bound takes the call first.
+            assert rule(longest, longest, ragged=True) == tuning
+            assert rule(low, variants.DECODE_ROWS + 1, ragged=True) == tuning
+            assert rule(variants.DECODE_ROWS + 1, low, ragged=True) == tuning
         # Another mask, the backward, or an explicit tuning: unchanged.
         for other in set(variants.MASKS) - {m for m, d in variants.SHORT_CALLS if d == head_dim}:
             assert variants.call_tuning("fwd", other, head_dim, longest, longest) == "default"
@@ -95,7 +104,7 @@ def test_short_forwards_take_the_short_tuning(mask, head_dim):
             for softcap in (False, True):
                 v = select(dtype, head_dim, head_dim, mask == "causal", None, None, softcap, tuning=tuning)
                 assert v in MENU
-        shortest = longest
+    shortest = bounds[-1]
     # Longer than the last step on either side: the default.
     assert variants.call_tuning("fwd", mask, head_dim, shortest + 1, shortest) == "default"
     assert variants.call_tuning("fwd", mask, head_dim, shortest, shortest + 1) == "default"
@@ -138,7 +147,7 @@ def test_dense_d128_forwards_take_the_narrowest_tail_that_holds_their_last_block
         for tail in (previous + 1, width):
             seqlen_k = 7 * tile_n + tail
             assert rule(seqlen_k) == f"tail{width}"
-            assert variants.tail_mismatch(f"tail{width}", "none", 128, seqlen_k, False) is None
+            assert variants.narrowing_mismatch(f"tail{width}", "none", 128, 4096, seqlen_k, False) is None
         previous = width
     # A last block wider than every width, a full one, or a single block: the default.
     for seqlen_k in (7 * tile_n + previous + 1, 8 * tile_n, tile_n, 100):
@@ -146,7 +155,7 @@ def test_dense_d128_forwards_take_the_narrowest_tail_that_holds_their_last_block
     # Ragged batches, masks, other head dims, the backward and explicit tunings: unchanged.
     assert rule(4096, ragged=True) == "default"
     assert rule(4096, tuning="tail_full") == "tail_full"
-    assert variants.call_tuning("fwd", "causal", 128, 4096, 4096) == "default"
+    assert variants.call_tuning("fwd", "causal", 128, 4096, 4096) == "diag"
     assert variants.call_tuning("fwd", "none", 64, 4096, 4000) == "default"
     assert variants.call_tuning("bwd", "none", 128, 4096, 4096) == "default"
     # Every dtype and softcap setting of the rule's calls is compiled.
@@ -155,7 +164,8 @@ def test_dense_d128_forwards_take_the_narrowest_tail_that_holds_their_last_block
 
 
 def test_a_tail_tuning_is_refused_where_it_would_drop_keys():
-    mismatch = variants.tail_mismatch
+    mismatch = lambda tuning, mask, d, seqlen_k, ragged: variants.narrowing_mismatch(  # noqa: E731
+        tuning, mask, d, 4096, seqlen_k, ragged)
     assert "ragged" in mismatch("tail48", "none", 128, 4096, True)
     assert "seqlen_k=4200" in mismatch("tail48", "none", 128, 4200, False)  # 152 keys in the last block
     assert "seqlen_k=100" in mismatch("tail128", "none", 128, 100, False)  # one block
@@ -163,3 +173,15 @@ def test_a_tail_tuning_is_refused_where_it_would_drop_keys():
     # A mask keeps the full width, and other tunings narrow nothing.
     assert mismatch("tail48", "causal", 128, 4200, False) is None
     assert mismatch("default", "none", 128, 4200, True) is None
+
+
+@pytest.mark.parametrize("tuning", ["diag", "short_wg2_diag", "short_diag"])
+def test_a_diagonal_tuning_is_refused_where_the_diagonal_is_not_block_aligned(tuning):
+    mismatch = variants.narrowing_mismatch
+    for seqlen_q, seqlen_k in ((4096, 4096), (1000, 1128), (333, 77), (1, 129)):
+        assert mismatch(tuning, "causal", 128, seqlen_q, seqlen_k, False) is None
+    assert "seqlen_q=700, seqlen_k=300" in mismatch(tuning, "causal", 128, 700, 300, False)
+    assert "seqlen_q=1000, seqlen_k=1001" in mismatch(tuning, "causal", 64, 1000, 1001, False)
+    assert "ragged" in mismatch(tuning, "causal", 128, 4096, 4096, True)
+    # Without a mask (an ablation row's other variant) nothing is narrowed.
+    assert mismatch(tuning, "none", 128, 700, 300, False) is None

@@ -99,6 +99,13 @@ TUNINGS: dict[str, dict] = {
     # Its P·V wait pinned in the rescale branch (TileConfig.pv_wait_in_branch) since session 17:
     # d64 causal 1k 281/284 TF/s in two runs against 271-277 before (cuDNN 283-288 throughout).
     "short_wg2": {**_LPT_SEPARATE_O, "pingpong": True, "mma_warp_groups": 2, "pv_wait_in_branch": True},
+    # Under a causal mask, the first MMA warp group's diagonal block 64 keys wide
+    # (TileConfig.first_group_diagonal), where SHORT_CALLS picks them: d128's default and the
+    # short rule's kernels of d64 and d128.
+    "diag": {"first_group_diagonal": True},
+    "short_wg2_diag": {**_LPT_SEPARATE_O, "pingpong": True, "mma_warp_groups": 2, "pv_wait_in_branch": True,
+                       "first_group_diagonal": True},
+    "short_diag": {**_LPT_SEPARATE_O, "pingpong": True, "first_group_diagonal": True},
     # One MMA warp group (64-row tiles): what `call_tuning` picks for decode-sized calls, whose
     # few rows (a GQA-packed group's heads) leave most of a 128- or 192-row tile as padding.
     # Measured (docs/perf-log.md, "Decode tiles"): d64 decode 285 vs 435 us on 192-row tiles,
@@ -117,11 +124,17 @@ TUNINGS: dict[str, dict] = {
     "n160": {"tile_n": 160},
     "n192": {"tile_n": 192},
     "n80": {"tile_n": 80},  # d256: FlashAttention-3's width, 224 of 227 KB of shared memory
+    # d192/dv128, whose two 128-key stages and Q fill 208 KB: narrower blocks on two stages, or
+    # 80-key blocks on three (202 KB).
+    "n112": {"tile_n": 112},
+    "n80_kv3": {"tile_n": 80, "kv_stages": 3},
     # A dense call's last key block computed only as wide as the keys it holds
     # (TileConfig.tail_keys), where `call_tuning` picks it (TAIL_CALLS); and the default kernel,
     # which computes it at the full width, under a name that escapes that rule.
     **{f"tail{width}": {"tail_keys": width} for width in TAIL_WIDTHS},
     "tail_full": {},
+    # The default kernel under a name that escapes the diagonal rule (SHORT_CALLS' "diag").
+    "diag_full": {},
     # Backward (kernels/sm90/bwd.py TileConfig): the two choices that made backward v2, each
     # turned back to v1's. det_asc changes only deterministic masked calls; the benchmark times
     # every backward tuning both ways (fa4_jax_bwd:NAME, fa4_jax_bwd_det:NAME).
@@ -195,10 +208,13 @@ ABLATIONS = (
                   "lpt_so", "lpt_so_l2s8", "n176", "n192", "lpt_so_overlap",
                   "lpt_so_overlap_l2s8", "n160", "lpt_so_overlap_l2s8_n160", "max_tree",
                   "n128", "v_wait_first", "o_sts", "k_first", "lpt_single", "lpt_grid",
-                  "pv_wait_pinned", "pv_wait_hoisted", "tail_full")),
+                  "pv_wait_pinned", "pv_wait_hoisted", "tail_full", "diag_full")),
     ("fwd", 64, ("wg2", "linear", "lpt", "lpt_so", "n96", "n128", "nopingpong", "lpt_so_overlap",
                  "max_tree", "v_wait_first", "o_sts", "k_first", "lpt_single", "no_skip_padded",
                  "pv_wait_pinned")),
+    ("fwd", 96, ("diag", "pv_wait_hoisted")),
+    ("fwd", 192, ("nopingpong", "n96", "n112", "n80_kv3", "pv_wait_hoisted", "pv_wait_pinned",
+                  "max_tree", "linear")),
     ("fwd", 256, ("lpt", "linear", "n80", "max_tree", "v_wait_first", "o_sts", "lpt_single",
                   "pv_wait_pinned")),
     ("bwd", 64, ("det_asc", "dq_atomic", "m64", "det_free_late", "det_unordered", "dq_after_dk",
@@ -234,10 +250,20 @@ ABLATIONS = (
 #   1k, "short" up to 2k. Since padded warp groups skip their GEMMs (session 16) the default
 #   wins at 2k: 349 against 336/342 for "short" (run 2), 354 against 341 (run 1, the skip
 #   against "short" without it), so "short" is gone. At 1k "short_wg2" stays (271/272 against
-#   249 for the default with the skip; its 128-row tiles divide 1k).
+#   249 for the default with the skip; its 128-row tiles divide 1k). Where the call's diagonal
+#   is block-aligned, with the first group's diagonal 64 keys wide ("short_wg2_diag", session
+#   22): four processes at 1k, 279/299/281/296 against 286/278/276-284/292-286 (+1.8% on
+#   average, single pairs −2.4 to +7.5%).
 # - d128, "short" up to 1k: 321/414 against 275/388 at 1k/2k; at 4k even (481 vs 480 without
 #   ping-pong), at 8k/16k it loses (527/559 against 550/598). Since session 15's "lpt_grid" it
 #   is ahead at 1k only (366/372 against 365/365) and behind at 2k (450/443 against 467/482).
+# - d128, the first group's diagonal 64 keys wide (TileConfig.first_group_diagonal) where the
+#   call's diagonal is block-aligned (`diagonal_fits`; dense calls): "short_diag" up to 1k,
+#   "diag" (the default kernel with it) up to 8k. Session 22, two processes, against the same
+#   kernels without it, 1k/2k/4k/8k/16k: "short_diag" 390/392 against "short" 382/385 at 1k;
+#   "diag" 488/475, 570/562, 611/610 against 466/450, 556/553, 602/597 at 2k/4k/8k (+1.5 to
+#   +5.6%), and 626/615 against 638/637 at 16k, where it loses (docs/perf-log.md, "the first
+#   warp group's diagonal"). A step whose narrowing the call cannot take is passed over.
 # Without a mask, d128:
 # - 128-key blocks ("n128") up to 1k: 469 against 446 for the default's 176 at 1k (six blocks
 #   per tile row, the last 82% padding). docs/perf-log.md "P converted through asm", run 2.
@@ -247,8 +273,8 @@ ABLATIONS = (
 #   four runs of session 12 (+1.2% at 2k, +0.9% at 4k on average, single runs −1.8% to +4.9%):
 #   not adopted.
 SHORT_CALLS = {
-    ("causal", 64): (("short_wg2", 1024),),
-    ("causal", 128): (("short", 1024),),
+    ("causal", 64): (("short_wg2_diag", 1024), ("short_wg2", 1024)),
+    ("causal", 128): (("short_diag", 1024), ("short", 1024), ("diag", 8192)),
     ("none", 128): (("n128_tree", 1024),),
 }
 # Forward calls without a mask and with at most this many query rows (as the kernel sees them:
@@ -259,15 +285,16 @@ DECODE_ROWS = 64
 def call_tuning(kind: str, mask: str, head_dim: int, seqlen_q: int, seqlen_k: int,
                 tuning: str = "default", ragged: bool = False) -> str:
     """The tuning a call runs: "decode" for a forward of at most DECODE_ROWS query rows without
-    a mask, the short tuning of a short forward's mask and head dim (SHORT_CALLS), the tail
-    tuning of a dense one without a mask whose last key block it holds (TAIL_CALLS), else
-    `tuning`."""
+    a mask, the short tuning of a short forward's mask and head dim (SHORT_CALLS) whose
+    narrowing the call can take, the tail tuning of a dense one without a mask whose last key
+    block it holds (TAIL_CALLS), else `tuning`."""
     if kind != "fwd" or tuning != "default":
         return tuning
     if mask == "none" and seqlen_q <= DECODE_ROWS:
         return "decode"
     for short_tuning, longest in SHORT_CALLS.get((mask, head_dim), ()):
-        if max(seqlen_q, seqlen_k) <= longest:
+        if (max(seqlen_q, seqlen_k) <= longest and
+                narrowing_mismatch(short_tuning, mask, head_dim, seqlen_q, seqlen_k, ragged) is None):
             return short_tuning
     if mask == "none" and not ragged:
         width = next((w for w in TAIL_WIDTHS if tail_fits(w, head_dim, seqlen_k)), None)
@@ -285,10 +312,27 @@ def tail_fits(tail_keys: int, head_dim: int, seqlen_k: int) -> bool:
     return seqlen_k - (seqlen_k - 1) // tile_n * tile_n <= tail_keys
 
 
-def tail_mismatch(tuning: str, mask: str, head_dim: int, seqlen_k: int, ragged: bool) -> str | None:
-    """Why a forward call may not run `tuning`, one whose kernel computes only the first
-    tail_keys keys of the last key block; None if it may (or the tuning narrows nothing)."""
-    tail_keys = TUNINGS[tuning].get("tail_keys", 0)
+def diagonal_fits(seqlen_q: int, seqlen_k: int) -> bool:
+    """Whether a causal call's diagonal runs along 128 x 128 blocks: seqlen_k − seqlen_q is a
+    multiple of 128, so each tile's highest key block holds its first warp group's visible keys
+    in its first 64 (TileConfig.first_group_diagonal)."""
+    return (seqlen_k - seqlen_q) % 128 == 0
+
+
+def narrowing_mismatch(tuning: str, mask: str, head_dim: int, seqlen_q: int, seqlen_k: int,
+                       ragged: bool) -> str | None:
+    """Why a forward call may not run `tuning`, one whose kernel computes only part of a key
+    block: the first tail_keys keys of the last (without a mask), or the first group's first 64
+    of the diagonal (causal); None if it may (or the tuning narrows nothing at this mask)."""
+    settings = TUNINGS[tuning]
+    if settings.get("first_group_diagonal") and mask == "causal":
+        if ragged:
+            return (f"tuning {tuning!r} narrows the diagonal block, which a ragged batch's entries "
+                    "do not share")
+        if not diagonal_fits(seqlen_q, seqlen_k):
+            return (f"tuning {tuning!r} narrows the diagonal block and needs seqlen_k − seqlen_q a "
+                    f"multiple of 128; seqlen_q={seqlen_q}, seqlen_k={seqlen_k}")
+    tail_keys = settings.get("tail_keys", 0)
     if not tail_keys or mask != "none":
         return None
     if ragged:

@@ -67,18 +67,40 @@ def test_short_calls_run_the_short_variant(next_key, mask, head_dim):
     # The tests at short lengths below exercise the short variants (variants.call_tuning); this
     # pins that they do, and that longer calls keep the default.
     from fa4_jax import ffi
-    from fa4_jax.aot.variants import SHORT_CALLS
+    from fa4_jax.aot.variants import SHORT_CALLS, TUNINGS
     from fa4_jax.api import attention_params
 
     steps = SHORT_CALLS[(mask, head_dim)]
     causal = mask == "causal"
     # Each step's longest call (the first step's at 1000, an odd length), then one past the last.
-    cases = [(1000 if i == 0 else longest, tuning) for i, (tuning, longest) in enumerate(steps)]
-    for seqlen, want in cases + [(steps[-1][1] + 1, "default")]:
-        q, k, v = qkv(next_key, 1, seqlen, seqlen, 2, 2, head_dim, jnp.bfloat16)
+    # A step that narrows the diagonal takes equal lengths; the others one key more, which its
+    # narrowing cannot take (variants.diagonal_fits), so the call reaches them.
+    cases = []
+    for i, (tuning, longest) in enumerate(steps):
+        seqlen_q = 1000 if i == 0 else longest
+        extra_key = 0 if TUNINGS[tuning].get("first_group_diagonal") else 1
+        cases.append((seqlen_q - extra_key, seqlen_q, tuning))
+    for seqlen_q, seqlen_k, want in cases + [(steps[-1][1] + 1,) * 2 + ("default",)]:
+        q, k, v = qkv(next_key, 1, seqlen_q, seqlen_k, 2, 2, head_dim, jnp.bfloat16)
         params = attention_params(q, k, v, causal=causal, implementation="cute")
         assert ffi._forward_tuning(q, k, v, params, "default") == want
-        _check_forward(next_key, 1, seqlen, seqlen, 2, 2, head_dim, jnp.bfloat16, causal=causal)
+        _check_forward(next_key, 1, seqlen_q, seqlen_k, 2, 2, head_dim, jnp.bfloat16, causal=causal)
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("head_dim,seqlen,want", [(128, 1024, "short_diag"), (128, 2048, "diag"),
+                                                  (64, 1024, "short_wg2_diag")])
+def test_causal_calls_run_their_narrowed_diagonal_variant(next_key, head_dim, seqlen, want, dtype, softcap):
+    # Every dtype and softcap setting of the diagonal rule (variants.SHORT_CALLS), routed and
+    # against the reference; GQA, and 128 fewer queries than keys.
+    from fa4_jax import ffi
+    from fa4_jax.api import attention_params
+
+    q, k, v = qkv(next_key, 2, seqlen - 128, seqlen, 4, 2, head_dim, dtype)
+    params = attention_params(q, k, v, causal=True, softcap=softcap, implementation="cute")
+    assert ffi._forward_tuning(q, k, v, params, "default") == want
+    _check_forward(next_key, 2, seqlen - 128, seqlen, 4, 2, head_dim, dtype, causal=True, softcap=softcap)
 
 
 def _tail_cases():
@@ -115,6 +137,43 @@ def test_a_tail_variant_refuses_a_call_it_would_cut_short(next_key):
     params = attention_params(q, k, v, implementation="cute")
     with pytest.raises(ValueError, match="tuning: .*seqlen_k=4200"):
         ffi.forward(q, k, v, params, tuning="tail48")
+
+
+# The first warp group's diagonal block 64 keys wide (TileConfig.first_group_diagonal) on
+# block-aligned diagonals: equal lengths; 128 more keys than queries, odd lengths; 128 fewer
+# (the first rows see no key, whole tiles have no block); tiles of one key block; GQA and MQA.
+DIAGONAL_SHAPES = {
+    "equal": (2, 1024, 1024, 8, 2),
+    "more_keys_odd": (2, 1000, 1128, 4, 4),
+    "fewer_keys": (3, 300, 172, 4, 1),
+    "one_block": (4, 129, 129, 4, 4),
+}
+
+
+@pytest.mark.parametrize("shape", DIAGONAL_SHAPES.values(), ids=DIAGONAL_SHAPES.keys())
+@pytest.mark.parametrize("head_dim,tuning", [(128, "diag"), (128, "short_diag"), (64, "short_wg2_diag"),
+                                             (96, "diag")])
+def test_the_first_groups_narrowed_diagonal(next_key, head_dim, tuning, shape):
+    from fa4_jax import ffi
+    from fa4_jax.api import attention_params
+
+    batch, seqlen_q, seqlen_k, heads_q, heads_kv = shape
+    q, k, v = qkv(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, jnp.bfloat16)
+    params = attention_params(q, k, v, causal=True, implementation="cute")
+    out, lse = jax.jit(lambda q, k, v: ffi.forward(q, k, v, params, tuning=tuning))(q, k, v)
+    (ref, ref_lse), (lowp, lowp_lse) = reference_pair(q, k, v, causal=True)
+    assert_close_by_rule(out, ref, lowp, name="out")
+    assert_close_by_rule(lse, ref_lse, lowp_lse, name="lse")
+
+
+def test_a_diagonal_variant_refuses_a_diagonal_off_its_blocks(next_key):
+    from fa4_jax import ffi
+    from fa4_jax.api import attention_params
+
+    q, k, v = qkv(next_key, 1, 1000, 1064, 2, 2, 128, jnp.bfloat16)
+    params = attention_params(q, k, v, causal=True, implementation="cute")
+    with pytest.raises(ValueError, match="tuning: .*seqlen_q=1000, seqlen_k=1064"):
+        ffi.forward(q, k, v, params, tuning="diag")
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -226,7 +285,7 @@ def test_ablation_tunings_compute_the_same_attention(next_key, head_dim, head_di
                                                       shape):
     # The benchmark's ablation rows must be correct kernels, or their timings mean nothing.
     from fa4_jax import ffi
-    from fa4_jax.aot.variants import tail_mismatch
+    from fa4_jax.aot.variants import narrowing_mismatch
     from fa4_jax.api import attention_params
 
     batch, seqlen_q, seqlen_k, heads_q, heads_kv = shape
@@ -239,7 +298,8 @@ def test_ablation_tunings_compute_the_same_attention(next_key, head_dim, head_di
     # A tail tuning serves only the key counts whose last block it holds (variants.tail_fits;
     # test_dense_calls_run_their_narrowed_tail_variant covers each width's range); ffi refuses
     # the others (test_a_tail_variant_refuses_a_call_it_would_cut_short).
-    reason = tail_mismatch(tuning, "causal" if causal else "none", head_dim, seqlen_k, False)
+    reason = narrowing_mismatch(tuning, "causal" if causal else "none", head_dim, seqlen_q, seqlen_k,
+                                False)
     if reason is not None:
         pytest.skip(reason)
     out, lse = jax.jit(lambda q, k, v: ffi.forward(q, k, v, params, tuning=tuning))(q, k, v)

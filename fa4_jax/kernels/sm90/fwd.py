@@ -123,6 +123,13 @@ class TileConfig:
     # every WGMMA (C7511), so `variants.call_tuning` picks a variant by a dense call's key count.
     # A multiple of 16 (P·V's k step); masked kernels keep the full width.
     tail_keys: int = 0
+    # Under a causal mask on 128 x 128 tiles of two MMA warp groups whose diagonal is
+    # block-aligned (seqlen_k − seqlen_q a multiple of 128: `variants.diagonal_fits`, dense
+    # calls), the first group's diagonal block, the tile's first, is computed 64 keys wide: its
+    # rows see none of the block's last 64 keys. The same narrowed S GEMM, softmax and P·V
+    # k-steps as `tail_keys`, in the first group's own copy of the tile loop (a WGMMA's width
+    # is static); the diagonal is then the tile's only masked block.
+    first_group_diagonal: bool = False
 
     def for_mask(self, masked: bool) -> "TileConfig":
         """The settings a kernel with (masked) or without a causal/local mask runs."""
@@ -150,7 +157,8 @@ MASKED_FIELDS = {"scheduler": "masked_scheduler", "pingpong": "masked_pingpong",
 SOFTMAX_KNOBS = ("rescale_threshold", "exp2_poly_share", "max_tree")
 TILE_KNOBS = ("pingpong", "scheduler", "tile_n", "kv_stages", "separate_o", "l2_section_mb",
               "overlap_tiles", "pingpong_first_block", "v_wait_in_turn",
-              "o_stmatrix", "q_first", "skip_padded_groups", "pv_wait_in_branch", "tail_keys")
+              "o_stmatrix", "q_first", "skip_padded_groups", "pv_wait_in_branch", "tail_keys",
+              "first_group_diagonal")
 TUNING_KNOBS = SOFTMAX_KNOBS + ("mma_warp_groups",) + TILE_KNOBS
 # setmaxnreg budget of each MMA thread by MMA warp-group count: the 64K registers of an SM less
 # the producer group's 128 · 24, shared by the MMA threads, rounded down to a multiple of 8, and
@@ -206,16 +214,30 @@ MMA_REGISTERS = {1: 240, 2: 240, 3: 160}
 # - d96: the d128 shape (O is 48 registers, S 64), and its 48 KB K/V stage leaves room for three
 #   stages (168 KB). 1.13-1.20x cuDNN at s4k/s16k (494/525, causal 439/499); one run's
 #   alternatives were within 1-5% either way (176-key blocks on two stages 492/538, causal
-#   435/523; ping-pong off 504/545, causal 426/489), so it stays.
-# - d192/dv128 (DeepSeek's shape) is not measured yet: the registers of d128 (Q·Kᵀ only has
-#   more k-steps), an 80 KB K/V stage, so two stages (208 KB). Its P·V wait is pinned without a
-#   mask since session 18, when reading no lengths in dense calls (common/ragged.py) let ptxas
-#   hoist it above all 64 exponentials of the block (41 of them under the GEMM before; 107 of
-#   128 with softcap, then 16); masked, it stayed where it was and is left unpinned.
+#   435/523; ping-pong off 504/545, causal 426/489), so it stays. Its P·V wait pinned since
+#   session 22: ptxas had hoisted it above every exponential of the causal kernel's unmasked
+#   loop (none under the GEMM; all 66 pinned). Two processes, TF/s at 1k/2k/4k/8k/16k, pinned
+#   against hoisted: without a mask 434/491/525/550/561 and 432/487/521/542/557 against
+#   412/476/514/531/545 and 406/477/513/533/544 (+2-6%); causal 316/406/486/504/533 and
+#   324/400/480/489/535 against 309/399/463/487/522 and 316/406/472/486/521 (−1.5 to +5%,
+#   +2% on average).
+# - d192/dv128 (DeepSeek's shape): the registers of d128 (Q·Kᵀ only has more k-steps), an 80 KB
+#   K/V stage, so 128-key blocks on two stages (208 KB). Its P·V wait is pinned without a mask
+#   since session 18, when reading no lengths in dense calls (common/ragged.py) let ptxas hoist
+#   it above all 64 exponentials of the block (41 of them under the GEMM before; 107 of 128 with
+#   softcap, then 16); masked, it stayed where it was (30 of 66 under the GEMM) and is left
+#   unpinned. Session 22's ablations (docs/perf-log.md, "d192's tile-table entry measured"; TF/s
+#   at 1k/2k/4k/8k/16k, the default first): without a mask 500/576/649/680/691 against
+#   nopingpong 508/602/640/653/694, n112 496/590/651/665/692, n96 517/574/631/658/676, 80-key
+#   blocks on three stages 511/569/592/609/661; the default's own kernel under two other names
+#   read 511-522/582-602/646-654/653-660/692, so ±3% is this grid's noise. Causal
+#   359/456/573/607/652 against nopingpong 355/445/547/607/603, n112 342/428/537/591/614, n96
+#   351/446/543/597/621, n80 on three stages 345/419/518/575/592, the wait pinned
+#   338/457/564/613/659. Nothing beat it; narrower blocks and no ping-pong lose under the mask.
 TILE_CONFIGS = {
     (64, 64): TileConfig(192, 128, 3, True, SoftmaxConfig(rescale_threshold=8.0), mma_warp_groups=3,
                          skip_padded_groups=True),
-    (96, 96): TileConfig(128, 128, 3, True, SoftmaxConfig(rescale_threshold=8.0)),
+    (96, 96): TileConfig(128, 128, 3, True, SoftmaxConfig(rescale_threshold=8.0), pv_wait_in_branch=True),
     (128, 128): TileConfig(128, 176, 2, True, SoftmaxConfig(rescale_threshold=8.0), masked_pingpong=False,
                            masked_tile_n=128, masked_pv_wait_in_branch=True),
     (192, 128): TileConfig(128, 128, 2, True, SoftmaxConfig(rescale_threshold=8.0), pv_wait_in_branch=True,
@@ -367,6 +389,11 @@ class FlashAttentionForwardSm90:
             raise ValueError(f"{config}: tail_keys must be a multiple of 16 (P·V's k step) below tile_n")
         if self.tail_keys and (config.overlap_tiles or config.skip_padded_groups):
             raise ValueError(f"{config}: tail_keys is not implemented with overlap_tiles or skip_padded_groups")
+        # The first MMA warp group's diagonal width; 0 where it is the full tile_n.
+        self.diagonal_keys = self.rows_per_warp_group if self.causal and config.first_group_diagonal else 0
+        if self.diagonal_keys and not (config.tile_m == config.tile_n == 128 and not config.overlap_tiles):
+            raise ValueError(f"{config}: first_group_diagonal needs 128 x 128 tiles of two MMA warp groups, "
+                             "without overlap_tiles")
         self.pingpong = config.pingpong
         self.mma_warp_groups = tuple(range(1, config.mma_warp_groups + 1))
         self.mma_registers = MMA_REGISTERS[config.mma_warp_groups]
@@ -660,8 +687,12 @@ class FlashAttentionForwardSm90:
         # The tile's first block and, in the second block's step, its P·V (TileConfig.tail_keys).
         first_blocks, first_step = blocks, None
         if cutlass.const_expr(self.tail_keys):
-            first_blocks = self.tail_operands(blocks, warp_group, tidx, sQ, sK)
+            first_blocks = self.narrow_operands(blocks, warp_group, tidx, sQ, sK, self.tail_keys)
             first_step = functools.partial(step, pv_k_blocks=self.tail_keys // 16)
+        # The first group's narrowed diagonal (TileConfig.first_group_diagonal).
+        diagonal_blocks = None
+        if cutlass.const_expr(self.diagonal_keys):
+            diagonal_blocks = self.narrow_operands(blocks, warp_group, tidx, sQ, sK, self.diagonal_keys)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
@@ -695,19 +726,23 @@ class FlashAttentionForwardSm90:
                     padded = cutlass.Boolean(False)
                     if cutlass.const_expr(self.config.skip_padded_groups):
                         padded = m_block * self.tile_m + warp_group * self.rows_per_warp_group >= seqlen_q
+                    tile_blocks = functools.partial(
+                        self.mma_tile_blocks, blocks, step, masked, warp_group, kv_state, block_info, m_block,
+                        n_block_min, n_block_max, seqlen_q, seqlen_k, window_left, window_right, apply_mask,
+                        sV, problem, tidx, pipeline_q, q_state,
+                    )
                     if padded:
                         kv_state = self.mma_tile_skipped(blocks, warp_group, kv_state, n_block_min, n_block_max,
                                                          sV, seqlen_k, problem, tidx, pipeline_q, q_state)
                     else:
-                        self.mma_first_block(first_blocks, warp_group, kv_state, n_block_max - 1, apply_mask,
-                                             sV, seqlen_k, problem, tidx)
-                        kv_state = self.mma_key_blocks(step, masked, kv_state, block_info, m_block,
-                                                       n_block_min, n_block_max, seqlen_q, seqlen_k,
-                                                       window_left, window_right, first_step)
-                        # Every Q·Kᵀ GEMM of the tile has retired (each block waits for its own).
-                        if cutlass.const_expr(self.config.separate_o):
-                            pipeline_q.consumer_release(q_state)
-                        self.mma_last_pv(blocks, kv_state)
+                        if cutlass.const_expr(self.diagonal_keys):
+                            if warp_group == 0:
+                                kv_state = tile_blocks(diagonal_blocks, functools.partial(
+                                    step, pv_k_blocks=self.diagonal_keys // 16), self.diagonal_keys // 16)
+                            else:
+                                kv_state = tile_blocks(blocks, None, 0)
+                        else:
+                            kv_state = tile_blocks(first_blocks, first_step, 0)
                     # kv_state held the last block's slot; the next tile starts at the one after it.
                     kv_state.advance()
                 if cutlass.const_expr(self.config.separate_o):
@@ -722,6 +757,43 @@ class FlashAttentionForwardSm90:
             # The last tile's O store must have read sO before the CTA's shared memory goes.
             if tidx == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def mma_tile_blocks(self, blocks, step, masked, warp_group, kv_state, block_info, m_block, n_block_min,
+                        n_block_max, seqlen_q, seqlen_k, window_left, window_right, apply_mask, sV, problem,
+                        tidx, pipeline_q, q_state, first_blocks, first_step,
+                        single_pv_k_blocks: cutlass.Constexpr[int]):
+        """A tile's key blocks, its first one through `first_blocks` (narrowed, or `blocks`) and the
+        next one's step `first_step`; returns the last block's ring slot. single_pv_k_blocks: the
+        first block is narrowed to that many k16 steps and may be the tile's only one (the first
+        group's diagonal), whose P·V then runs only those; 0: the tile has two or more blocks
+        wherever the first is narrowed (`variants.tail_fits`)."""
+        self.mma_first_block(first_blocks, warp_group, kv_state, n_block_max - 1, apply_mask,
+                             sV, seqlen_k, problem, tidx)
+        if cutlass.const_expr(single_pv_k_blocks):
+            if n_block_max - n_block_min > 1:
+                kv_state = self.mma_key_blocks(step, masked, kv_state, block_info, m_block, n_block_min,
+                                               n_block_max, seqlen_q, seqlen_k, window_left, window_right,
+                                               first_step)
+                self.release_q(pipeline_q, q_state)
+                self.mma_last_pv(blocks, kv_state)
+            else:
+                self.release_q(pipeline_q, q_state)
+                self.mma_last_pv(blocks, kv_state, k_blocks=single_pv_k_blocks)
+        else:
+            kv_state = self.mma_key_blocks(step, masked, kv_state, block_info, m_block, n_block_min,
+                                           n_block_max, seqlen_q, seqlen_k, window_left, window_right,
+                                           first_step)
+            self.release_q(pipeline_q, q_state)
+            self.mma_last_pv(blocks, kv_state)
+        return kv_state
+
+    @cute.jit
+    def release_q(self, pipeline_q, q_state):
+        """Every Q·Kᵀ GEMM of the tile has retired (each block waits for its own): with O apart
+        from Q, Q's buffer goes back to the producer."""
+        if cutlass.const_expr(self.config.separate_o):
+            pipeline_q.consumer_release(q_state)
 
     @cute.jit
     def finish_tile(self, tiled_mma_pv, thr_mma_pv, tidx, acc_o, acc_o_rc, sO, tma_atom_o, mO, mLSE,
@@ -809,9 +881,10 @@ class FlashAttentionForwardSm90:
         """The overlapped steps of a tile's key blocks after the first, from n_block_max − 2 down:
         right-masked (local), unmasked, left-masked (local). Returns the last block's ring slot.
         `first_step`, if given, replaces `step` for the first of them, which must exist (kernels
-        without a mask, on keys that fill more than one block)."""
+        without a mask, on keys that fill more than one block, or with the first group's
+        narrowed diagonal, whose tile has no other right-masked block)."""
         n_block = n_block_max - 2
-        if cutlass.const_expr(block_info.has_right_bound):
+        if cutlass.const_expr(block_info.has_right_bound and not self.diagonal_keys):
             n_masked_from = block_info.n_block_min_right_masked(
                 m_block, n_block_min, seqlen_q, seqlen_k, window_right
             )
@@ -822,7 +895,8 @@ class FlashAttentionForwardSm90:
             m_block, n_block_min, seqlen_q, seqlen_k, window_left
         )
         if cutlass.const_expr(first_step is not None):
-            assert not (block_info.has_right_bound or self.local), "first_step: kernels without a mask"
+            assert not self.local and (self.diagonal_keys or not block_info.has_right_bound), \
+                "first_step: kernels without a mask, or the first group's narrowed diagonal"
             # Unconditional: under a branch, P's registers past the tail would have to live on
             # through this step for `mma_last_pv` (ptxas then serialized the WGMMAs, C7511).
             kv_state = first_step(kv_state, n_block)
@@ -901,13 +975,13 @@ class FlashAttentionForwardSm90:
         if seqlen_k < problem.seqlen_k:
             self.zero_v_past_keys(sV, blocks.pipeline_v, kv_state, n_block, seqlen_k, tidx)
 
-    def tail_operands(self, blocks, warp_group, tidx, sQ, sK) -> _BlockOperands:
-        """`blocks` narrowed to a block's first tail_keys keys: the S GEMM's MMA and K operand,
+    def narrow_operands(self, blocks, warp_group, tidx, sQ, sK, keys: int) -> _BlockOperands:
+        """`blocks` narrowed to a block's first `keys` keys: the S GEMM's MMA and K operand,
         and S and P as prefixes of the full-width fragments (`acc_prefix`)."""
-        tiled_mma = self.qk_tiled_mma(self.tail_keys)
+        tiled_mma = self.qk_tiled_mma(keys)
         wg_mma = tiled_mma.get_slice(warp_group * self.threads_per_warp_group)
-        sK_tail = cute.local_tile(sK, (self.tail_keys, self.head_dim, self.kv_stages), (0, 0, 0))
-        shape = tiled_mma.get_slice(tidx).partition_shape_C((self.tile_m, self.tail_keys))
+        sK_tail = cute.local_tile(sK, (keys, self.head_dim, self.kv_stages), (0, 0, 0))
+        shape = tiled_mma.get_slice(tidx).partition_shape_C((self.tile_m, keys))
         return dataclasses.replace(
             blocks, tiled_mma_qk=tiled_mma,
             tSrQ=wg_mma.make_fragment_A(wg_mma.partition_A(sQ)),
@@ -989,10 +1063,11 @@ class FlashAttentionForwardSm90:
         blocks.pipeline_v.consumer_release(v_state)
 
     @cute.jit
-    def mma_last_pv(self, blocks, kv_state):
+    def mma_last_pv(self, blocks, kv_state, k_blocks: cutlass.Constexpr[int] = 0):
         blocks.pipeline_v.consumer_wait(kv_state)
         wgmma_gemm(blocks.tiled_mma_pv, blocks.acc_o, acc_as_operand_a(blocks.p),
-                  blocks.tOrVt[None, None, None, kv_state.index], zero_init=False, wait_group=0)
+                  blocks.tOrVt[None, None, None, kv_state.index], zero_init=False, wait_group=0,
+                  k_blocks=k_blocks)
         blocks.pipeline_v.consumer_release(kv_state)
 
     @cute.jit
