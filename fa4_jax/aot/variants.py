@@ -99,10 +99,9 @@ TUNINGS: dict[str, dict] = {
     # Its P·V wait pinned in the rescale branch (TileConfig.pv_wait_in_branch) since session 17:
     # d64 causal 1k 281/284 TF/s in two runs against 271-277 before (cuDNN 283-288 throughout).
     "short_wg2": {**_LPT_SEPARATE_O, "pingpong": True, "mma_warp_groups": 2, "pv_wait_in_branch": True},
-    # Under a causal mask, the first MMA warp group's diagonal block 64 keys wide
-    # (TileConfig.first_group_diagonal): d128's default and its short rule's kernel, where
-    # SHORT_CALLS picks them; d64's short rule's kernel, an ablation row (its fp16 softcap
-    # variant serializes its WGMMAs, C7511, so the rule cannot serve every call with it).
+    # Under a causal mask and without softcap, the first MMA warp group's diagonal block 64 keys
+    # wide (TileConfig.first_group_diagonal), where SHORT_CALLS picks them: d128's default and
+    # the short rule's kernels of d64 and d128.
     "diag": {"first_group_diagonal": True},
     "short_wg2_diag": {**_LPT_SEPARATE_O, "pingpong": True, "mma_warp_groups": 2, "pv_wait_in_branch": True,
                        "first_group_diagonal": True},
@@ -212,7 +211,7 @@ ABLATIONS = (
                   "pv_wait_pinned", "pv_wait_hoisted", "tail_full", "diag_full")),
     ("fwd", 64, ("wg2", "linear", "lpt", "lpt_so", "n96", "n128", "nopingpong", "lpt_so_overlap",
                  "max_tree", "v_wait_first", "o_sts", "k_first", "lpt_single", "no_skip_padded",
-                 "pv_wait_pinned", "short_wg2_diag")),
+                 "pv_wait_pinned")),
     ("fwd", 96, ("diag", "pv_wait_hoisted")),
     ("fwd", 192, ("nopingpong", "n96", "n112", "n80_kv3", "pv_wait_hoisted", "pv_wait_pinned",
                   "max_tree", "linear")),
@@ -251,11 +250,10 @@ ABLATIONS = (
 #   1k, "short" up to 2k. Since padded warp groups skip their GEMMs (session 16) the default
 #   wins at 2k: 349 against 336/342 for "short" (run 2), 354 against 341 (run 1, the skip
 #   against "short" without it), so "short" is gone. At 1k "short_wg2" stays (271/272 against
-#   249 for the default with the skip; its 128-row tiles divide 1k). With the first group's
-#   diagonal 64 keys wide ("short_wg2_diag", session 22), five processes at 1k: 279/299/281/
-#   296/292 against 286/278/276/292/280 (+2.4% on average); not in the rule, since ptxas
-#   serializes the WGMMAs of its fp16 softcap variant (C7511; bf16 and fp16 without softcap
-#   and bf16 with it do not).
+#   249 for the default with the skip; its 128-row tiles divide 1k). Where the call's diagonal
+#   is block-aligned, with the first group's diagonal 64 keys wide ("short_wg2_diag", session
+#   22), five processes at 1k: 279/299/281/296/292 against 286/278/276/292/280 (+2.4% on
+#   average, single pairs −2.4 to +7.5%).
 # - d128, "short" up to 1k: 321/414 against 275/388 at 1k/2k; at 4k even (481 vs 480 without
 #   ping-pong), at 8k/16k it loses (527/559 against 550/598). Since session 15's "lpt_grid" it
 #   is ahead at 1k only (366/372 against 365/365) and behind at 2k (450/443 against 467/482).
@@ -275,7 +273,7 @@ ABLATIONS = (
 #   four runs of session 12 (+1.2% at 2k, +0.9% at 4k on average, single runs −1.8% to +4.9%):
 #   not adopted.
 SHORT_CALLS = {
-    ("causal", 64): (("short_wg2", 1024),),
+    ("causal", 64): (("short_wg2_diag", 1024), ("short_wg2", 1024)),
     ("causal", 128): (("short_diag", 1024), ("short", 1024), ("diag", 8192)),
     ("none", 128): (("n128_tree", 1024),),
 }

@@ -89,10 +89,12 @@ def test_short_calls_run_the_short_variant(next_key, mask, head_dim):
 
 @pytest.mark.parametrize("softcap", [None, 5.0])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("head_dim,seqlen,want", [(128, 1024, "short_diag"), (128, 2048, "diag")])
+@pytest.mark.parametrize("head_dim,seqlen,want", [(128, 1024, "short_diag"), (128, 2048, "diag"),
+                                                  (64, 1024, "short_wg2_diag")])
 def test_causal_calls_run_their_narrowed_diagonal_variant(next_key, head_dim, seqlen, want, dtype, softcap):
     # Every dtype and softcap setting of the diagonal rule (variants.SHORT_CALLS), routed and
-    # against the reference; GQA, and 128 fewer queries than keys.
+    # against the reference (softcap kernels keep the full diagonal); GQA, and 128 fewer queries
+    # than keys.
     from fa4_jax import ffi
     from fa4_jax.api import attention_params
 

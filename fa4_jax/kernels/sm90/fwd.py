@@ -128,7 +128,8 @@ class TileConfig:
     # calls), the first group's diagonal block, the tile's first, is computed 64 keys wide: its
     # rows see none of the block's last 64 keys. The same narrowed S GEMM, softmax and P·V
     # k-steps as `tail_keys`, in the first group's own copy of the tile loop (a WGMMA's width
-    # is static); the diagonal is then the tile's only masked block.
+    # is static); the diagonal is then the tile's only masked block. Softcap kernels keep the
+    # full width: d64's fp16 one serialized every WGMMA with it (C7511).
     first_group_diagonal: bool = False
 
     def for_mask(self, masked: bool) -> "TileConfig":
@@ -390,7 +391,8 @@ class FlashAttentionForwardSm90:
         if self.tail_keys and (config.overlap_tiles or config.skip_padded_groups):
             raise ValueError(f"{config}: tail_keys is not implemented with overlap_tiles or skip_padded_groups")
         # The first MMA warp group's diagonal width; 0 where it is the full tile_n.
-        self.diagonal_keys = self.rows_per_warp_group if self.causal and config.first_group_diagonal else 0
+        narrow_diagonal = self.causal and config.first_group_diagonal and not has_softcap
+        self.diagonal_keys = self.rows_per_warp_group if narrow_diagonal else 0
         if self.diagonal_keys and not (config.tile_m == config.tile_n == 128 and not config.overlap_tiles):
             raise ValueError(f"{config}: first_group_diagonal needs 128 x 128 tiles of two MMA warp groups, "
                              "without overlap_tiles")
