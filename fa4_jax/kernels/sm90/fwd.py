@@ -691,10 +691,11 @@ class FlashAttentionForwardSm90:
         if cutlass.const_expr(self.tail_keys):
             first_blocks = self.narrow_operands(blocks, warp_group, tidx, sQ, sK, self.tail_keys)
             first_step = functools.partial(step, pv_k_blocks=self.tail_keys // 16)
-        # The first group's narrowed diagonal (TileConfig.first_group_diagonal).
-        diagonal_blocks = None
+        # The first group's narrowed diagonal and its P·V step (TileConfig.first_group_diagonal).
+        diagonal_blocks, diagonal_step = None, None
         if cutlass.const_expr(self.diagonal_keys):
             diagonal_blocks = self.narrow_operands(blocks, warp_group, tidx, sQ, sK, self.diagonal_keys)
+            diagonal_step = functools.partial(step, pv_k_blocks=self.diagonal_keys // 16)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
@@ -739,12 +740,11 @@ class FlashAttentionForwardSm90:
                     else:
                         if cutlass.const_expr(self.diagonal_keys):
                             if warp_group == 0:
-                                kv_state = tile_blocks(diagonal_blocks, functools.partial(
-                                    step, pv_k_blocks=self.diagonal_keys // 16), self.diagonal_keys // 16)
+                                kv_state = tile_blocks(diagonal_blocks, diagonal_step, True)
                             else:
-                                kv_state = tile_blocks(blocks, None, 0)
+                                kv_state = tile_blocks(blocks, None, False)
                         else:
-                            kv_state = tile_blocks(first_blocks, first_step, 0)
+                            kv_state = tile_blocks(first_blocks, first_step, False)
                     # kv_state held the last block's slot; the next tile starts at the one after it.
                     kv_state.advance()
                 if cutlass.const_expr(self.config.separate_o):
@@ -764,28 +764,29 @@ class FlashAttentionForwardSm90:
     def mma_tile_blocks(self, blocks, step, masked, warp_group, kv_state, block_info, m_block, n_block_min,
                         n_block_max, seqlen_q, seqlen_k, window_left, window_right, apply_mask, sV, problem,
                         tidx, pipeline_q, q_state, first_blocks, first_step,
-                        single_pv_k_blocks: cutlass.Constexpr[int]):
+                        narrowed_diagonal: cutlass.Constexpr[bool]):
         """A tile's key blocks, its first one through `first_blocks` (narrowed, or `blocks`) and the
-        next one's step `first_step`; returns the last block's ring slot. single_pv_k_blocks: the
-        first block is narrowed to that many k16 steps and may be the tile's only one (the first
-        group's diagonal), whose P·V then runs only those; 0: the tile has two or more blocks
-        wherever the first is narrowed (`variants.tail_fits`)."""
+        next one's step `first_step`; returns the last block's ring slot. narrowed_diagonal: the
+        first block is the first group's narrowed diagonal, which may be the tile's only block
+        (its P·V then runs only the narrowed k16 steps); otherwise the tile has two or more
+        blocks wherever the first is narrowed (`variants.tail_fits`)."""
+        later_blocks = functools.partial(
+            self.mma_key_blocks, step, masked, block_info=block_info, m_block=m_block,
+            n_block_min=n_block_min, n_block_max=n_block_max, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+            window_left=window_left, window_right=window_right, first_step=first_step,
+        )
         self.mma_first_block(first_blocks, warp_group, kv_state, n_block_max - 1, apply_mask,
                              sV, seqlen_k, problem, tidx)
-        if cutlass.const_expr(single_pv_k_blocks):
+        if cutlass.const_expr(narrowed_diagonal):
             if n_block_max - n_block_min > 1:
-                kv_state = self.mma_key_blocks(step, masked, kv_state, block_info, m_block, n_block_min,
-                                               n_block_max, seqlen_q, seqlen_k, window_left, window_right,
-                                               first_step)
+                kv_state = later_blocks(kv_state=kv_state)
                 self.release_q(pipeline_q, q_state)
                 self.mma_last_pv(blocks, kv_state)
             else:
                 self.release_q(pipeline_q, q_state)
-                self.mma_last_pv(blocks, kv_state, k_blocks=single_pv_k_blocks)
+                self.mma_last_pv(blocks, kv_state, k_blocks=self.diagonal_keys // 16)
         else:
-            kv_state = self.mma_key_blocks(step, masked, kv_state, block_info, m_block, n_block_min,
-                                           n_block_max, seqlen_q, seqlen_k, window_left, window_right,
-                                           first_step)
+            kv_state = later_blocks(kv_state=kv_state)
             self.release_q(pipeline_q, q_state)
             self.mma_last_pv(blocks, kv_state)
         return kv_state
