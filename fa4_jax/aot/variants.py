@@ -46,6 +46,8 @@ TUNINGS: dict[str, dict] = {
     "pingpong": {"pingpong": True},  # d128 under a mask, where its default is off
     "poly25": {"exp2_poly_share": 0.25},  # a quarter of the exponentials on the FMA pipes
     "poly12": {"exp2_poly_share": 0.125},  # an eighth
+    # Every exponential on MUFU.EX2: the backward's ablation where a share is the default (d128).
+    "exp2_mufu": {"exp2_poly_share": 0.0},
     # The row maximum as a tree of max instead of one chain (softmax.py), and on d128's 128-key
     # blocks, where it pays (+2-3%): the short rule's kernel since session 14 ("n128" before).
     "max_tree": {"max_tree": True},
@@ -219,18 +221,18 @@ ABLATIONS = (
                   "pv_wait_pinned")),
     ("bwd", 64, ("det_asc", "dq_atomic", "m64", "det_free_late", "det_unordered", "dq_after_dk",
                  "dq_writer1", "dq_tile_order_w1", "det_in_order", "no_pdl", "stats_ahead",
-                 "dq_zeroed")),
+                 "dq_zeroed", "poly12")),
     ("bwd", 128, ("det_asc", "dq_atomic", "det_free_late", "scores_ahead", "stats_at_use",
                   "det_unordered", "dq_after_dk", "dq_writer1", "dq_tile_order_late", "det_in_order",
                   "no_pdl", "bwd_v11_order", "dv_during_ds", "lse_late", "upstream_tail",
-                  "stores_first")),
+                  "stores_first", "exp2_mufu", "poly25")),
     ("bwd", 96, ("d96_v11_order", "dq_atomic", "det_unordered", "dq_writer1", "dq_tile_order",
                  "det_in_order", "lse_early")),
     ("bwd", 192, ("scores_late", "dq_atomic", "det_unordered", "dq_writer1", "dq_tile_order",
                   "det_in_order", "det_one_copy", "dq_writers3")),
     ("bwd", 256, ("det_asc", "dq_atomic_2stage", "det_free_late", "det_unordered", "dq_writer1",
                   "dq_tile_order", "det_in_order", "det_one_copy", "dq_writers3", "lse_early",
-                  "stores_first")),
+                  "stores_first", "poly25")),
 )
 
 

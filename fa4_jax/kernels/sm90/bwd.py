@@ -78,11 +78,13 @@ from fa4_jax.kernels.bwd_post import BackwardPostprocess
 from fa4_jax.kernels.bwd_pre import BackwardPreprocess
 from fa4_jax.kernels.bwd_workspace import BWD_SEMAPHORE_ROWS
 from fa4_jax.kernels.common.block_info import BlockInfo
+from fa4_jax.kernels.common.exp2 import exp2_poly
 from fa4_jax.kernels.common.layouts import (
     acc_as_operand_a, acc_rows_cols, fragment_order_view, opaque_int32,
 )
 from fa4_jax.kernels.common.mask import AttentionMask
 from fa4_jax.kernels.common.ragged import entry_length
+from fa4_jax.kernels.common.softmax import SoftmaxConfig
 from fa4_jax.kernels.sm90.operands import (
     permute_modes, smem_layout, swizzled_tensor, tma_pipeline, wgmma_gemm,
 )
@@ -231,6 +233,16 @@ class TileConfig:
     # the launch gaps between the three kernels close. Measured against `no_pdl` at d64/d128
     # (docs/perf-log.md, "PDL"): −0.5% to +2%, within the noise; kept as FA4 upstream does.
     pdl: bool = True
+    # Share of Pᵀ's exponentials computed by exp2.py's polynomial on the FMA pipes instead of
+    # MUFU.EX2 (register columns assigned as the forward's SoftmaxConfig assigns them; softcap
+    # keeps MUFU). The two MMA warp groups meet at the dSᵀ barrier every step, so their
+    # exponentials run at the same time on the same SMSPs' MUFU units (d64: 2 warps × 64 MUFU
+    # × 8 clocks, ~1000 of a ~4800-clock step). Measured (docs/perf-log.md, "exponentials on
+    # the FMA pipes in the backward", session 23): d128 an eighth +1.0% on average, all 12
+    # cells ahead over two processes (deterministic +0.7%), a quarter or more no better; d64
+    # an eighth 1-2% slower under the mask (a quarter spills there); d96 and d256 even or
+    # behind.
+    exp2_poly_share: float = 0.0
 
 
 # A WGMMA has 64 rows: the Sᵀ/dPᵀ GEMMs put keys on them (64 per warp group with
@@ -270,7 +282,8 @@ TILE_CONFIGS = {
     96: TileConfig(64, 128, 2, True, 2, dq_tma_reduce=True, dv_during_ds=False, dq_during_dk=True,
                    dq_writers=2, dq_fragment_order=True),
     128: TileConfig(64, 128, 2, True, 2, dq_tma_reduce=True, dv_during_ds=False, dq_during_dk=True,
-                    dq_writers=2, dq_fragment_order=True, lse_before_scores=True),
+                    dq_writers=2, dq_fragment_order=True, lse_before_scores=True,
+                    exp2_poly_share=0.125),
     192: TileConfig(64, 64, 2, False, 2, dq_tma_reduce=True, scores_ahead=True, dq_writers=2,
                     dq_fragment_order=True),
     256: TileConfig(64, 64, 1, False, 1, dq_tma_reduce=True, dq_writers=2, dq_fragment_order=True),
@@ -1064,10 +1077,15 @@ class FlashAttentionBackwardSm90:
                     apply_mask(scores, m_block=m_block)
             if key_tail:
                 mask_key_tail(scores)
+            exp2_split = SoftmaxConfig(exp2_poly_share=self.config.exp2_poly_share)
             for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
                 lse_log2 = lse_ahead[c] if c < stats_ahead else row_stat(blocks.sLSE, c)
                 for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
-                    scores[r, c] = cute.math.exp2(scores[r, c] * blocks.scale_log2 - lse_log2, fastmath=True)
+                    exponent = scores[r, c] * blocks.scale_log2 - lse_log2
+                    if cutlass.const_expr(exp2_split.uses_poly(c)):
+                        scores[r, c] = exp2_poly(exponent)
+                    else:
+                        scores[r, c] = cute.math.exp2(exponent, fastmath=True)
         blocks.p.store(blocks.acc_s.load().to(self.dtype))
         if cutlass.const_expr(self.has_softcap):
             blocks.ds.store(blocks.acc_dp.load().to(self.dtype))
