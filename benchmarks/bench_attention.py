@@ -861,6 +861,10 @@ def plot(results: list[dict], peers: list[str], settings: Settings, out_dir: str
 
     paths = []
     ok = [r for r in results if r["status"] == "ok"]
+    # One colour per peer across every panel: matplotlib's cycle restarts per panel, so a peer
+    # absent from one (Pallas MGPU has no causal backward) handed its colour to the next peer
+    # there, under the absent peer's legend entry.
+    colors = {peer: f"C{k % 10}" for k, peer in enumerate(peers)}
     for mode in sorted({r["mode"] for r in results}, key=MODES.index):
         head_dims = sorted({r["head_dim"] for r in results if r["mode"] == mode})
         causals = sorted({r["causal"] for r in results if r["mode"] == mode})
@@ -874,7 +878,8 @@ def plot(results: list[dict], peers: list[str], settings: Settings, out_dir: str
                 points = sorted((r["seqlen"], r["tflops"]) for r in ok if r["peer"] == peer
                                 and (r["mode"], r["head_dim"], r["causal"]) == (mode, d, causal))
                 if points:
-                    ax.plot(*zip(*points), marker="o", label=peer_label(peer, settings))
+                    ax.plot(*zip(*points), marker="o", color=colors[peer],
+                            label=peer_label(peer, settings))
             upstream = sorted((s, cols["fa4_upstream"])
                               for (dd, s, c), cols in anchors.ANCHORS[mode].items()
                               if (dd, c) == (d, causal)) if settings.matches_anchors else []

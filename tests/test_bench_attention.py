@@ -99,3 +99,27 @@ def test_an_ablation_runs_only_when_named(tmp_path, ablation):
     assert {r["mode"] for r in rows} == {"fwd", "fwd_bwd"}
     for row in rows:
         assert row["status"] == "skipped" and row["note"], row
+
+
+def test_each_peer_keeps_its_colour_in_panels_it_is_absent_from(tmp_path, monkeypatch):
+    # A peer without causal rows (Pallas MGPU's backward) must not hand its colour to the next
+    # peer in the causal panels: the legend is gathered from all panels, one entry per label.
+    import matplotlib.figure
+
+    figures = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: figures.append(fig))
+    peers = ["fa4_jax", "mgpu", "upstream"]
+    results = [{"mode": "fwd_bwd", "head_dim": 64, "causal": causal, "seqlen": seqlen, "peer": peer,
+                "status": "ok", "tflops": 100.0 + seqlen / 64}
+               for causal in (False, True) for seqlen in (1024, 4096) for peer in peers
+               if not (causal and peer == "mgpu")]
+    settings = bench_attention.Settings(**{
+        **{f.name: None for f in bench_attention.dataclasses.fields(bench_attention.Settings)},
+        "tokens": 16384, "hidden": 2048, "dtype": "bf16"})
+    bench_attention.plot(results, peers, settings, str(tmp_path))
+    (figure,) = figures
+    colours = {}
+    for ax in figure.axes:
+        for line in ax.get_lines():
+            colours.setdefault(line.get_label(), set()).add(line.get_color())
+    assert len(colours) >= 3 and all(len(c) == 1 for c in colours.values()), colours
