@@ -298,10 +298,10 @@ def call_tuning(kind: str, mask: str, head_dim: int, seqlen_q: int, seqlen_k: in
         if (max(seqlen_q, seqlen_k) <= longest and
                 narrowing_mismatch(short_tuning, mask, head_dim, seqlen_q, seqlen_k, ragged) is None):
             return short_tuning
-    if mask == "none" and not ragged:
-        width = next((w for w in TAIL_WIDTHS if tail_fits(w, head_dim, seqlen_k)), None)
-        if width is not None:
-            return f"tail{width}"
+    if mask == "none":
+        for width in TAIL_WIDTHS:
+            if narrowing_mismatch(f"tail{width}", mask, head_dim, seqlen_q, seqlen_k, ragged) is None:
+                return f"tail{width}"
     return tuning
 
 
