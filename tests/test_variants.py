@@ -77,9 +77,11 @@ def test_short_forwards_take_the_short_tuning(mask, head_dim):
     steps = variants.SHORT_CALLS[(mask, head_dim)]
     bounds = [longest for _, longest in steps]
     assert bounds == sorted(bounds), "steps go from the shortest bound up"
+    def rule(seqlen_q, seqlen_k, **kwargs):
+        return variants.call_tuning("fwd", mask, head_dim, seqlen_q, seqlen_k, **kwargs)
+
     for tuning, longest in steps:
         assert tuning != "default"
-        rule = lambda sq, sk, **kw: variants.call_tuning("fwd", mask, head_dim, sq, sk, **kw)  # noqa: E731
         shortest = max((b for b in bounds if b < longest), default=0)
         low = max(shortest + 1, variants.DECODE_ROWS + 1)
         if variants.TUNINGS[tuning].get("first_group_diagonal"):

@@ -53,6 +53,17 @@ mul.rn.ftz.f32 $0, p, scale;
 }}"""
 
 
+# Columns of a row are assigned to the polynomial in groups of this many.
+EXP2_SPLIT_PERIOD = 8
+
+
+def uses_poly(share: float, column: int) -> bool:
+    """Whether register column `column` of a row computes its exponential with `exp2_poly` when
+    a static `share` of them does: the first round(share · 8) of every 8 columns, so that the
+    polynomial's FMA-pipe work spreads evenly between the MUFU.EX2s."""
+    return column % EXP2_SPLIT_PERIOD < round(share * EXP2_SPLIT_PERIOD)
+
+
 def exp2_poly(x: Float32) -> Float32:
     """2^x for x <= 128 on the FMA and integer pipes (no MUFU), relative error <= 8.6e-5."""
     return Float32(

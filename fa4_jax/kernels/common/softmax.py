@@ -33,12 +33,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32
 
-from fa4_jax.kernels.common.exp2 import exp2_poly
+from fa4_jax.kernels.common.exp2 import exp2_poly, uses_poly
 
 # The four lanes of a quad hold one accumulator row between them (WGMMA C layout).
 _LANES_PER_ROW = 4
-# Columns of a row are assigned to the polynomial in groups of this many.
-_EXP2_SPLIT_PERIOD = 8
 
 
 def _quad_max(x: Float32) -> Float32:
@@ -67,8 +65,7 @@ class SoftmaxConfig:
     max_tree: bool = False
 
     def uses_poly(self, col: int) -> bool:
-        poly_cols = round(self.exp2_poly_share * _EXP2_SPLIT_PERIOD)
-        return col % _EXP2_SPLIT_PERIOD < poly_cols
+        return uses_poly(self.exp2_poly_share, col)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -78,13 +78,12 @@ from fa4_jax.kernels.bwd_post import BackwardPostprocess
 from fa4_jax.kernels.bwd_pre import BackwardPreprocess
 from fa4_jax.kernels.bwd_workspace import BWD_SEMAPHORE_ROWS
 from fa4_jax.kernels.common.block_info import BlockInfo
-from fa4_jax.kernels.common.exp2 import exp2_poly
+from fa4_jax.kernels.common.exp2 import exp2_poly, uses_poly
 from fa4_jax.kernels.common.layouts import (
     acc_as_operand_a, acc_rows_cols, fragment_order_view, opaque_int32,
 )
 from fa4_jax.kernels.common.mask import AttentionMask
 from fa4_jax.kernels.common.ragged import entry_length
-from fa4_jax.kernels.common.softmax import SoftmaxConfig
 from fa4_jax.kernels.sm90.operands import (
     permute_modes, smem_layout, swizzled_tensor, tma_pipeline, wgmma_gemm,
 )
@@ -234,8 +233,8 @@ class TileConfig:
     # (docs/perf-log.md, "PDL"): −0.5% to +2%, within the noise; kept as FA4 upstream does.
     pdl: bool = True
     # Share of Pᵀ's exponentials computed by exp2.py's polynomial on the FMA pipes instead of
-    # MUFU.EX2 (register columns assigned as the forward's SoftmaxConfig assigns them; softcap
-    # keeps MUFU). The two MMA warp groups meet at the dSᵀ barrier every step, so their
+    # MUFU.EX2 (register columns assigned by exp2.uses_poly, as in the forward; softcap keeps
+    # MUFU). The two MMA warp groups meet at the dSᵀ barrier every step, so their
     # exponentials run at the same time on the same SMSPs' MUFU units (d64: 2 warps × 64 MUFU
     # × 8 clocks, ~1000 of a ~4800-clock step). Measured (docs/perf-log.md, "exponentials on
     # the FMA pipes in the backward", session 23): d128 an eighth +1.0% on average, all 12
@@ -1077,12 +1076,11 @@ class FlashAttentionBackwardSm90:
                     apply_mask(scores, m_block=m_block)
             if key_tail:
                 mask_key_tail(scores)
-            exp2_split = SoftmaxConfig(exp2_poly_share=self.config.exp2_poly_share)
             for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
                 lse_log2 = lse_ahead[c] if c < stats_ahead else row_stat(blocks.sLSE, c)
                 for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
                     exponent = scores[r, c] * blocks.scale_log2 - lse_log2
-                    if cutlass.const_expr(exp2_split.uses_poly(c)):
+                    if cutlass.const_expr(uses_poly(self.config.exp2_poly_share, c)):
                         scores[r, c] = exp2_poly(exponent)
                     else:
                         scores[r, c] = cute.math.exp2(exponent, fastmath=True)

@@ -983,12 +983,12 @@ class FlashAttentionForwardSm90:
         and S and P as prefixes of the full-width fragments (`acc_prefix`)."""
         tiled_mma = self.qk_tiled_mma(keys)
         wg_mma = tiled_mma.get_slice(warp_group * self.threads_per_warp_group)
-        sK_tail = cute.local_tile(sK, (keys, self.head_dim, self.kv_stages), (0, 0, 0))
+        sK_narrow = cute.local_tile(sK, (keys, self.head_dim, self.kv_stages), (0, 0, 0))
         shape = tiled_mma.get_slice(tidx).partition_shape_C((self.tile_m, keys))
         return dataclasses.replace(
             blocks, tiled_mma_qk=tiled_mma,
             tSrQ=wg_mma.make_fragment_A(wg_mma.partition_A(sQ)),
-            tSrK=wg_mma.make_fragment_B(wg_mma.partition_B(sK_tail)),
+            tSrK=wg_mma.make_fragment_B(wg_mma.partition_B(sK_narrow)),
             acc_s=acc_prefix(blocks.acc_s, shape), p=acc_prefix(blocks.p, shape),
         )
 
