@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fa4_jax import ffi
+from fa4_jax import cudnn, dispatch, notices
 from fa4_jax.params import AttentionParams
 from fa4_jax.vjp import attention_op
 
@@ -102,10 +102,43 @@ def attention(
       >>> out.shape, lse.shape
       ((2, 1024, 8, 128), (2, 8, 1024))
     """
+    return _attention(
+        query,
+        key,
+        value,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        window_size=window_size,
+        softcap=softcap,
+        deterministic=deterministic,
+        return_lse=return_lse,
+        implementation=implementation,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+    )
+
+
+def _attention(
+    query,
+    key,
+    value,
+    *,
+    causal,
+    softmax_scale,
+    window_size,
+    softcap,
+    deterministic,
+    return_lse,
+    implementation,
+    query_seq_lengths,
+    key_value_seq_lengths,
+    top_left=False,
+):
+    """`attention`, with the masks aligned top-left when `top_left` (the drop-in's rule)."""
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
     _check_bool("return_lse", return_lse)
     ragged = query_seq_lengths is not None or key_value_seq_lengths is not None
-    params = attention_params(
+    params, reason = _params_and_fallback(
         query,
         key,
         value,
@@ -115,7 +148,16 @@ def attention(
         softcap=softcap,
         deterministic=deterministic,
         implementation=implementation,
+        top_left=top_left,
+        ragged=ragged,
     )
+    if reason is not None:
+        cudnn_reason = cudnn.unsupported_reason(query, key, value, params, ragged, return_lse,
+                                                dispatch.compute_capability())
+        if cudnn_reason is None:
+            notices.fallback("cuDNN (jax.nn.dot_product_attention)", reason)
+            return cudnn.attention(query, key, value, params)
+        notices.fallback("the pure-JAX reference (float32 math)", _with_cudnn(reason, cudnn_reason))
     seq_lengths = None
     if ragged:
         seq_lengths = (
@@ -124,6 +166,13 @@ def attention(
         )
     out, lse = attention_op(query, key, value, params, seq_lengths)
     return (out, lse) if return_lse else out
+
+
+def _with_cudnn(reason, cudnn_reason):
+    """The fallback's reason, and why not cuDNN where a CUDA GPU could have run it."""
+    if dispatch.compute_capability() is None:
+        return reason
+    return f"{reason}; not cuDNN: {cudnn_reason}"
 
 
 def attention_params(
@@ -138,12 +187,36 @@ def attention_params(
     deterministic=False,
     implementation=None,
 ):
-    """The validated, canonical `AttentionParams` of `attention(query, key, value, ...)`.
+    """The validated, canonical `AttentionParams` of `attention(query, key, value, ...)` on the
+    kernels or the reference (never cuDNN, which returns no differentiable logsumexp).
 
     Same arguments (query, key, value as arrays) and the same errors as `attention`, sequence
     lengths aside (they are operands, not parameters); for entry points that run the attention
     ops themselves (`ring_attention`).
     """
+    params, reason = _params_and_fallback(
+        query, key, value, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+        softcap=softcap, deterministic=deterministic, implementation=implementation)
+    if reason is not None:
+        notices.fallback("the pure-JAX reference (float32 math)", reason)
+    return params
+
+
+def _params_and_fallback(
+    query,
+    key,
+    value,
+    *,
+    causal,
+    softmax_scale,
+    window_size,
+    softcap,
+    deterministic,
+    implementation,
+    top_left=False,
+    ragged=False,
+):
+    """(the validated, canonical params, why the kernels do not serve the call or None)."""
     _check_arrays(query, key, value)
     window_left, window_right = _check_window(window_size)
     _check_bool("causal", causal)
@@ -159,14 +232,18 @@ def attention_params(
         )
     # One canonical form for "right bound on the diagonal", so kernels dispatch on `causal`.
     causal = bool(causal) or window_right == 0
+    masked = causal or window_left is not None or window_right is not None
+    # The alignment matters only under a mask, and not when both corners share a diagonal
+    # (equal lengths, one for every entry): one canonical form for the kernels.
+    top_left = bool(top_left) and masked and (ragged or query.shape[1] != key.shape[1])
     params = AttentionParams(
         softmax_scale=_canonical_scale(softmax_scale, query.shape[-1]),
         causal=causal,
         window_left=window_left,
         window_right=None if causal else window_right,
         softcap=_canonical_softcap(softcap),
+        top_left=top_left,
         deterministic=bool(deterministic),
-        implementation=_choose_implementation(query.dtype, implementation),
     )
     return _resolve_backend(query, key, value, params, implementation)
 
@@ -188,30 +265,27 @@ def dot_product_attention(
 ):
     """A drop-in for `jax.nn.dot_product_attention` running on fa4_jax.
 
-    Same signature and meaning as jax's (jax 0.11): inputs [B, T, N, H] / [B, S, K, H] or,
-    without the batch dimension, [T, N, H] / [S, K, H]; N a multiple of K.
+    Same signature, semantics and input checks as jax's (jax 0.11): query [B, T, N, H], key and
+    value [B, S, K, H] (or, without the batch dimension, [T, N, H] / [S, K, H]), N a multiple of
+    K, one dtype, lengths int32 [B]. Masks follow jax's top-left rule: with `is_causal` query i
+    sees key j when j <= i, with `local_window_size=(left, right)` when
+    i - left <= j <= i + right, whatever T, S and the lengths; query_seq_lengths /
+    key_value_seq_lengths keep each entry's first rows / keys (values outside [0, T] and
+    [0, S] act as jax's do: clamped). A valid query row that sees no key (a window past the
+    keys, an entry with no keys) gets, as in jax's default (XLA) implementation, the mean of
+    all S values of its head; padded query rows get 0; the residual of either is
+    `log(S) - 0.7 * float32_max` in key's dtype, as jax's. Runs on the kernels like
+    `fa4_jax.attention`, gradients included.
 
-    Differences:
-      - bias and mask are not supported yet and raise NotImplementedError.
-      - jax aligns is_causal and local_window_size to the top-left corner (query i vs key i);
-        fa4_jax aligns to the bottom-right. The two agree when T == S; otherwise the call is
-        translated to fa4_jax's windows, and a NotImplementedError is raised when that needs a
-        negative window (e.g. is_causal with T < S).
-      - With query_seq_lengths / key_value_seq_lengths, fa4_jax aligns is_causal and
-        local_window_size bottom-right to each entry's valid lengths (see `attention`), jax
-        still top-left: the two agree when both lengths are given and equal entry by entry
-        (padded self-attention), so with a mask both are required (NotImplementedError
-        otherwise) and entries of unequal lengths follow fa4_jax's rule. Without a mask,
-        either length may come alone, as in jax. Lengths may be any integer dtype (jax:
-        int32) and are clamped to [0, T] and [0, S]. Ragged calls run on the kernels like
-        any other (their padding is zeroed first, see `fa4_jax.ffi`).
-      - A query row that sees no key gives 0 here (jax: the mean of all values), padded rows
-        included (jax: 0 as well).
-      - implementation is None, "cute" or "reference" (see `attention`); "xla" and "cudnn"
-        are jax's own backends: call `jax.nn.dot_product_attention` for them.
-      - The residual of return_residual (the logsumexp, [B, T, N] or [T, N], in key's dtype,
-        gradient stopped, as in jax) is -inf for rows that see no key, padded rows included
-        (jax: a large negative number).
+    Differences from jax:
+      - bias and mask are not supported yet and raise NotImplementedError; so do negative
+        local_window_size bounds.
+      - implementation is None, "cute" or "reference" (see `fa4_jax.attention`); "xla" and
+        "cudnn" are jax's own backends: call `jax.nn.dot_product_attention` for them.
+      - scale must be a static Python number (jax also takes a traced one).
+      - The contents of padding (rows past the lengths) are never read. jax's XLA path
+        multiplies masked keys' values by a probability of zero, so a NaN or inf in the padding
+        of V reaches every output row there; its cuDNN path, like fa4_jax, ignores it.
     """
     for name, argument in (("bias", bias), ("mask", mask)):
         if argument is not None:
@@ -226,6 +300,8 @@ def dot_product_attention(
         )
     if scale is not None:
         scale = _static_positive("scale", scale)
+    _check_bool("is_causal", is_causal)
+    _check_bool("return_residual", return_residual)
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
     unbatched = query.ndim == 3
     if unbatched:
@@ -235,73 +311,117 @@ def dot_product_attention(
                 f"got ranks {query.ndim}, {key.ndim}, {value.ndim}"
             )
         query, key, value = query[None], key[None], value[None]
-        query_seq_lengths, key_value_seq_lengths = (
-            None if lengths is None else jnp.reshape(jnp.asarray(lengths), (-1,))
-            for lengths in (query_seq_lengths, key_value_seq_lengths)
-        )
-    ragged = query_seq_lengths is not None or key_value_seq_lengths is not None
-    # With lengths fa4_jax's masks align to the valid lengths, which matches jax's top-left
-    # alignment when they are equal: no shift, as for T == S.
-    seqlen_q = key.shape[1] if ragged else query.shape[1]
-    window_size = _top_left_to_bottom_right(
-        is_causal, local_window_size, seqlen_q=seqlen_q, seqlen_k=key.shape[1]
+    _check_like_jax(query, key, value)
+    batch = key.shape[0]
+    query_seq_lengths, key_value_seq_lengths = (
+        None if lengths is None else _jax_lengths(name, lengths, batch)
+        for name, lengths in (("query_seq_lengths", query_seq_lengths),
+                              ("key_value_seq_lengths", key_value_seq_lengths))
     )
-    masked = window_size != (None, None)
-    if ragged and masked and (query_seq_lengths is None or key_value_seq_lengths is None):
-        raise NotImplementedError(
-            "is_causal / local_window_size with only one of query_seq_lengths and "
-            "key_value_seq_lengths: fa4_jax aligns masks to the valid lengths, jax to index 0; "
-            "they agree when both are given and equal entry by entry (padded self-attention), "
-            "so pass both"
-        )
-    out, lse = attention(
+    left, right = _jax_window(local_window_size)
+    if is_causal:
+        right = 0
+    out, lse = _attention(
         query,
         key,
         value,
+        causal=False,
         softmax_scale=scale,
-        window_size=window_size,
+        window_size=(left, right),
+        softcap=None,
+        deterministic=False,
         return_lse=True,
         implementation=implementation,
         query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths,
+        top_left=True,
     )
+    seqlen_q, seqlen_k = query.shape[1], key.shape[1]
+    rows_valid = jnp.ones((batch, seqlen_q), bool)
+    if query_seq_lengths is not None:
+        rows_valid = jnp.arange(seqlen_q)[None, :] < query_seq_lengths[:, None]
+    # jax gives a valid row that sees no key a uniform softmax over all S keys (masked scores
+    # are a finite large negative number there), so its output is the mean of the head's
+    # values. Rows see no key only when an entry has no keys, or a window ends before them.
+    if seqlen_k > 0 and (key_value_seq_lengths is not None
+                         or (left is not None and seqlen_q > seqlen_k + left)):
+        keyless = jnp.isneginf(jnp.swapaxes(lse, 1, 2)) & rows_valid[:, :, None]
+        groups = query.shape[2] // key.shape[2]
+        value_mean = jnp.repeat(jnp.mean(value.astype(jnp.float32), axis=1), groups, axis=1)
+        out = jnp.where(keyless[..., None], value_mean[:, None].astype(out.dtype), out)
     if unbatched:
         out, lse = out[0], lse[0]
     if not return_residual:
         return out
-    # jax's residual is [.., T, N] in key's dtype, without gradient.
-    residual = jax.lax.stop_gradient(jnp.swapaxes(lse, -1, -2)).astype(key.dtype)
-    return out, residual
+    # jax's residual is [.., T, N] in key's dtype, without gradient. Where a row sees no key
+    # (padded rows too) it is the logsumexp of S large negative scores.
+    large_negative = np.float32(-0.7) * np.finfo(np.float32).max
+    residual = jnp.swapaxes(lse, -1, -2)
+    if seqlen_k > 0:
+        keyless_residual = jnp.float32(large_negative) + jnp.log(jnp.float32(seqlen_k))
+        residual = jnp.where(jnp.isneginf(residual), keyless_residual, residual)
+    return out, jax.lax.stop_gradient(residual.astype(key.dtype))
 
 
-def _top_left_to_bottom_right(is_causal, local_window_size, *, seqlen_q, seqlen_k):
-    """jax's (is_causal, local_window_size) as fa4_jax's bottom-right window_size.
-
-    jax: row i sees key j when j <= i (is_causal) and i - left <= j <= i + right (window).
-    fa4_jax measures from i + offset, offset = seqlen_k - seqlen_q, so each bound shifts by
-    -offset.
-    """
-    _check_bool("is_causal", is_causal)
-    left = right = None
-    if local_window_size is not None:
-        if isinstance(local_window_size, numbers.Integral) and not isinstance(
-            local_window_size, bool
-        ):
-            local_window_size = (local_window_size, local_window_size)
-        left, right = _check_window(local_window_size, name="local_window_size")
-    if is_causal:
-        right = 0 if right is None else min(right, 0)
-    offset = seqlen_k - seqlen_q
-    left = None if left is None else left + offset
-    right = None if right is None else right - offset
-    if (left is not None and left < 0) or (right is not None and right < 0):
-        raise NotImplementedError(
-            f"is_causal={is_causal}, local_window_size={local_window_size} with "
-            f"seqlen_q={seqlen_q} != seqlen_k={seqlen_k}: jax aligns these masks top-left and "
-            f"fa4_jax bottom-right; the translation needs a negative window, which fa4_jax "
-            f"does not support"
+def _check_like_jax(query, key, value):
+    """jax.nn.dot_product_attention's own checks: value's shape and dtype are key's, query
+    shares batch and head dim, the heads group."""
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if x.ndim != 4:
+            raise ValueError(
+                f"{name} must have rank 4 [B, T, N, H] (or 3 without the batch), got shape "
+                f"{x.shape}"
+            )
+    batch, seqlen_k, heads_kv, head_dim = key.shape
+    if value.shape != key.shape or value.dtype != key.dtype:
+        raise ValueError(
+            f"value must have key's shape and dtype {key.shape} {key.dtype} (as in "
+            f"jax.nn.dot_product_attention), got {value.shape} {value.dtype}"
         )
-    return (left, right)
+    if query.shape[0] != batch or query.shape[3] != head_dim or query.dtype != key.dtype:
+        raise ValueError(
+            f"query must be [{batch}, T, N, {head_dim}] in {key.dtype} to match key, got "
+            f"{query.shape} {query.dtype}"
+        )
+    if query.shape[2] % heads_kv:
+        raise ValueError(
+            f"the number of query heads must be a multiple of key/value heads, got "
+            f"{query.shape[2]} vs {heads_kv}"
+        )
+
+
+def _jax_lengths(name, lengths, batch):
+    """Sequence lengths as jax takes them: int32 [B] (traced values are fine)."""
+    lengths = jnp.asarray(lengths)
+    if lengths.shape != (batch,) or lengths.dtype != jnp.int32:
+        raise ValueError(
+            f"{name} must be an int32 array of shape ({batch},) (as in "
+            f"jax.nn.dot_product_attention), got {lengths.dtype} {lengths.shape}"
+        )
+    return lengths
+
+
+def _jax_window(local_window_size):
+    """jax's local_window_size (an int w for (w, w), or a (left, right) pair) as (left, right)."""
+    if local_window_size is None:
+        return None, None
+    if isinstance(local_window_size, numbers.Integral) and not isinstance(local_window_size, bool):
+        local_window_size = (local_window_size, local_window_size)
+    if (isinstance(local_window_size, (str, bytes)) or not isinstance(local_window_size, Sequence)
+            or len(local_window_size) != 2
+            or not all(isinstance(b, numbers.Integral) and not isinstance(b, bool)
+                       for b in local_window_size)):
+        raise TypeError(
+            f"local_window_size must be None, an int or a (left, right) pair of ints, got "
+            f"{local_window_size!r}"
+        )
+    left, right = (int(bound) for bound in local_window_size)
+    if left < 0 or right < 0:
+        raise NotImplementedError(
+            f"local_window_size={local_window_size}: negative bounds (a window that excludes "
+            f"the query's own position) are not supported by fa4_jax"
+        )
+    return left, right
 
 
 def _check_arrays(query, key, value):
@@ -410,33 +530,24 @@ def _canonical_softcap(softcap):
     return None if softcap is None else _static_positive("softcap", softcap)
 
 
-def _choose_implementation(dtype, implementation):
-    """The backend to try first: the requested one, else "cute" when the dtype allows it."""
-    if implementation is not None:
-        return implementation
-    return "cute" if dtype in _KERNEL_DTYPES else "reference"
-
-
 def _resolve_backend(query, key, value, params, requested):
-    """Confirms the kernels serve the call, or falls back to the reference (when allowed)."""
-    if params.implementation == "reference":
-        if requested is None:
-            logger.debug("fa4_jax: reference backend (%s inputs run on the reference only)",
-                         query.dtype)
-        return params
+    """(params on the backend that runs the call, why not the kernels or None).
+
+    "reference" when asked for; the kernels when they serve the call; else ValueError for
+    implementation="cute", and the reference for None (the caller may prefer cuDNN)."""
+    if requested == "reference":
+        return params, None
     reason = _kernel_unsupported_reason(query, key, value, params)
     if reason is None:
         logger.debug("fa4_jax: cute backend")
-        return params
+        return dataclasses.replace(params, implementation="cute",
+                                   require_kernels=requested == "cute"), None
     if requested == "cute":
         raise ValueError(f"implementation='cute' cannot serve this call: {reason}")
-    logger.debug("fa4_jax: reference backend (%s)", reason)
-    return dataclasses.replace(params, implementation="reference")
+    return dataclasses.replace(params, implementation="reference"), reason
 
 
 def _kernel_unsupported_reason(query, key, value, params):
     if query.dtype not in _KERNEL_DTYPES:
         return f"the kernels take bfloat16 or float16, got {query.dtype}"
-    if not ffi.is_available():
-        return ffi.unsupported_reason(query, key, value, params) or "the kernels are unavailable"
-    return ffi.unsupported_reason(query, key, value, params)
+    return dispatch.unsupported_reason(query, key, value, params)

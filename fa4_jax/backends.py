@@ -2,21 +2,21 @@
 
 These are the per-shard bodies: `sharding.py` runs them on each device's block of the inputs,
 so what runs here never sees a collective. With implementation "cute" both passes run the
-compiled kernels (`ffi.forward`, `ffi.backward`); the reference backward recomputes attention
-through the pure-JAX reference in float32 and takes its VJP, honouring the same contract (see
-`backward`). `params.deterministic` reaches the backward kernel as a static attribute; the
-reference is deterministic anyway (no atomics).
+compiled kernels (`dispatch.forward`, `dispatch.backward`); the reference backward recomputes
+attention through the pure-JAX reference in float32 and takes its VJP, honouring the same
+contract (see `backward`). `params.deterministic` reaches the backward kernel as a static
+attribute; the reference is deterministic anyway (no atomics).
 
 `seq_lengths` is None, or (q_len, kv_len): int32 [batch] valid lengths of a ragged batch
-(semantics in `AttentionParams`). Both backends take them: the kernels through
-their seq_used_q / seq_used_k operands (`ffi.forward`), the reference through its masks.
+(semantics in `AttentionParams`). Both backends take them: the kernels through their
+seq_used_q / seq_used_k operands, the reference through its masks.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from fa4_jax import ffi
+from fa4_jax import dispatch, notices
 from fa4_jax.params import AttentionParams
 from fa4_jax.reference import attention_reference
 
@@ -24,8 +24,22 @@ from fa4_jax.reference import attention_reference
 def forward(q, k, v, params: AttentionParams, seq_lengths=None):
     """(out, lse) of one device's inputs; shapes as `vjp.attention_op`."""
     if params.implementation == "cute":
-        return ffi.forward(q, k, v, params, seq_lengths)
+        return dispatch.forward(q, k, v, params, seq_lengths)
     return _reference_fp32(q, k, v, params, seq_lengths)
+
+
+def backward_unsupported_reason(q, k, v, params: AttentionParams) -> str | None:
+    """Why a call whose forward runs on the kernels would have to take the reference backward:
+    raised for implementation="cute", said once otherwise; None when the kernels serve it."""
+    if params.implementation != "cute":
+        return None
+    reason = dispatch.unsupported_reason(q, k, v, params, "bwd")
+    if reason is None:
+        return None
+    if params.require_kernels:
+        raise ValueError(f"implementation='cute' cannot run the backward of this call: {reason}")
+    notices.fallback("the reference backward (pure JAX, float32)", reason)
+    return reason
 
 
 def backward(q, k, v, out, lse, d_out, d_lse, params: AttentionParams, seq_lengths=None):
@@ -45,8 +59,8 @@ def backward(q, k, v, out, lse, d_out, d_lse, params: AttentionParams, seq_lengt
       seq_lengths: None or (q_len, kv_len), as for the forward; the ring contract holds per
         entry (rows past q_len have block lse -inf, so weight 0 and zero gradient).
     """
-    if params.implementation == "cute" and ffi.unsupported_reason(q, k, v, params, "bwd") is None:
-        return ffi.backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths)
+    if params.implementation == "cute" and dispatch.unsupported_reason(q, k, v, params, "bwd") is None:
+        return dispatch.backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths)
     return _reference_backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths)
 
 
@@ -80,6 +94,7 @@ def _reference_fp32(q, k, v, params, seq_lengths):
         window_left=params.window_left,
         window_right=params.window_right,
         softcap=params.softcap,
+        top_left=params.top_left,
         query_seq_lengths=q_len,
         key_value_seq_lengths=kv_len,
         compute_dtype=jnp.float32,

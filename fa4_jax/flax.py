@@ -34,7 +34,7 @@ from typing import Callable
 
 import jax.numpy as jnp
 
-from fa4_jax.api import attention
+from fa4_jax.api import _attention
 
 
 def make_attention_fn(
@@ -85,8 +85,8 @@ def make_attention_fn(
 
         Honoured: query/key/value, `dtype` (inputs are cast to it; default: their common
         dtype), `dropout_rate` with `deterministic=True` (no dropout is applied), NNX's
-        `is_causal` (self-attention lengths only, where Flax's top-left causal mask and
-        FlashAttention's bottom-right one agree). Accepted and not forwarded: `precision`
+        `is_causal` (Flax's top-left causal mask, tril over [q_len, kv_len]). Accepted and not
+        forwarded: `precision`
         (fa4_jax fixes its own: fp32 accumulation and softmax statistics), and
         `force_fp32_for_softmax`, `broadcast_dropout`, `dropout_rng` (the softmax is always fp32
         and there is no dropout). Everything else raises NotImplementedError.
@@ -105,24 +105,31 @@ def make_attention_fn(
             input_positions=input_positions,
         )
         _check_same_batch_dims(query, key, value)
-        if is_causal and query.shape[-3] != key.shape[-3]:
+        factory_masked = causal or window_size != (None, None)
+        if is_causal and factory_masked and query.shape[-3] != key.shape[-3]:
             raise NotImplementedError(
-                "is_causal=True with q_len != kv_len: Flax aligns that causal mask top-left, "
-                "fa4_jax aligns it bottom-right; use make_attention_fn(causal=True) and its "
-                "documented bottom-right semantics instead."
+                "is_causal=True with a function made with causal/window_size and q_len != "
+                "kv_len: Flax aligns is_causal's mask top-left, make_attention_fn's masks align "
+                "bottom-right, and one call cannot take both; use one of the two."
             )
         compute_dtype = dtype if dtype is not None else jnp.result_type(query, key, value)
         query, key, value = (x.astype(compute_dtype) for x in (query, key, value))
 
         batch_dims = query.shape[:-3]
-        out = attention(
+        out = _attention(
             _fold_batch_dims(query),
             _fold_batch_dims(key),
             _fold_batch_dims(value),
             causal=causal or is_causal,
+            softmax_scale=None,
             window_size=window_size,
             softcap=softcap,
+            deterministic=False,
+            return_lse=False,
             implementation=implementation,
+            query_seq_lengths=None,
+            key_value_seq_lengths=None,
+            top_left=is_causal and not factory_masked,
         )
         return out.reshape(batch_dims + out.shape[1:])
 

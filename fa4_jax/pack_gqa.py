@@ -9,7 +9,7 @@ group with one pass over its K/V: at sq = 1 the tile work drops `group`-fold.
 
 The rows of a packed tile belong to different queries, which the kernels' masks (indexed by row)
 cannot tell apart, so only calls whose mask is the same for every query row pack: no mask, or
-causal with one query row (bottom-right aligned, it sees every key). The reshape around the call
+causal with one bottom-right aligned query row (it sees every key). The reshape around the call
 copies q, out and lse once each: small next to K/V at the lengths where packing applies
 (`PACK_BELOW_SEQLEN_Q`). Ragged batches pack too: rows s < q_len are exactly the packed rows
 r < q_len · group.
@@ -27,8 +27,9 @@ PACK_BELOW_SEQLEN_Q = 64
 def decode_sized(seqlen_q: int, params) -> bool:
     """At most PACK_BELOW_SEQLEN_Q query rows, and a mask the same for every row: the calls
     that may be packed here and split (split_kv.py)."""
+    # One query row aligned bottom-right sees every key; aligned top-left, only the first.
     row_independent_mask = (params.window_left is None and params.window_right is None
-                            and (not params.causal or seqlen_q == 1))
+                            and (not params.causal or (seqlen_q == 1 and not params.top_left)))
     return seqlen_q <= PACK_BELOW_SEQLEN_Q and row_independent_mask
 
 

@@ -30,6 +30,7 @@ def attention_reference(
     window_left=None,
     window_right=None,
     softcap=None,
+    top_left=False,
     query_seq_lengths=None,
     key_value_seq_lengths=None,
     compute_dtype=jnp.float32,
@@ -44,12 +45,14 @@ def attention_reference(
       value: [batch, seqlen_k, heads_kv, head_dim_v]; head_dim_v may differ from head_dim.
       softmax_scale: multiplies q·k; None means 1 / sqrt(head_dim).
       causal, window_left, window_right: the masks of `fa4_jax.params.AttentionParams`,
-        bottom-right aligned (offset = seqlen_k - seqlen_q).
+        bottom-right aligned (offset = seqlen_k - seqlen_q) unless top_left (offset = 0).
       softcap: if not None, scores become softcap * tanh(scores / softcap) after the scale.
+      top_left: align the masks to the top-left corner, as jax.nn.dot_product_attention does.
       query_seq_lengths, key_value_seq_lengths: None, or integer arrays [batch] with values in
         [0, seqlen_q] and [0, seqlen_k] (traced values are fine; both or neither): batch entry b
         holds only its first query_seq_lengths[b] rows and key_value_seq_lengths[b] keys, and
-        the masks align bottom-right to those (offset = kv length - q length, per entry). Rows
+        the masks align bottom-right to those (offset = kv length - q length, per entry), or
+        top-left (offset 0). Rows
         past the length have out 0, lse -inf; keys past it get zero gradient. What the padding
         holds (even inf or NaN) does not matter.
       compute_dtype: dtype of the matmul inputs and outputs, the scale/softcap arithmetic and
@@ -82,7 +85,7 @@ def attention_reference(
         query = _zero_padding(query, query_seq_lengths)
         key = _zero_padding(key, key_value_seq_lengths)
         value = _zero_padding(value, key_value_seq_lengths)
-    mask = _MaskSpec(valid_q, valid_k, causal, window_left, window_right)
+    mask = _MaskSpec(valid_q, valid_k, causal, window_left, window_right, top_left)
 
     q_tiles = _tile_queries(query.astype(compute_dtype), q_chunk, heads_kv)
     k_tiles = _tile_keys(key.astype(compute_dtype), kv_chunk)
@@ -116,14 +119,15 @@ class _MaskSpec:
 
     seqlen_q and seqlen_k are static ints (the whole arrays), or, for a ragged batch, int32
     arrays [batch, 1, 1, 1, 1] of each entry's valid lengths, shaped to broadcast against the
-    [batch, heads_kv, groups, q_chunk, kv_chunk] score tile.
+    [batch, heads_kv, groups, q_chunk, kv_chunk] score tile. The diagonal runs through
+    (i, i + offset): offset = seqlen_k - seqlen_q (bottom-right), or 0 when top_left.
     """
 
-    def __init__(self, seqlen_q, seqlen_k, causal, window_left, window_right):
+    def __init__(self, seqlen_q, seqlen_k, causal, window_left, window_right, top_left=False):
         self.ragged = not isinstance(seqlen_q, int)
         self.seqlen_q = seqlen_q
         self.seqlen_k = seqlen_k
-        self.offset = seqlen_k - seqlen_q
+        self.offset = 0 if top_left else seqlen_k - seqlen_q
         self.causal = causal
         self.window_left = window_left
         self.window_right = window_right

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from fa4_jax import sharding
+from fa4_jax import backends, sharding
 from fa4_jax.params import AttentionParams
 
 
@@ -43,6 +43,9 @@ def attention_op(q, k, v, params: AttentionParams, seq_lengths=None):
 def _attention_op_fwd(q, k, v, params, seq_lengths):
     # Each array comes wrapped with whether it is differentiated (symbolic_zeros=True).
     q, k, v, seq_lengths = jax.tree.map(lambda primal: primal.value, (q, k, v, seq_lengths))
+    # This rule runs only when the call is differentiated: where the forward's kernels have no
+    # backward twin, say so now (raise, for implementation="cute") rather than inside jax.grad.
+    backends.backward_unsupported_reason(q, k, v, params)
     out, lse = sharding.attention_forward(q, k, v, params, seq_lengths)
     return (out, lse), (q, k, v, out, lse, seq_lengths)
 

@@ -31,9 +31,6 @@ const char* SelectMask(const Attrs& a) {
   return a.causal ? "causal" : "none";
 }
 
-namespace {
-
-// "sm_90a" for an H100/H200: the arch the variants were compiled for.
 ffi::Error DeviceArch(const Errors& err, int ordinal, std::string* arch) {
   int major = 0, minor = 0;
   cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, ordinal);
@@ -43,6 +40,8 @@ ffi::Error DeviceArch(const Errors& err, int ordinal, std::string* arch) {
   *arch = "sm_" + std::to_string(major) + std::to_string(minor) + (major >= 9 ? "a" : "");
   return ffi::Error::Success();
 }
+
+namespace {
 
 // The arch shared by every visible device, or "" when they differ. The instantiate stage has no
 // device (XLA runs it when it builds the thunk), and Module_Load loads onto every visible device.
@@ -63,22 +62,34 @@ ffi::Error VisibleArch(const Errors& err, std::string* common) {
   return ffi::Error::Success();
 }
 
-// Mirrors variants.Variant.name, to name a variant missing from the menu.
-std::string VariantName(Fa4Kind kind, const std::string& arch, Fa4Dtype dtype, int64_t d,
-                        int64_t dv, const std::string& mask, bool softcap,
-                        std::string_view tuning) {
-  std::string a = arch;
-  a.erase(std::remove(a.begin(), a.end(), '_'), a.end());
-  return std::string(kind == Fa4Kind::kFwd ? "fwd_" : "bwd_") + a +
-         (dtype == Fa4Dtype::kBF16 ? "_bf16" : "_fp16") + "_d" + std::to_string(d) + "_dv" +
-         std::to_string(dv) + (mask == "none" ? "" : "_" + mask) + (softcap ? "_softcap" : "") +
-         (tuning == "default" ? "" : "_t" + std::string(tuning));
+// The variant of p's problem class and this tuning, if compiled.
+const Fa4Variant* Lookup(const Problem& p, std::string_view tuning) {
+  for (int i = 0; i < kFa4VariantCount; ++i) {
+    const Fa4Variant& v = kFa4Variants[i];
+    if (v.kind == p.kind && p.arch == v.arch && v.dtype == p.dtype && v.head_dim == p.head_dim &&
+        v.head_dim_v == p.head_dim_v && std::strcmp(v.mask, p.mask) == 0 &&
+        v.softcap == p.softcap && tuning == v.tuning)
+      return &v;
+  }
+  return nullptr;
 }
 
-bool Matches(const Fa4Variant& v, Fa4Kind kind, const std::string& arch, const char* mask,
-             bool softcap, std::string_view tuning) {
-  return v.kind == kind && arch == v.arch && std::strcmp(mask, v.mask) == 0 &&
-         softcap == v.softcap && tuning == v.tuning;
+// fa4_jax.routing.Route.fits.
+bool Fits(const Fa4Route& r, const Problem& p) {
+  if (r.kind != p.kind || p.arch != r.arch || std::strcmp(r.mask, p.mask) != 0 ||
+      r.head_dim != p.head_dim)
+    return false;
+  if (r.softcap >= 0 && (r.softcap == 1) != p.softcap) return false;
+  if (r.max_rows && p.seqlen_q > r.max_rows) return false;
+  if (r.max_len && std::max(p.seqlen_q, p.seqlen_k) > r.max_len) return false;
+  if (r.dense && p.ragged) return false;
+  const int64_t offset = p.top_left ? 0 : p.seqlen_k - p.seqlen_q;
+  if (r.diagonal_multiple && offset % r.diagonal_multiple != 0) return false;
+  if (r.tail_tile_n) {
+    const int64_t last_block_keys = p.seqlen_k - (p.seqlen_k - 1) / r.tail_tile_n * r.tail_tile_n;
+    if (p.seqlen_k <= r.tail_tile_n || last_block_keys > r.tail_keys) return false;
+  }
+  return true;
 }
 
 ffi::Error Load(const Errors& err, const Fa4Variant& v) {
@@ -90,37 +101,46 @@ ffi::Error Load(const Errors& err, const Fa4Variant& v) {
 
 }  // namespace
 
+const Fa4Variant* Choose(const Problem& p, std::string_view tuning) {
+  if (!tuning.empty()) return Lookup(p, tuning);
+  for (int i = 0; i < kFa4RouteCount; ++i)
+    if (Fits(kFa4Routes[i], p))
+      if (const Fa4Variant* v = Lookup(p, kFa4Routes[i].tuning)) return v;
+  return Lookup(p, "default");
+}
+
+std::string VariantName(const Problem& p, std::string_view tuning) {
+  std::string a = p.arch;
+  a.erase(std::remove(a.begin(), a.end(), '_'), a.end());
+  const std::string mask = p.mask;
+  if (tuning.empty()) tuning = "default";
+  return std::string(p.kind == Fa4Kind::kFwd ? "fwd_" : "bwd_") + a +
+         (p.dtype == Fa4Dtype::kBF16 ? "_bf16" : "_fp16") + "_d" + std::to_string(p.head_dim) +
+         "_dv" + std::to_string(p.head_dim_v) + (mask == "none" ? "" : "_" + mask) +
+         (p.softcap ? "_softcap" : "") + (tuning == "default" ? "" : "_t" + std::string(tuning));
+}
+
 ffi::Error LoadCandidates(const Errors& err, Fa4Kind kind, const Attrs& a) {
   if (ffi::Error failed = CheckAttrs(err, a); failed.failure()) return failed;
   std::string arch;
   if (ffi::Error failed = VisibleArch(err, &arch); failed.failure()) return failed;
   if (arch.empty()) return ffi::Error::Success();
   const char* mask = SelectMask(a);
+  const bool softcap = a.softcap > 0.0f;
   for (int i = 0; i < kFa4VariantCount; ++i) {
     const Fa4Variant& v = kFa4Variants[i];
-    if (Matches(v, kind, arch, mask, a.softcap > 0.0f, a.tuning))
+    if (v.kind == kind && arch == v.arch && std::strcmp(mask, v.mask) == 0 && v.softcap == softcap)
       if (ffi::Error failed = Load(err, v); failed.failure()) return failed;
   }
   return ffi::Error::Success();
 }
 
-ffi::Error FindLoaded(const Errors& err, Fa4Kind kind, int32_t device, Fa4Dtype dtype, int64_t d,
-                      int64_t dv, const Attrs& a, const Fa4Variant** variant) {
-  std::string arch;
-  if (ffi::Error failed = DeviceArch(err, device, &arch); failed.failure()) return failed;
-  const char* mask = SelectMask(a);
-  const bool softcap = a.softcap > 0.0f;
-  *variant = nullptr;
-  for (int i = 0; i < kFa4VariantCount; ++i) {
-    const Fa4Variant& v = kFa4Variants[i];
-    if (Matches(v, kind, arch, mask, softcap, a.tuning) && v.dtype == dtype && v.head_dim == d &&
-        v.head_dim_v == dv)
-      *variant = &v;
-  }
+ffi::Error FindLoaded(const Errors& err, const Problem& p, std::string_view tuning,
+                      const Fa4Variant** variant) {
+  *variant = Choose(p, tuning);
   if (*variant == nullptr)
-    return err.Invalid("no compiled variant " +
-                       VariantName(kind, arch, dtype, d, dv, mask, softcap, a.tuning) +
-                       " (see fa4_jax/_lib/variants.json for the menu)");
+    return err.Invalid("no compiled variant " + VariantName(p, tuning) +
+                       " (see fa4_jax/_lib/manifest.json for the menu)");
   // A no-op after instantiate loaded it (always, unless the visible devices mix archs).
   return Load(err, **variant);
 }
@@ -195,6 +215,7 @@ ffi::Error CheckSeqUsed(const Errors& err, ffi::Buffer<ffi::S32> seq_used_q,
 
 void KernelWindow(const Attrs& a, Fa4Args* args) {
   args->window_left = args->window_right = 0;
+  args->top_left = a.top_left ? 1 : 0;
   if (std::strcmp(SelectMask(a), "local") != 0) return;
   const int32_t unbounded = std::max(args->seqlen_q, args->seqlen_k);
   args->window_left = a.window_left < 0 ? unbounded : std::min(a.window_left, unbounded);
@@ -213,3 +234,23 @@ ffi::Error Launch(const Errors& err, const Fa4Variant& variant, const Fa4Args& a
 }
 
 }  // namespace fa4
+
+// For tests and tools on any machine (no GPU needed): the name of the variant a call would run,
+// or "" when none is compiled. kind 0 = fwd, 1 = bwd; dtype 0 = bf16, 1 = fp16.
+extern "C" __attribute__((visibility("default"))) const char* Fa4ChooseVariant(
+    int kind, const char* arch, int dtype, int head_dim, int head_dim_v, const char* mask,
+    int softcap, int64_t seqlen_q, int64_t seqlen_k, int ragged, int top_left) {
+  const fa4::Problem p{kind == 0 ? Fa4Kind::kFwd : Fa4Kind::kBwd,
+                       arch,
+                       dtype == 0 ? Fa4Dtype::kBF16 : Fa4Dtype::kF16,
+                       head_dim,
+                       head_dim_v,
+                       mask,
+                       softcap != 0,
+                       seqlen_q,
+                       seqlen_k,
+                       ragged != 0,
+                       top_left != 0};
+  const Fa4Variant* v = fa4::Choose(p);
+  return v == nullptr ? "" : v->name;
+}

@@ -1,5 +1,5 @@
-// What the forward and backward FFI handlers share: attribute checks, the variant selection rule,
-// module loading, device arch, shape checks and the launch.
+// What the forward and backward FFI handlers share: attribute checks, the routing rule that picks
+// a variant, module loading, device arch, shape checks and the launch.
 #pragma once
 
 #include <cstdint>
@@ -17,13 +17,14 @@ namespace fa4 {
 
 namespace ffi = xla::ffi;
 
-// The static attributes both custom calls take (window bounds: -1 = unbounded; softcap 0 = none).
+// The static attributes both custom calls take: they describe the problem, never a kernel's
+// tuning (window bounds: -1 = unbounded; softcap 0 = none; top_left: the masks' alignment).
 struct Attrs {
   float softmax_scale;
   bool causal;
   int32_t window_left, window_right;
   float softcap;
-  std::string_view tuning;  // "default" for users; ablation names come from the benchmark
+  bool top_left;
 };
 
 // Binds the attributes of `Attrs` (all but `deterministic`, which only the backward takes), in
@@ -37,7 +38,7 @@ auto BindAttrs(Binding&& binding) {
       .template Attr<int32_t>("window_left")
       .template Attr<int32_t>("window_right")
       .template Attr<float>("softcap")
-      .template Attr<std::string_view>("tuning");
+      .template Attr<bool>("top_left");
 }
 
 // Errors name the custom call target they come from.
@@ -54,16 +55,41 @@ class Errors {
 
 ffi::Error CheckAttrs(const Errors& err, const Attrs& a);
 
-// Mirrors variants.mask_kind: a window bound on either side makes the call "local".
+// Mirrors fa4_jax.routing.mask_kind: a window bound on either side makes the call "local".
 const char* SelectMask(const Attrs& a);
 
-// Loads every variant of `kind` this call site can select (its dtype and head dims are not known
-// at instantiate time). Does nothing when the visible devices mix archs; execute loads then.
+// A call's problem class and shapes, as fa4_jax.routing.Call.
+struct Problem {
+  Fa4Kind kind;
+  std::string arch;
+  Fa4Dtype dtype;
+  int64_t head_dim, head_dim_v;
+  const char* mask;
+  bool softcap;
+  int64_t seqlen_q, seqlen_k;
+  bool ragged;
+  bool top_left;
+};
+
+// The variant serving `p`: the one of `tuning` when given (the development library's targets),
+// else the first route that fits and is compiled, else the default (fa4_jax.routing.choose).
+// nullptr when none is compiled.
+const Fa4Variant* Choose(const Problem& p, std::string_view tuning = {});
+
+// Mirrors fa4_jax.routing.Variant.name, to name a variant missing from the menu.
+std::string VariantName(const Problem& p, std::string_view tuning);
+
+// Loads every variant of `kind` this call site can select (its dtype, head dims and shapes are
+// not known at instantiate time). Does nothing when the visible devices mix archs; execute loads
+// then.
 ffi::Error LoadCandidates(const Errors& err, Fa4Kind kind, const Attrs& a);
 
-// The variant serving a call on `device`, loaded; an error naming the missing variant otherwise.
-ffi::Error FindLoaded(const Errors& err, Fa4Kind kind, int32_t device, Fa4Dtype dtype, int64_t d,
-                      int64_t dv, const Attrs& a, const Fa4Variant** variant);
+// The arch of `device`, as the variants name it ("sm_90a").
+ffi::Error DeviceArch(const Errors& err, int ordinal, std::string* arch);
+
+// The variant serving a call, loaded; an error naming the missing variant otherwise.
+ffi::Error FindLoaded(const Errors& err, const Problem& p, std::string_view tuning,
+                      const Fa4Variant** variant);
 
 ffi::Error IoDtype(const Errors& err, ffi::DataType t, Fa4Dtype* dtype);
 std::string Shape(ffi::Span<const int64_t> dims);

@@ -1,5 +1,5 @@
-// The uniform interface to the compiled variants. The table itself is generated from the variant
-// menu (fa4_jax/aot/codegen.py -> build/aot/dispatch.cc).
+// The uniform interface to the compiled variants and their routing rules. The tables themselves
+// are generated from the menu (fa4_jax/aot/codegen.py -> build/aot/dispatch.cc).
 #pragma once
 
 #include <cstdint>
@@ -39,27 +39,45 @@ struct Fa4Args {
   int32_t seqlen_q_pad = 0, semaphore_blocks = 0, dq_copies = 1;  // backward workspaces, see compile.py
   float softmax_scale = 1.0f, softcap = 0.0f;
   int32_t window_left = 0, window_right = 0;
+  int32_t top_left = 0;  // 1: masks aligned to the top-left corner (offset 0)
   int32_t deterministic = 0;
   int32_t num_sms = 0;  // backward: the device's multiprocessors (see compile.py)
 };
 
 struct Fa4Variant {
-  const char* name;  // = fa4_jax.aot.variants.Variant.name
+  const char* name;  // = fa4_jax.routing.Variant.name
   Fa4Kind kind;
   const char* arch;  // "sm_90a", "sm_100a"
   Fa4Dtype dtype;
   int head_dim, head_dim_v;
   const char* mask;  // "none", "causal", "local"
   bool softcap;
-  const char* tuning;  // "default", or an ablation's name (variants.TUNINGS)
+  const char* tuning;  // "default", or a tuned variant's name (the arch menu's TUNINGS)
   // Loads the module onto every visible device, once per process; later calls return the result.
   cudaError_t (*load)();
   // The exported launcher's return code (0 = launched).
   int32_t (*launch)(const Fa4Args& args, cudaStream_t stream);
 };
 
+// fa4_jax.routing.Route: calls of (kind, arch, mask, head_dim) meeting every condition run the
+// `tuning` variant of their problem class, if compiled. 0 means no condition; softcap is -1
+// (either), 0 or 1.
+struct Fa4Route {
+  Fa4Kind kind;
+  const char* arch;
+  const char* mask;
+  int head_dim;
+  const char* tuning;
+  int max_rows, max_len;
+  bool dense;
+  int diagonal_multiple, tail_tile_n, tail_keys;
+  int softcap;
+};
+
 extern const Fa4Variant kFa4Variants[];
 extern const int kFa4VariantCount;
+extern const Fa4Route kFa4Routes[];
+extern const int kFa4RouteCount;
 // Backward workspace geometry (fa4_jax/kernels/bwd_workspace.py).
 extern const int kFa4BwdSeqPad;
 extern const int kFa4BwdSemaphoreRows;

@@ -1,13 +1,18 @@
-"""Incremental AOT build: `python -m fa4_jax.aot.build [--jobs N] [--arch ARCH ...]`.
+"""Incremental AOT build: `python -m fa4_jax.aot.build [--jobs N] [--arch ARCH ...] [--only REGEX]`.
 
 1. Compile each variant of the menu in a worker process (cute.compile + export_to_c), unless the
    cache already holds it: entries are keyed by a hash of the kernel module and the fa4_jax
-   modules it imports, the menu and compile sources, the DSL
-   version, the kernel class and the variant, and live outside the tree (FA4_JAX_CACHE_DIR,
-   default ~/.cache/fa4_jax) so clean clones and venvs reuse them.
-2. Generate the C++ dispatch table from the compiled variants, compile ffi/*.cc with it, and link
-   everything with the DSL runtime and the static CUDA runtime into fa4_jax/_lib/libfa4_jax.so
-   (needs only the NVIDIA driver at run time), plus fa4_jax/_lib/variants.json (the compiled menu).
+   modules it imports, compile.py, the DSL version, the kernel class, the variant and its tuning
+   settings, and live outside the tree (FA4_JAX_CACHE_DIR, default ~/.cache/fa4_jax) so clean
+   clones and venvs reuse them. One line per variant goes to stdout and to the build log
+   (build/aot/build.log, or FA4_JAX_BUILD_LOG), which `pip install` otherwise hides.
+2. Generate the C++ dispatch table (variants and routes) from the compiled variants, compile
+   ffi/*.cc with it, and link everything with the DSL runtime and the static CUDA runtime into
+   fa4_jax/_lib/libfa4_jax.so (needs only the NVIDIA driver at run time), plus
+   fa4_jax/_lib/manifest.json (the compiled menu and its routing rules, for fa4_jax.routing).
+
+`build()` also builds other menus into other libraries (benchmarks/ablations.py's development
+library).
 """
 from __future__ import annotations
 
@@ -27,21 +32,43 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
-from fa4_jax.aot import codegen, compile as aot_compile, toolchain, variants as menu
+from fa4_jax.aot import codegen, menu, toolchain
+from fa4_jax.routing import Route, Variant
 
 PACKAGE = Path(__file__).resolve().parents[1]
 ROOT = PACKAGE.parent
 LIB_DIR = PACKAGE / "_lib"
 LIBRARY = LIB_DIR / "libfa4_jax.so"
+MANIFEST_VERSION = 1
 # Hashed into every variant's key besides its kernel module's own sources (see _kernel_sources).
-# The menu (variants.py) is not: a variant's key holds its own fields and tuning settings, so
-# adding an ablation compiles that ablation only, not all ~170 variants again.
+# The menu is not: a variant's key holds its own fields and tuning settings, so adding a variant
+# compiles that variant only.
 _ALWAYS_HASHED = (PACKAGE / "aot" / "compile.py",)
 
 
 class BuildError(RuntimeError):
     pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Menu:
+    """What one library holds: its variants, how each is compiled, and its routing rules."""
+
+    variants: tuple[Variant, ...]
+    kernel_class: Callable[[Variant], str] = menu.kernel_class
+    tuning_kwargs: Callable[[Variant], dict] = menu.tuning_kwargs
+    routes: tuple[tuple[str, Route], ...] = ()
+    dq_copies_max_keys: dict = dataclasses.field(default_factory=dict)
+    # The development library also registers targets that take a tuning name (ffi/handlers.h).
+    tuning_targets: bool = False
+
+
+def shipping_menu(arches: list[str] | None = None, only: str | None = None) -> Menu:
+    variants = tuple(v for v in menu.MENU if (not arches or v.arch in arches)
+                     and (only is None or re.search(only, v.name)))
+    return Menu(variants, routes=menu.routes(), dq_copies_max_keys=menu.dq_copies_max_keys())
 
 
 def cache_dir() -> Path:
@@ -78,22 +105,23 @@ def _sources_digest(kernel: str) -> str:
     return h.hexdigest()
 
 
-def variant_key(variant: menu.Variant, kernel: str) -> str:
-    payload = json.dumps([_sources_digest(kernel), kernel, variant.to_json(), variant.tuning_kwargs],
+def variant_key(variant: Variant, kernel: str, tuning_kwargs: dict) -> str:
+    payload = json.dumps([_sources_digest(kernel), kernel, variant.to_json(), tuning_kwargs],
                          sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:20]
 
 
-def entry_dir(variant: menu.Variant, key: str, cache: Path | None = None) -> Path:
+def entry_dir(variant: Variant, key: str, cache: Path | None = None) -> Path:
     """The cache entry of one compiled variant: NAME.h, NAME.o and its *.cubin."""
     return (cache or cache_dir()) / "variants" / f"{variant.name}-{key}"
 
 
-def _compile_one(variant, kernel: str, entry: Path, shim: str) -> float:
+def _compile_one(variant: Variant, kernel: str, tuning_kwargs: dict, entry: Path, shim: str) -> float:
     """Compiles into a scratch dir and renames it into place, so a killed build leaves no entry."""
     entry.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{variant.name}-", dir=entry.parent))
-    job = {"variant": dataclasses.asdict(variant), "kernel": kernel, "out_dir": str(scratch)}
+    job = {"variant": dataclasses.asdict(variant), "kernel": kernel, "tuning_kwargs": tuning_kwargs,
+           "out_dir": str(scratch)}
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "fa4_jax.aot.compile", json.dumps(job)],
                           env=toolchain.compile_env(shim, str(scratch)), cwd=ROOT,
@@ -112,106 +140,121 @@ def _compile_one(variant, kernel: str, entry: Path, shim: str) -> float:
     return elapsed
 
 
-def compile_variants(variants, jobs: int, kernels: dict[str, str] | None = None,
-                     cache: Path | None = None, log=print) -> dict[str, Path]:
+def entries(built: Menu, cache: Path | None = None) -> dict[str, Path]:
+    """name -> the cache entry each variant of `built` has (or would have)."""
+    return {v.name: entry_dir(v, variant_key(v, built.kernel_class(v), built.tuning_kwargs(v)), cache)
+            for v in built.variants}
+
+
+def compile_variants(built: Menu, jobs: int, cache: Path | None = None, log=print) -> dict[str, Path]:
     """Compiles what the cache lacks, in `jobs` worker processes. Returns name -> entry dir."""
-    kernels = kernels or aot_compile.KERNELS
-    todo, entries = [], {}
-    for v in variants:
-        if (v.kind, v.arch) not in kernels:
-            raise BuildError(f"variant {v.name}: no {v.kind} kernel for {v.arch} yet")
-        entries[v.name] = entry_dir(v, variant_key(v, kernels[v.kind, v.arch]), cache)
-        if not entries[v.name].is_dir():
-            todo.append(v)
-    width = len(str(len(variants)))
-    done = 0
-    for v in variants:
-        if v not in todo:
-            done += 1
-            log(f"[{done:>{width}}/{len(variants)}] {v.name}: cached")
+    found = entries(built, cache)
+    todo = [v for v in built.variants if not found[v.name].is_dir()]
+    total = len(built.variants)
+    width = len(str(total))
+    done = total - len(todo)
+    log(f"fa4_jax: {total} variants, {done} cached, {len(todo)} to compile on {jobs} workers")
     if not todo:
-        return entries
+        return found
     shim = toolchain.build_runtime_shim(str(ROOT / "build" / "aot"))
+    start = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = {pool.submit(_compile_one, v, kernels[v.kind, v.arch], entries[v.name], shim): v
-                   for v in todo}
+        futures = {pool.submit(_compile_one, v, built.kernel_class(v), built.tuning_kwargs(v),
+                               found[v.name], shim): v for v in todo}
         try:
             for fut in concurrent.futures.as_completed(futures):
                 seconds = fut.result()
                 done += 1
-                log(f"[{done:>{width}}/{len(variants)}] {futures[fut].name}: compiled in "
-                    f"{seconds:.1f} s")
+                log(f"[{done:>{width}}/{total}] {futures[fut].name}: compiled in {seconds:.1f} s "
+                    f"({time.monotonic() - start:.0f} s elapsed)")
         except BaseException:
             for f in futures:  # stop queued work; running workers finish on their own
                 f.cancel()
             raise
-    return entries
+    return found
 
 
-def _link_inputs(variants, entries: dict[str, Path]) -> tuple[Path, list[str], list[str]]:
-    """Generates the dispatch source; returns (work dir, sources, objects)."""
-    work = ROOT / "build" / "aot"
+def _link_inputs(built: Menu, found: dict[str, Path], work: Path) -> tuple[list[str], list[str]]:
+    """Generates the dispatch source; returns (sources, objects)."""
     include = work / "include"
     include.mkdir(parents=True, exist_ok=True)
     headers = {}
-    for v in variants:
-        header = entries[v.name] / f"{v.name}.h"
+    for v in built.variants:
+        header = found[v.name] / f"{v.name}.h"
         headers[v.name] = header.read_text()
         shutil.copyfile(header, include / header.name)
     dispatch = work / "dispatch.cc"
-    dispatch.write_text(codegen.dispatch_source(variants, headers))
+    dispatch.write_text(codegen.dispatch_source(built.variants, headers, built.routes))
     sources = sorted(str(p) for p in (ROOT / "ffi").glob("*.cc")) + [str(dispatch)]
-    objects = [str(entries[v.name] / f"{v.name}.o") for v in variants]
-    return work, sources, objects
+    objects = [str(found[v.name] / f"{v.name}.o") for v in built.variants]
+    return sources, objects
 
 
-def link(variants, entries: dict[str, Path], out: Path = LIBRARY, log=print) -> None:
-    work, sources, objects = _link_inputs(variants, entries)
+def link(built: Menu, found: dict[str, Path], out: Path = LIBRARY, log=print) -> None:
+    work = ROOT / "build" / ("aot" if out == LIBRARY else f"aot-{out.stem}")
+    sources, objects = _link_inputs(built, found, work)
+    defines = ["FA4_JAX_TUNING_TARGETS"] if built.tuning_targets else []
     cmd = toolchain.ffi_library_command(str(out), [*sources, *objects],
-                                        [str(ROOT / "ffi"), str(work / "include")])
+                                        [str(ROOT / "ffi"), str(work / "include")], defines)
     # The FFI headers' path is the same for every jax version, their API version is not.
     key = hashlib.sha256(json.dumps([cmd, toolchain.jax_version()]).encode())
     for path in [*sources, *objects]:
         key.update(Path(path).read_bytes())
     stamp = out.with_suffix(".so.key")
     if out.exists() and stamp.exists() and stamp.read_text() == key.hexdigest():
-        log(f"{out.relative_to(ROOT)}: up to date")
+        log(f"{out}: up to date")
         return
     out.parent.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     toolchain.run(cmd)
     stamp.write_text(key.hexdigest())
-    log(f"{out.relative_to(ROOT)}: linked {len(objects)} variants in "
-        f"{time.monotonic() - start:.1f} s")
+    log(f"{out}: linked {len(objects)} variants in {time.monotonic() - start:.1f} s")
 
 
-def write_manifest(variants, out: Path = LIB_DIR / "variants.json") -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps([v.to_json() for v in variants], indent=1) + "\n")
+def manifest(built: Menu) -> dict:
+    """What fa4_jax.routing reads at run time: the variants, the routes, the dQ-copies rule."""
+    return {
+        "version": MANIFEST_VERSION,
+        "variants": [v.to_json() for v in built.variants],
+        "routes": [{"arch": arch, **route.to_json()} for arch, route in built.routes],
+        "dq_copies_max_keys": {arch: {str(d): keys for d, keys in rule.items()}
+                               for arch, rule in built.dq_copies_max_keys.items()},
+    }
 
 
-def build(jobs: int | None = None, arches: list[str] | None = None, only: str | None = None,
-          log=print) -> None:
-    variants = [v for v in menu.MENU if (not arches or v.arch in arches)
-                and (only is None or re.search(only, v.name))]
-    if not variants:
-        raise BuildError(f"the menu has no variant for arch {arches} matching {only!r}")
+def build(built: Menu, out: Path = LIBRARY, jobs: int | None = None, log=print) -> None:
+    if not built.variants:
+        raise BuildError("the menu has no variant to build")
     start = time.monotonic()
-    entries = compile_variants(variants, jobs or os.cpu_count() or 1, log=log)
-    link(variants, entries, log=log)
-    write_manifest(variants)
-    log(f"fa4_jax: built {len(variants)} variants in {time.monotonic() - start:.1f} s")
+    found = compile_variants(built, jobs or os.cpu_count() or 1, log=log)
+    link(built, found, out, log=log)
+    (out.parent / "manifest.json").write_text(json.dumps(manifest(built), indent=1) + "\n")
+    log(f"fa4_jax: built {len(built.variants)} variants into {out} in {time.monotonic() - start:.1f} s")
 
 
-def cubins(variants=menu.MENU) -> dict[str, list[Path]]:
-    """The cached cubins of the menu's compiled variants (for disassembly checks)."""
-    out = {}
-    for v in variants:
-        kernel = aot_compile.KERNELS.get((v.kind, v.arch))
-        if kernel is not None:
-            entry = entry_dir(v, variant_key(v, kernel))
-            out[v.name] = sorted(Path(p) for p in glob.glob(str(entry / "*.cubin")))
-    return out
+def cubins(variants=menu.MENU, built: Menu | None = None) -> dict[str, list[Path]]:
+    """The cached cubins of compiled variants (for disassembly checks)."""
+    built = built or Menu(tuple(variants))
+    return {name: sorted(Path(p) for p in glob.glob(str(entry / "*.cubin")))
+            for name, entry in entries(built).items()}
+
+
+def build_log_path() -> Path:
+    return Path(os.environ.get("FA4_JAX_BUILD_LOG") or ROOT / "build" / "aot" / "build.log")
+
+
+def _logger():
+    """print, and the same lines appended to the build log (which survives pip's silence)."""
+    path = build_log_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    stream = path.open("a")
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+        stream.write(f"{time.strftime('%H:%M:%S')} {line}\n")
+        stream.flush()
+
+    return log
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -225,9 +268,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the variants whose name matches: a quick library for an "
                              "experiment, which then lacks (and its manifest omits) the rest")
     args = parser.parse_args(argv)
+    log = _logger()
     try:
-        build(args.jobs, args.arch, args.only, log=lambda s: print(s, flush=True))
+        build(shipping_menu(args.arch, args.only), jobs=args.jobs, log=log)
     except (BuildError, toolchain.ToolchainError) as e:
+        log(f"fa4_jax BUILD FAILED: {e}")
         print(f"\nfa4_jax BUILD FAILED: {e}", file=sys.stderr, flush=True)
         return 1
     return 0

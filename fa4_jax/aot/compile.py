@@ -11,12 +11,6 @@ import importlib
 import json
 import sys
 
-# Which kernel class implements a (kind, arch). sm_100a is plumbed through but has no kernel yet.
-KERNELS = {
-    ("fwd", "sm_90a"): "fa4_jax.kernels.sm90.fwd:FlashAttentionForwardSm90",
-    ("bwd", "sm_90a"): "fa4_jax.kernels.sm90.bwd:FlashAttentionBackwardSm90",
-}
-
 # Base pointers of XLA buffers are at least 16-byte aligned; TMA needs exactly that.
 _ALIGN = 16
 
@@ -25,10 +19,10 @@ _ALIGN = 16
 # row-major dims. Lower-case dims are dynamic (runtime values the handler derives from the
 # buffers' shapes); "d"/"dv" are the variant's static head dims. ffi codegen reads this too, to
 # fill the exported structs.
-#   sq_pad   = seqlen_q rounded up to BWD_SEQ_PAD (kernels/bwd_workspace.py)
+#   sq_pad   = seqlen_q rounded up to BWD_SEQ_PAD (fa4_jax/bwd_workspace.py)
 #   m_blocks = sq_pad / BWD_SEMAPHORE_ROWS
 #   copies   = dQ accumulators per query block: 1, or 2 for some deterministic calls
-#              (BWD_MAX_DQ_COPIES; variants.dq_copies picks)
+#              (BWD_MAX_DQ_COPIES; routing.dq_copies picks)
 #   b_lengths = b for a ragged batch, 0 for a dense one (mSeqUsedQ / mSeqUsedK below)
 #   b_dlse   = b when the caller differentiates through lse, 0 when not (mdLSE below)
 # Backward workspaces (results of the FFI call, so XLA owns them; the kernels own them, the
@@ -117,14 +111,15 @@ def _dsl_dtype(dtype: str):
     return {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[dtype]
 
 
-def compile_variant(variant, kernel: str, out_dir: str) -> None:
-    """Writes NAME.h, NAME.o and the kernel cubin(s) into out_dir; kernel is "module:Class"."""
+def compile_variant(variant, kernel: str, tuning_kwargs: dict, out_dir: str) -> None:
+    """Writes NAME.h, NAME.o and the kernel cubin(s) into out_dir; kernel is "module:Class",
+    constructed with the variant's problem class and `tuning_kwargs`."""
     import cutlass.cute as cute
 
     module, cls = kernel.split(":")
     kernel_cls = getattr(importlib.import_module(module), cls)
     kernel_obj = kernel_cls(_dsl_dtype(variant.dtype), variant.head_dim, variant.head_dim_v,
-                            variant.mask, variant.softcap, **variant.tuning_kwargs)
+                            variant.mask, variant.softcap, **tuning_kwargs)
     # --keep-cubin writes into CUTE_DSL_DUMP_DIR, read when the DSL is imported: the caller sets it.
     compiled = cute.compile(kernel_obj, *fake_args(variant),
                             options=f"--gpu-arch {variant.arch} --keep-cubin")
@@ -132,10 +127,11 @@ def compile_variant(variant, kernel: str, out_dir: str) -> None:
 
 
 def main(argv: list[str]) -> None:
-    from fa4_jax.aot.variants import Variant
+    from fa4_jax.routing import Variant
 
-    job = json.loads(argv[0])  # {"variant": fields, "kernel": "module:Class", "out_dir": path}
-    compile_variant(Variant(**job["variant"]), job["kernel"], job["out_dir"])
+    # {"variant": fields, "kernel": "module:Class", "tuning_kwargs": {...}, "out_dir": path}
+    job = json.loads(argv[0])
+    compile_variant(Variant(**job["variant"]), job["kernel"], job["tuning_kwargs"], job["out_dir"])
 
 
 if __name__ == "__main__":

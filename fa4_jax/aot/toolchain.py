@@ -87,11 +87,13 @@ def cxx() -> str:
     return compiler
 
 
-def ffi_library_command(out: str, inputs: list[str], include_dirs: list[str]) -> list[str]:
+def ffi_library_command(out: str, inputs: list[str], include_dirs: list[str],
+                        defines: list[str] = ()) -> list[str]:
     """The g++ command that links C++ sources and exported kernel objects into an XLA FFI
     library (fa4_jax's, and scripts/upstream_peer/'s for the benchmark)."""
     cuda_paths = cuda()
     return [cxx(), "-std=c++17", "-O2", "-shared", "-fPIC", "-o", out, *inputs,
+            *(f"-D{d}" for d in defines),
             *(f"-I{d}" for d in include_dirs), f"-I{jax_ffi_include()}", f"-I{cuda_paths.include}",
             dsl_runtime_archive(), f"-L{cuda_paths.lib}", "-lcudart_static",
             # No dependency beyond the driver and libc: static C++ runtime, and keep the static

@@ -4,109 +4,61 @@ mdQaccum [copies, b, h, sq_pad, d] (fp32, filled by the main kernel's adds; the 
 order) -> mdQ [b, sq, h, d]; rows >= seqlen_q are padding and are not written. Rows past the
 batch entry's valid query rows (mSeqUsedQ [b]: a ragged batch's padding; [0] for a dense batch)
 are written as 0.
-With `det_stores_first` a deterministic call's copies were not zeroed, nor with
-`default_stores_first` a default call's: a copy of a query block that no key block wrote (its
-semaphore, mSemaphore [copies, b, h, sq_pad / 64], still 0) holds stale memory and counts as 0.
-With `pdl` it is launched as the main kernel's programmatic dependent: its CTAs take the SMs the
-main kernel's last CTAs leave and wait there (griddepcontrol.wait) for the whole grid's writes.
+A deterministic call's copies were not zeroed, nor with `default_stores_first` a default call's:
+a copy of a query block that no key block wrote (its semaphore, mSemaphore
+[copies, b, h, sq_pad / 64], still 0) holds stale memory and counts as 0. Launched as the main
+kernel's programmatic dependent: its CTAs take the SMs the main kernel's last CTAs leave and wait
+there (griddepcontrol.wait) for the whole grid's writes.
 
-In tile order (row-major rows) each thread converts `chunk` contiguous elements per step (32-byte
-loads, 16-byte stores). In fragment order (the Hopper backward's dq_fragment_order) each query
-block of `fragment_tile_m` rows holds the main kernel's dQ accumulators as
-layouts.fragment_order_view lays them out; one CTA per block, running the main kernel's dQ tiled
-MMA, reads each thread's accumulator back with 16-byte loads, converts it, puts it back in the
-tile's order through shared memory and stores rows as in tile order.
+Each query block of `tile_m` rows holds the main kernel's dQ accumulators in fragment order
+(layouts.fragment_order_view); one CTA per block, running the main kernel's dQ tiled MMA, reads
+each thread's accumulator back with 16-byte loads, converts it, puts it back in the tile's order
+through shared memory and stores rows of `chunk` elements (16-byte stores).
 """
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from fa4_jax.kernels.bwd_workspace import BWD_SEMAPHORE_ROWS
+from fa4_jax.bwd_workspace import BWD_SEMAPHORE_ROWS
 from fa4_jax.kernels.common.layouts import FRAGMENT_GROUP_THREADS, fragment_order_view
 from fa4_jax.kernels.common.ragged import entry_length
 
 
 class BackwardPostprocess:
-    threads = 128
-    rows_per_block = 64
     chunk = 8
 
-    def __init__(self, dtype, head_dim: int, fragment_tile_m: int | None = None,
-                 det_stores_first: bool = False, default_stores_first: bool = False,
-                 pdl: bool = False):
+    def __init__(self, dtype, head_dim: int, tile_m: int, default_stores_first: bool = False):
         assert head_dim % self.chunk == 0, "whole chunks per row"
-        assert not (det_stores_first or default_stores_first) or fragment_tile_m is not None, \
-            "only fragment order stores first"
         self.dtype = dtype
         self.head_dim = head_dim
-        self.fragment_tile_m = fragment_tile_m
-        self.det_stores_first = det_stores_first
+        self.tile_m = tile_m
         self.default_stores_first = default_stores_first
-        self.pdl = pdl
         self.chunks_per_row = head_dim // self.chunk
-        assert self.rows_per_block * self.chunks_per_row % self.threads == 0, "whole steps per block"
-        self.steps = self.rows_per_block * self.chunks_per_row // self.threads
 
     @cute.jit
     def __call__(self, mdQaccum, mdQ, mSeqUsedQ, mSemaphore, softmax_scale: Float32, deterministic,
-                 stream, tiled_mma_dq=None):
-        """tiled_mma_dq: the main kernel's dQ MMA, which defines fragment order (else unused)."""
+                 stream, tiled_mma_dq):
+        """tiled_mma_dq: the main kernel's dQ MMA, which defines fragment order."""
         sq_pad, heads, batch = mdQaccum.shape[3], mdQaccum.shape[2], mdQaccum.shape[1]
-        if cutlass.const_expr(self.fragment_tile_m is not None):
-            self.kernel_fragment_order(mdQaccum, mdQ, mSeqUsedQ, mSemaphore, softmax_scale,
-                                       deterministic, tiled_mma_dq).launch(
-                grid=(sq_pad // self.fragment_tile_m, heads, batch),
-                block=[cute.size(tiled_mma_dq), 1, 1],
-                smem=cute.size_in_bytes(self.dtype, self._fragment_tile_layout()) + 16,
-                stream=stream,
-                use_pdl=self.pdl,
-            )
-            return
-        self.kernel(mdQaccum, mdQ, mSeqUsedQ, softmax_scale).launch(
-            grid=(cute.ceil_div(sq_pad, self.rows_per_block), heads, batch),
-            block=[self.threads, 1, 1],
+        self.kernel_fragment_order(mdQaccum, mdQ, mSeqUsedQ, mSemaphore, softmax_scale, deterministic,
+                                   tiled_mma_dq).launch(
+            grid=(sq_pad // self.tile_m, heads, batch),
+            block=[cute.size(tiled_mma_dq), 1, 1],
+            smem=cute.size_in_bytes(self.dtype, self._tile_layout()) + 16,
             stream=stream,
-            use_pdl=self.pdl,
+            use_pdl=True,
         )
-
-    @cute.jit
-    def _block_start(self, mdQ, mSeqUsedQ):
-        """Once the main kernel's adds are visible (PDL): (thread, block index (rows, head,
-        batch), seqlen_q, the batch entry's valid query rows)."""
-        if cutlass.const_expr(self.pdl):
-            cute.arch.griddepcontrol_wait()
-        tidx, _, _ = cute.arch.thread_idx()
-        row_block, head, batch = cute.arch.block_idx()
-        seqlen_q = mdQ.shape[1]
-        return tidx, row_block, head, batch, seqlen_q, entry_length(mSeqUsedQ, batch, seqlen_q)
-
-    @cute.kernel
-    def kernel(self, mdQaccum, mdQ, mSeqUsedQ, softmax_scale: Float32):
-        tidx, row_block, head, batch, seqlen_q, seq_used_q = self._block_start(mdQ, mSeqUsedQ)
-        out = mdQ[batch, None, head, None]
-        for step in cutlass.range_constexpr(self.steps):
-            index = step * self.threads + tidx
-            row = row_block * self.rows_per_block + index // self.chunks_per_row
-            col_chunk = index % self.chunks_per_row
-            self._store_chunk(out, row, col_chunk, seqlen_q, seq_used_q, lambda: (
-                self._summed_chunk(mdQaccum, batch, head, row, col_chunk) * softmax_scale
-            ).to(self.dtype))
-
-    @cute.jit
-    def _summed_chunk(self, mdQaccum, batch, head, row, col_chunk):
-        """The sum over the copies of mdQaccum[:, batch, head, row, chunk col_chunk], in order."""
-        total = cute.make_rmem_tensor((1, self.chunk), Float32)
-        total.fill(0.0)
-        for copy in cutlass.range(mdQaccum.shape[0], unroll=1):
-            total.store(total.load() + cute.local_tile(
-                mdQaccum[copy, batch, head, None, None], (1, self.chunk), (row, col_chunk)).load())
-        return total.load()
 
     @cute.kernel
     def kernel_fragment_order(self, mdQaccum, mdQ, mSeqUsedQ, mSemaphore, softmax_scale: Float32,
                               deterministic, tiled_mma_dq: cute.TiledMma):
-        tidx, m_block, head, batch, seqlen_q, seq_used_q = self._block_start(mdQ, mSeqUsedQ)
-        tile = (self.fragment_tile_m, self.head_dim)
+        # Once the main kernel's adds are visible.
+        cute.arch.griddepcontrol_wait()
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        seqlen_q = mdQ.shape[1]
+        seq_used_q = entry_length(mSeqUsedQ, batch, seqlen_q)
+        tile = (self.tile_m, self.head_dim)
         thr_mma = tiled_mma_dq.get_slice(tidx)
         acc = thr_mma.make_fragment_C(thr_mma.partition_shape_C(tile))
         acc.fill(0.0)
@@ -114,14 +66,12 @@ class BackwardPostprocess:
         groups = cute.size(tiled_mma_dq) // FRAGMENT_GROUP_THREADS
         for copy in cutlass.range(mdQaccum.shape[0], unroll=1):
             written = cutlass.Boolean(True)
-            if cutlass.const_expr(self.det_stores_first or self.default_stores_first):
-                turns = mSemaphore[copy, batch, head, m_block * (self.fragment_tile_m // BWD_SEMAPHORE_ROWS)]
-                if cutlass.const_expr(self.det_stores_first):
-                    if deterministic != 0:
-                        written = turns > 0
-                if cutlass.const_expr(self.default_stores_first):
-                    if deterministic == 0:
-                        written = turns > 0
+            turns = mSemaphore[copy, batch, head, m_block * (self.tile_m // BWD_SEMAPHORE_ROWS)]
+            if deterministic != 0:
+                written = turns > 0
+            if cutlass.const_expr(self.default_stores_first):
+                if deterministic == 0:
+                    written = turns > 0
             if written:
                 slab = cute.local_tile(mdQaccum[copy, batch, head, None, None], tile, (m_block, 0)).iterator
                 cute.autovec_copy(fragment_order_view(slab, acc.shape, tidx, groups), part)
@@ -132,15 +82,15 @@ class BackwardPostprocess:
         # (a thread's registers are column pairs of rows 8 apart: stored directly, each warp
         # store would touch 8 rows with 16 bytes each).
         sTile = cutlass.utils.SmemAllocator().allocate_tensor(
-            self.dtype, self._fragment_tile_layout(), byte_alignment=16)
+            self.dtype, self._tile_layout(), byte_alignment=16)
         cute.autovec_copy(values, thr_mma.partition_C(sTile))
         cute.arch.barrier()
         out = mdQ[batch, None, head, None]
-        for step in cutlass.range_constexpr(self.fragment_tile_m * self.chunks_per_row // cute.size(tiled_mma_dq)):
+        for step in cutlass.range_constexpr(self.tile_m * self.chunks_per_row // cute.size(tiled_mma_dq)):
             index = step * cute.size(tiled_mma_dq) + tidx
             row_in_tile = index // self.chunks_per_row
             col_chunk = index % self.chunks_per_row
-            self._store_chunk(out, m_block * self.fragment_tile_m + row_in_tile, col_chunk, seqlen_q,
+            self._store_chunk(out, m_block * self.tile_m + row_in_tile, col_chunk, seqlen_q,
                               seq_used_q, lambda: cute.local_tile(sTile, (1, self.chunk), (row_in_tile, col_chunk)).load())
 
     @cute.jit
@@ -154,7 +104,7 @@ class BackwardPostprocess:
                 result.store(values())
             cute.local_tile(out, (1, self.chunk), (row, col_chunk)).store(result.load())
 
-    def _fragment_tile_layout(self):
+    def _tile_layout(self):
         """The staged tile, rows padded by 16 bytes: a warp's 2-element stores (8 rows, 4 column
         pairs each) then fall in 32 different banks."""
-        return cute.make_layout((self.fragment_tile_m, self.head_dim), stride=(self.head_dim + 8, 1))
+        return cute.make_layout((self.tile_m, self.head_dim), stride=(self.head_dim + 8, 1))

@@ -8,27 +8,24 @@ For every padded query row r < sq_pad of every (batch, head):
                       there instead of NaN.
 Rows past the batch entry's valid query rows (mSeqUsedQ [b], clamped to sq: a ragged batch's
 padding; [0] for a dense batch) are padded rows too.
-It also zeroes its rows of every copy of the dQ accumulator (mdQaccum [copies, b, h, sq_pad, d]),
-which the main kernel then adds into, unless the main kernel's first add into each copy of a
-query block stores instead: in deterministic mode its turn 0 (`det_stores_first`), in the
-default mode the add that claims the store (`default_stores_first`). Then it zeroes the
-semaphores (mSemaphore [copies, b, h, sq_pad / 64]) that order or claim those adds, and nothing
-zeroes mdQaccum. So the FFI handler launches nothing before it. Every CTA lets the main kernel
-launch once it has started (`griddepcontrol.launch_dependents`: programmatic dependent launch,
-`pdl` in bwd.py).
+The main kernel's first add into each copy of a query block's dQ accumulator (mdQaccum
+[copies, b, h, sq_pad, d]) stores instead of adding: in deterministic mode its turn 0, in the
+default mode, where `default_stores_first`, the add that claims the store. So the preprocess
+zeroes the semaphores (mSemaphore [copies, b, h, sq_pad / 64]) that order or claim those adds,
+and zeroes its rows of every copy of mdQaccum only in the default mode without
+`default_stores_first`. The FFI handler launches nothing before it. Every CTA lets the main
+kernel launch once it has started (`griddepcontrol.launch_dependents`: programmatic dependent
+launch).
 `lanes_per_row` adjacent lanes share a row, each reducing a contiguous chunk of dv elements, so
 the loads are wide and a warp covers several rows.
 """
-import math
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from fa4_jax.kernels.bwd_workspace import BWD_SEMAPHORE_ROWS
+from fa4_jax.bwd_workspace import BWD_SEMAPHORE_ROWS
+from fa4_jax.kernels.common.exp2 import LOG2_E
 from fa4_jax.kernels.common.ragged import entry_length
-
-LOG2_E = math.log2(math.e)
 
 
 class BackwardPreprocess:
@@ -36,8 +33,7 @@ class BackwardPreprocess:
     # Elements per 16-byte vector of the 2-byte io dtype: each lane's chunk is whole vectors.
     vector = 8
 
-    def __init__(self, dtype, head_dim: int, head_dim_v: int, det_stores_first: bool,
-                 default_stores_first: bool):
+    def __init__(self, dtype, head_dim: int, head_dim_v: int, default_stores_first: bool):
         # Up to 8 lanes per row, as many as split the row into whole vectors (dv = 96: 4 lanes of 24).
         self.lanes_per_row = next(n for n in (8, 4, 2, 1) if head_dim_v % (self.vector * n) == 0)
         self.dtype = dtype
@@ -45,7 +41,6 @@ class BackwardPreprocess:
         self.chunk = head_dim_v // self.lanes_per_row
         self.rows_per_block = self.threads // self.lanes_per_row
         self.head_dim = head_dim
-        self.det_stores_first = det_stores_first
         self.default_stores_first = default_stores_first
         # The accumulator's rows of a block are contiguous: each thread zeroes 4 fp32 per step.
         assert self.rows_per_block * head_dim % (self.threads * 4) == 0, "whole zeroing steps"
@@ -75,8 +70,6 @@ class BackwardPreprocess:
         # deterministic, its claim otherwise) its semaphores must start at 0 and mdQaccum need not.
         if deterministic != 0:
             self._zero_turns(mSemaphore, row_block, head, batch, tidx)
-            if cutlass.const_expr(not self.det_stores_first):
-                self._zero_dq_rows(mdQaccum, row_block, head, batch, tidx)
         else:
             if cutlass.const_expr(self.default_stores_first):
                 self._zero_turns(mSemaphore, row_block, head, batch, tidx)

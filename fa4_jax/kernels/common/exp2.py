@@ -17,12 +17,15 @@ cvt.rzi: FRND, F2I) issue to the same 16-per-clock unit as MUFU.EX2, so the firs
 this polynomial, which used two of them, took more of that unit than the ex2 it replaced (a 25%
 share lost 16% at d128, docs/perf-log.md). Here every instruction is an FMA-pipe or integer op.
 """
+import math
 import struct
 
 from cutlass import Float32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T
 
+# Natural-log scores times this are in the exp2 domain.
+LOG2_E = math.log2(math.e)
 # (c1, c2, c3), the kernel uses their float32 roundings.
 POLY_COEFFS = (0.6951165357771781, 0.227646107777347, 0.07706601932206254)
 EXP2_MIN_EXPONENT = -127.0

@@ -6,6 +6,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from fa4_jax.kernels.common.block_info import MaskBounds
+
 
 @dataclasses.dataclass(frozen=True)
 class AttentionMask:
@@ -24,6 +26,7 @@ class AttentionMask:
     tile_n: int
     causal: bool
     local: bool
+    bounds: MaskBounds
 
     @cute.jit
     def apply(
@@ -36,10 +39,9 @@ class AttentionMask:
         n_block: Int32,
         seqlen_q: Int32,
         seqlen_k: Int32,
-        window_left: Int32,
-        window_right: Int32,
     ):
-        offset = seqlen_k - seqlen_q
+        window_left, window_right = self.bounds.window_left, self.bounds.window_right
+        offset = self.bounds.offset(seqlen_q, seqlen_k)
         for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
             row = m_block * self.tile_m + thread_row + coords0[r, 0][0]
             # Visible columns of this row as [col_lo, col_hi), relative to the thread's first column.
@@ -91,8 +93,6 @@ class AttentionMask:
         n_block: Int32,
         seqlen_q: Int32,
         seqlen_k: Int32,
-        window_left: Int32,
-        window_right: Int32,
         fill: cutlass.Constexpr[float] = -math.inf,
     ):
         """The causal/window rules on a transposed tile Sᵀ: rows are keys, columns are queries.
@@ -101,7 +101,8 @@ class AttentionMask:
         Same register-coordinate scheme as `apply`. The sequence tails are not masked here: padded
         query rows have lse = +inf (P = 0), and keys past seqlen_k go through `apply_key_tail`.
         """
-        offset = seqlen_k - seqlen_q
+        window_left, window_right = self.bounds.window_left, self.bounds.window_right
+        offset = self.bounds.offset(seqlen_q, seqlen_k)
         for r in cutlass.range_constexpr(cute.size(scores_t, mode=[0])):
             key = n_block * self.tile_n + thread_row + coords0[r, 0][0]
             # Queries that see this key, as [col_lo, col_hi) relative to the thread's first column.

@@ -4,21 +4,19 @@ A tile is (m_block, head, batch): `tile_m` query rows of one head of one sequenc
 
 - "linear": one CTA per tile, grid (m_blocks, heads, batch), the tile read off blockIdx. The
   hardware hands out CTAs in blockIdx order, so tiles start in m-block order.
-- "lpt_single": one CTA per tile, grid (tiles, 1, 1), blockIdx.x decoded into the LPT order
-  below. Still one tile per CTA, so the hardware's dispatch balances the load dynamically; the
-  order only decides which tiles go first. (FlashAttention-4's Hopper/Blackwell causal path.)
-- "lpt_grid": the same order and one CTA per tile, but the grid is the order's own shape,
+- "lpt_grid": one CTA per tile in the LPT order below, the grid in the order's own shape,
   (section heads, m-blocks, sections): the hardware hands out CTAs x fastest, then y, then z,
-  so blockIdx is the decoded position and a tile starts after one division (batch and head of
-  a (batch, head) pair) instead of `decode`'s five, which sit before the tile's first TMA load.
-  A last, partial section leaves some CTAs of its x range without a tile; they exit at once.
+  so blockIdx is the position in the order and a tile starts after one division (batch and
+  head of a (batch, head) pair). One tile per CTA, so the hardware's dispatch balances the
+  load dynamically; the order only decides which tiles go first. A last, partial section
+  leaves some CTAs of its x range without a tile; they exit at once.
 - "lpt": persistent. Grid = min(tiles, num_sms); CTA c computes tiles c, c + grid, c + 2·grid, ...
   of the LPT order, so its pipelines, barriers and register setup carry from tile to tile.
   The SM count is static (132, the H200's and H100 SXM's): an ahead-of-time kernel cannot query
   the device, and the FFI signature has no slot for it. On a GPU with fewer SMs it is still
   correct, only with a short second wave of CTAs.
 
-The LPT order (shared by "lpt" and "lpt_single"): (batch, head) pairs are cut into L2 sections of
+The LPT order (shared by "lpt" and "lpt_grid"): (batch, head) pairs are cut into L2 sections of
 as many heads as keep their K and V (seqlen_k · (d + dv) bytes per KV head) within `l2_bytes`.
 Within a section the tiles go m-block by m-block, all of the section's heads at each m-block, so
 the CTAs that run at the same time read the same few K/V heads and each is fetched from HBM about
@@ -35,7 +33,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-SCHEDULERS = ("linear", "lpt", "lpt_single", "lpt_grid")
+SCHEDULERS = ("linear", "lpt", "lpt_grid")
 
 # sm_90a SMs of an H100 SXM / H200; the persistent grid. See the module docstring.
 SM90_NUM_SMS = 132
@@ -79,10 +77,7 @@ class TileScheduler:
             pairs = num_heads * batch
             section_heads = cutlass.min(self.section_heads(seqlen_k, num_heads, num_heads_kv), pairs)
             return (section_heads, num_m, (pairs + section_heads - 1) // section_heads)
-        num_tiles = num_m * num_heads * batch
-        if cutlass.const_expr(self.persistent):
-            return (cutlass.min(num_tiles, self.num_sms), 1, 1)
-        return (num_tiles, 1, 1)
+        return (cutlass.min(num_m * num_heads * batch, self.num_sms), 1, 1)
 
     @cute.jit
     def tile_count(self, seqlen_q: Int32, num_heads: Int32, batch: Int32) -> Int32:
@@ -110,12 +105,9 @@ class TileScheduler:
         if cutlass.const_expr(self.kind == "lpt_grid"):
             section_heads, num_m, _ = cute.arch.grid_dim()
             m_block, head, batch_idx = self.grid_tile((bx, by, bz), section_heads, num_m, num_heads)
-        elif cutlass.const_expr(self.kind != "linear"):
-            tile_idx = bx
-            if cutlass.const_expr(self.persistent):
-                stride, _, _ = cute.arch.grid_dim()
-                tile_idx = bx + i * stride
-            m_block, head, batch_idx = self.decode(tile_idx, seqlen_q, seqlen_k, num_heads,
+        elif cutlass.const_expr(self.persistent):
+            stride, _, _ = cute.arch.grid_dim()
+            m_block, head, batch_idx = self.decode(bx + i * stride, seqlen_q, seqlen_k, num_heads,
                                                    num_heads_kv, batch)
         return m_block, head, batch_idx
 

@@ -1,10 +1,12 @@
 """FlashAttention backward for Hopper (sm_90a): TMA loads, WGMMA, Sᵀ/dPᵀ in registers.
 
-One `__call__` launches three kernels on the stream, in order:
+One `__call__` launches three kernels on the stream, in order, each the programmatic dependent
+(PDL) of the one before: its CTAs take SMs as the previous grid's last CTAs leave and run their
+prologue before `griddepcontrol.wait`, so the launch gaps close.
 
 1. `BackwardPreprocess` (kernels/bwd_pre.py): D = rowsum(dO ∘ O) − dLSE → mdPsum, and
    lse·log2(e) → mLSElog2 (+inf for padded rows and rows with no visible key, so their P is 0);
-   mdQaccum zeroed, but for deterministic calls whose adds store first.
+   the semaphores zeroed, and mdQaccum zeroed unless the first add into it stores.
 2. The main kernel below: dK and dV of one key block, and dS·K added into mdQaccum.
 3. `BackwardPostprocess` (kernels/bwd_post.py): dQ = softmax_scale · (the sum of mdQaccum's
    copies) → mdQ.
@@ -12,12 +14,14 @@ One `__call__` launches three kernels on the stream, in order:
 Main kernel: one CTA per (key block of tile_n keys, kv head, batch); it walks the q heads of its
 GQA group and, for each, the query blocks of tile_m rows that see its keys (BlockInfo.m_block_range),
 keeping dK and dV in registers for a single store at the end (no atomics on dK/dV, and GQA sums over
-the group inside the CTA). Warp-role table:
+the group inside the CTA). The warp roles are `ROLES`:
 
-- warp group 0 (`producer_warp_group`): its first warp issues TMA for K and V once, then for each
-  query block Q with its LSElog2 row slice and dO with its D slice through a `stages`-deep ring of
-  mbarrier-guarded buffers (`pipeline_q`, `pipeline_do`, one slot index for both).
-- warp groups 1..2 (`mma_warp_groups`), per query block:
+- the producer warp group's first warp issues TMA for K and V once, then for each query block
+  Q with its LSElog2 row slice and dO with its D slice through a `stages`-deep ring of
+  mbarrier-guarded buffers (`pipeline_q`, `pipeline_do`, one slot index for both). Its next
+  `dq_writers` warps take the dQ adds in turn: each reduces a query block's sdQ into mdQaccum
+  with one plain bulk reduce per MMA warp group's chunk (cp.reduce.async.bulk .add.f32).
+- the MMA warp groups, per query block:
     Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (WGMMA from shared memory; transposed so that keys are the M
     mode; with `scores_ahead` Sᵀ is issued while the previous block's dQ is handed over);
     Pᵀ = exp2(Sᵀ·scale_log2 − LSElog2) while the dPᵀ GEMM runs (causal / window mask first,
@@ -25,16 +29,14 @@ the group inside the CTA). Warp-role table:
     dV += Pᵀ·dO issued, then dSᵀ = Pᵀ∘(dPᵀ − D) while it runs (`dv_during_ds`; else dV after
     dSᵀ); dK += dSᵀ·Q;
     dSᵀ to shared memory (stmatrix), a named barrier, then dQ_partial = dS·K (WGMMA, dS read as
-    an M-major view of dSᵀ); dQ_partial added into mdQaccum: with `dq_tma_reduce` (every head
-    dim of the menu) through a shared fp32 tile and bulk reduce-adds issued by dQ-writer warps of
-    warp group 0 (with `dq_fragment_order`, every head dim's default, the tile holds each
-    thread's registers in their own order, one chunk per warp group, and so does mdQaccum until
-    the postprocess), otherwise by per-thread `red.global.add.v2.f32`. In deterministic mode the
-    adds into a (batch, head, query block) go in a fixed key-block order (decreasing under a
-    causal/local mask: `det_descending`), each waiting on mSemaphore for its turn; in fragment
-    order the turns alternate between mdQaccum's copies when the call gives it two
-    (`_dq_copy`), and each copy's first turn stores rather than adds, so that nothing zeroes the
-    workspace first (`_det_stores_first`).
+    an M-major view of dSᵀ); dQ_partial goes to the shared fp32 tile sdQ in the threads' own
+    register order (layouts.fragment_order_view: 128-bit stores free of bank conflicts), one
+    chunk per warp group, and mdQaccum keeps that order until the postprocess. In
+    deterministic mode the adds into a (batch, head, query block) go in a fixed key-block order
+    (decreasing under a causal/local mask, the grid launching the highest key block first), each
+    waiting on mSemaphore for its turn; the turns alternate between mdQaccum's copies when the
+    call gives it two (`_dq_copy`), and each copy's first turn stores rather than adds, so that
+    nothing zeroes the workspace first.
     With softcap, Sᵀ and dPᵀ are both awaited and one pass computes t = tanh(Sᵀ·scale/softcap),
     Pᵀ and dSᵀ = Pᵀ∘(dPᵀ − D)∘(1 − t²); the mask then zeroes Pᵀ and dSᵀ (masking the scores
     to −inf first would leave no t for the derivative).
@@ -55,13 +57,14 @@ block masks them (AttentionMask.apply_key_tail). Their dK/dV rows are never stor
 
 Ragged batches (mSeqUsedQ, mSeqUsedK: each entry's valid query rows and keys; empty for a dense
 batch, whose lengths are the buffers', common/ragged.py): seqlen_q and seqlen_k above are the
-entry's, clamped to the buffers, and the padding past them is zero (ffi.backward zeroes Q, K, V
+entry's, clamped to the buffers, and the padding past them is zero (the caller zeroes Q, K, V
 and dO there): padded rows get LSElog2 = +inf and D = 0 from the preprocess, so P = dS = 0 and
 their dQ rows stay 0 (the postprocess writes 0 there anyway); padded keys are loaded (a TMA box
 cannot stop at a per-entry length) and masked like the tail above, so their dK/dV rows are exact
 zeros; key blocks wholly past the length visit no query block and store zeros.
 """
 import dataclasses
+import enum
 import functools
 import math
 
@@ -76,14 +79,13 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from fa4_jax.kernels.bwd_post import BackwardPostprocess
 from fa4_jax.kernels.bwd_pre import BackwardPreprocess
-from fa4_jax.kernels.bwd_workspace import BWD_SEMAPHORE_ROWS
-from fa4_jax.kernels.common.block_info import BlockInfo
-from fa4_jax.kernels.common.exp2 import exp2_poly, uses_poly
-from fa4_jax.kernels.common.layouts import (
-    acc_as_operand_a, acc_rows_cols, fragment_order_view, opaque_int32,
-)
+from fa4_jax.bwd_workspace import BWD_SEMAPHORE_ROWS
+from fa4_jax.kernels.common.block_info import BlockInfo, MaskBounds
+from fa4_jax.kernels.common.exp2 import LOG2_E, exp2_poly, uses_poly
+from fa4_jax.kernels.common.layouts import acc_as_operand_a, acc_rows_cols, fragment_order_view
 from fa4_jax.kernels.common.mask import AttentionMask
 from fa4_jax.kernels.common.ragged import entry_length
+from fa4_jax.kernels.sm90 import hardware
 from fa4_jax.kernels.sm90.operands import (
     permute_modes, smem_layout, swizzled_tensor, tma_pipeline, wgmma_gemm,
 )
@@ -91,201 +93,93 @@ from fa4_jax.kernels.sm90.operands import (
 
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
-    """One head dim's static backward kernel shape."""
+    """One head dim's static backward kernel shape. The defaults are the shipped values that
+    most head dims share; TILE_CONFIGS says where and why an entry differs."""
 
-    tile_m: int  # query rows per step of the inner loop
-    tile_n: int  # keys per CTA
-    stages: int  # depth of the Q / dO rings
-    dkv_from_registers: bool  # Pᵀ, dSᵀ feed the dV/dK WGMMAs from registers (else from smem)
-    pds_stages: int  # dSᵀ (and Pᵀ) shared-memory buffers; 2 saves a barrier per query block
-    # Deterministic causal/local only: key blocks add into a query block's dQ in *decreasing*
-    # order (turn = n_block_hi(m) − 1 − n_block), and CTA x of the grid takes key block
-    # N − 1 − x so that launch order matches add order. A CTA's first query block (its diagonal)
-    # then has it as the first contributor, instead of waiting for every lower key block to walk
-    # down to it (a wavefront of ~n_block steps). False: increasing order (backward v1); measured
-    # at d128 16k causal, deterministic: 371 TF/s descending vs 251 increasing.
-    det_descending: bool = True
-    # dQ_partial goes registers -> a shared fp32 tile -> one TMA reduce-add
-    # (cp.reduce.async.bulk.tensor .add.f32) issued by a dQ-writer warp of the producer warp group
-    # (FlashAttention-3's scheme), instead of per-thread red.global.add.v2.f32 from the MMA warp
-    # groups; in deterministic mode that warp, not the MMA warps, waits for the turn. Needs
-    # tile_m·d·4 bytes more shared memory (d128: 32 KB; d256: 64 KB, which fits only with
-    # single-buffered Q/dO and dSᵀ/Pᵀ), and a multiple of 8 dQ columns per warp group.
-    # Measured at d128 4k/16k: 521/555 TF/s fwd+bwd vs 443/468 with red.global (backward v1);
-    # d96 +8-12%, d192/dv128 +32-34% (session 8).
-    dq_tma_reduce: bool = False
+    tile_m: int = 64  # query rows per step of the inner loop
+    tile_n: int = 128  # keys per CTA
+    stages: int = 2  # depth of the Q / dO rings
+    # Pᵀ, dSᵀ feed the dV/dK WGMMAs from registers (else from shared memory).
+    dkv_from_registers: bool = True
+    pds_stages: int = 2  # dSᵀ (and Pᵀ) shared-memory buffers; 2 saves a barrier per query block
     # dkv_from_registers: dV's WGMMA is issued as soon as Pᵀ is in registers, so that it runs
-    # while dSᵀ is computed. It then holds Pᵀ's registers and dV's accumulator through that
-    # pass; at 128 query rows (Sᵀ and dPᵀ 64 fp32 each, dK and dV 32 each, Pᵀ and dSᵀ 32 each)
-    # that is more than 240 registers and ptxas serializes every WGMMA of the kernel (C7512),
-    # so there dV is issued after dSᵀ, beside dK. At d128 issuing it after dSᵀ (FA4 upstream's
-    # order) measured +0.3-1.6% (session 13; `dv_during_ds` is the ablation).
-    dv_during_ds: bool = True
-    # With dv_during_ds off: dV's WGMMA issued once dSᵀ is in shared memory (before the fence
-    # and the warp groups' barrier), FA4 upstream's place, instead of as soon as dSᵀ is in
-    # registers. With do_release_early, the ablation `upstream_tail`: even, −1.8 to +1.6% at
-    # d128 1k-16k over two processes (session 17).
-    dv_after_ds_store: bool = False
-    # Deterministic dq_tma_reduce: the dQ writer hands sdQ back to the MMA warp groups once its
-    # TMA has read it, so they fill it with the next block's dQ while the add lands; False: once
-    # the add is complete and the turn passed on (backward v2), so that a CTA's step cannot be
-    # shorter than the add's round trip to L2. (Without determinism sdQ is always freed on read.)
-    # Measured (docs/perf-log.md, "when the writer hands sdQ back"): +4-6% at d256, even at d64,
-    # 4-7% slower at d128 with one writer; with two (which need it) d128 gains 4-9% over that.
-    det_free_sdq_on_read: bool = True
-    # Ablation only: False keeps the deterministic mode's per-add costs (the add waited on to
-    # completion, the semaphore released) but not the wait for the turn, so adds land in any
-    # order and results are not reproducible. Against the default mode and the ordered one it
-    # splits the deterministic cost into those per-add costs and the waits for the order.
-    det_ordered: bool = True
-    # Deterministic dq_tma_reduce: warps of the producer group that take the dQ adds in turn,
-    # each waiting for its own adds to complete before passing their turns on, so that one
-    # add's round trip to L2 overlaps the next add instead of holding up the only writer
-    # (det_unordered measured that wait as most of the deterministic cost at d192 and half of
-    # it at d256 under a mask). Each walks every block; token barriers in a ring keep one
-    # writer at a time on the hand-over barriers. Needs sdQ freed on read. Three (warp 3 too)
-    # is the ablation `dq_writers3`. Measured
-    # (docs/perf-log.md, "two dQ writers"), deterministic, 1k/4k/16k: d192 +10/13/18%, d256
-    # +6/8/18% (causal +9/12/21%), d96 +10/8/9%; the default mode unchanged. d64 and d128 took
-    # it with fragment order (d64 deterministic +0-4% over one writer: docs/perf-log.md "dQ in
-    # fragment order", run 1).
-    dq_writers: int = 1
+    # while dSᵀ is computed; False: after dSᵀ, beside dK (FA4 upstream's order). Issued early,
+    # it holds Pᵀ's registers and dV's accumulator through that pass, which at 128 query rows
+    # is more than 240 registers: ptxas then serializes every WGMMA of the kernel (C7512).
+    dv_during_ds: bool = False
+    # Warps of the producer group that take the dQ adds in turn, each waiting for its own adds
+    # to complete before passing their turns on, so that one add's round trip to L2 overlaps the
+    # next add instead of holding up the only writer (docs/perf-log.md, "Two dQ writers"). Token
+    # barriers in a ring keep one writer at a time on the hand-over barriers.
+    dq_writers: int = 2
     # The next query block's Sᵀ GEMM is issued as soon as this block's GEMMs have retired, so
-    # that it runs while this block's dQ goes to sdQ (or to global memory) and the threads meet
-    # at its barriers; False: after that hand-over, where the exponentials wait for it. Needs a
-    # second Q/dO stage (the next block's Q is loaded while this block's is still read). dPᵀ
-    # stays at the top of the block: issued ahead too, it would be one more tile_m / 2 fp32
-    # registers held beside dQ's, dK's and dV's. Measured (docs/perf-log.md, "Sᵀ issued
-    # ahead"): +3-6% at d96 and d192 without a mask, whose dQ goes out by per-thread atomics
-    # from the MMA warps; even at d128 (a short hand-over to the writer warp) and 4-7% slower
-    # there deterministically; at d64's 128 rows ptxas serializes the WGMMAs (C7512). d96 took
-    # dq_during_dk instead in session 13 (3-6% faster than this, `d96_v11_order`).
+    # that it runs while this block's dQ goes to sdQ and the threads meet at its barriers;
+    # False: after that hand-over. Needs a second Q/dO stage. dPᵀ stays at the top of the block:
+    # issued ahead too, it would be one more tile_m / 2 fp32 registers held beside dQ's, dK's
+    # and dV's.
     scores_ahead: bool = False
     # Columns of a thread's Sᵀ/dPᵀ fragment whose LSE and D values are read from shared memory
     # before the GEMM waits instead of at their use (ptxas leaves a load that follows a wait
-    # after it, and at d128 the exponentials' first FFMAs waited on it: ~10% of the kernel's
-    # stall samples, short scoreboard). 16 is all of a 64-row tile; all 32 of d64's 128 rows
-    # spill. Measured (docs/perf-log.md, "where a d128 step stalls"): d256 +1-2.5%; d64 even by
-    # default and 1-4% slower deterministically, so it reads them at their use (0). At d128 it
-    # was +0-4% by default and 7-11% slower deterministically in session 8's GEMM order, −1 to
-    # +1% in session 11's, and +0.3-2% in both modes in session 13's (the default since).
+    # after it, and the exponentials' first FFMAs then wait on it). 16 is all of a 64-row tile;
+    # all 32 of d64's 128 rows spill.
     row_stats_ahead: int = 16
     # The LSE values read ahead are read right after Q's slot is ready, before the Sᵀ GEMM is
-    # issued (FA4 upstream's place), instead of after the dPᵀ GEMM's issue. There ptxas left
-    # the loads under the other warp group's GEMMs' shared-memory reads, and the
-    # exponentials' first FFMAs still waited on them: Nsight Compute, d128 causal s4k (session
-    # 16), 10% of the stall samples on four of those FFMAs against 1% on upstream's, whose
-    # kernel took 1.90 M cycles against our 2.07 M. With the loads moved those stalls went,
-    # but the warps then waited for the dPᵀ GEMM instead: 2.04 M cycles, forward+backward
-    # +0.5% over two runs (−0.6 to +1.3% per row; docs/perf-log.md "LSE read before the Sᵀ
-    # GEMM"). Not with scores_ahead (the values would be held through the previous block's dQ
-    # hand-over) or softcap (which reads them one column at a time).
+    # issued (FA4 upstream's place), instead of after the dPᵀ GEMM's issue. Not with
+    # scores_ahead (the values would be held through the previous block's dQ hand-over) or
+    # softcap (which reads them one column at a time).
     lse_before_scores: bool = False
-    # The dK GEMM is issued after dQ's, and the dQ hand-over (its stores to sdQ, or its atomics)
-    # runs while dK's GEMM does; False: dK is issued first (from registers, before dSᵀ goes to
-    # shared memory) and the hand-over waits for every GEMM of the block, the tensor pipe idle
-    # through it. Holds dSᵀ's 16-bit registers (dK's operand) through the hand-over. Not with
-    # scores_ahead, which overlaps the hand-over with the next block's Sᵀ instead. Measured
-    # (docs/perf-log.md, "the dQ hand-over during the dK GEMM"): d64 +1-2%; d256 11-14% slower.
-    # d128: even without a mask and 1-3% slower under one with dV issued during dSᵀ (session 9),
-    # +0.3-1% with dV issued after it (session 13). The other warp group's GEMMs already fill
-    # most of a hand-over.
-    dq_during_dk: bool = False
-    # With dq_during_dk: dO's slot released as soon as the dV and dQ GEMMs retire, before the
-    # dQ hand-over (FA4 upstream releases it there), instead of with Q's at the end of the
-    # step, so the producer may load the dO two blocks ahead sooner. Measured even with
-    # dv_after_ds_store (the ablation `upstream_tail`, session 17).
-    do_release_early: bool = False
-    # dq_tma_reduce: sdQ holds the MMA threads' dQ registers in fragment order
-    # (layouts.fragment_order_view: 128-bit stores free of bank conflicts, one address per
-    # thread) instead of the tile's; each warp group hands its chunk over on its own pair of
-    # barriers, and the writer adds each chunk into mdQaccum with one plain bulk reduce
-    # (cp.reduce.async.bulk .add.f32, no tensor map). mdQaccum's query blocks then hold fragment
-    # order too, and the postprocess reads them back through the same view (FlashAttention-3's
-    # dQ path). Measured (docs/perf-log.md, "dQ in fragment order") against the tile order:
-    # +2-7% forward+backward at every head dim without a mask, +0-6% under one; deterministic
-    # +3-9% (d128 with the second writer its tile order could not take).
-    dq_fragment_order: bool = False
-    # Default mode, fragment order: the first key block to reach a query block stores its dQ
-    # instead of adding it (a compare-and-swap on the block's semaphore claims the store; the
-    # others wait until the claimer's store is complete, then add), so the preprocess need not
-    # zero mdQaccum: b·h·sq·d·4 bytes, 128 MB on the ANCHORS grid, half the preprocess's
-    # traffic (Nsight Compute, d128: 66 µs at 79% of the DRAM bandwidth, 6% of forward+backward
-    # at 1k tokens). Without a mask the walk is then rotated as a deterministic call's is, so
-    # that a head's key blocks reach each query block a step apart rather than all at once.
-    # Measured (docs/perf-log.md, "the default mode's first add stores", one run): +2-3% at 1k
-    # at d64 and under d128's and d64's causal mask, even at d64/d128 from 4k, 1-5% slower at
-    # d256 (the claim's L2 round trip sits on the dQ writer's path between the hand-over and
-    # the add) and at d128 16k without a mask. d64's default since session 20, after two more
-    # runs ("first add stores at d64"): 1k +1.7%, causal +2.2% on average over three, 4k and
-    # 16k within ±1.5%; elsewhere the ablation `stores_first` (d64's old kernel: `dq_zeroed`).
+    # The dK GEMM is issued after dQ's, and the dQ hand-over runs while dK's GEMM does; False:
+    # dK is issued first and the hand-over waits for every GEMM of the block, the tensor pipe
+    # idle through it. Holds dSᵀ's 16-bit registers (dK's operand) through the hand-over. Not
+    # with scores_ahead, which overlaps the hand-over with the next block's Sᵀ instead.
+    dq_during_dk: bool = True
+    # Default mode: the first key block to reach a query block stores its dQ instead of adding
+    # it (a compare-and-swap on the block's semaphore claims the store; the others wait until the
+    # claimer's store is complete, then add), so the preprocess need not zero mdQaccum (half its
+    # traffic). Without a mask the walk is then rotated as a deterministic call's is, so that a
+    # head's key blocks reach each query block a step apart rather than all at once.
     default_stores_first: bool = False
-    # Deterministic without a mask: each key block's walk over the query blocks starts n_block
-    # steps before the end, so that a chain's key blocks never queue at one query block
-    # (`_query_walk`, where it applies); False: every walk starts at the first query block.
-    # Measured (docs/perf-log.md, "the rotated walk"), deterministic at 1k/4k: d64 +10/11%,
-    # d96 +7/6%, d128 +6/5%, d192 +5/1%, d256 +11/3%; at 16k even (d64 −3%).
-    det_rotated_walk: bool = True
-    # The main kernel and the postprocess are launched as programmatic dependents of the kernel
-    # before them (PDL): their CTAs take SMs as the previous grid's last CTAs leave, and run
-    # their prologue (barriers, descriptors, K and V's loads) before griddepcontrol.wait, so
-    # the launch gaps between the three kernels close. Measured against `no_pdl` at d64/d128
-    # (docs/perf-log.md, "PDL"): −0.5% to +2%, within the noise; kept as FA4 upstream does.
-    pdl: bool = True
     # Share of Pᵀ's exponentials computed by exp2.py's polynomial on the FMA pipes instead of
-    # MUFU.EX2 (register columns assigned by exp2.uses_poly, as in the forward; softcap keeps
-    # MUFU). The two MMA warp groups meet at the dSᵀ barrier every step, so their
-    # exponentials run at the same time on the same SMSPs' MUFU units (d64: 2 warps × 64 MUFU
-    # × 8 clocks, ~1000 of a ~4800-clock step). Measured (docs/perf-log.md, "exponentials on
-    # the FMA pipes in the backward", session 23): d128 an eighth +1.0% on average, all 12
-    # cells ahead over two processes (deterministic +0.7%), a quarter or more no better; d64
-    # an eighth 1-2% slower under the mask (a quarter spills there); d96 and d256 even or
-    # behind.
+    # MUFU.EX2 (register columns assigned by exp2.uses_poly; softcap keeps MUFU). The two MMA
+    # warp groups meet at the dSᵀ barrier every step, so their exponentials run at the same
+    # time on the same SMSPs' MUFU units.
     exp2_poly_share: float = 0.0
 
 
 # A WGMMA has 64 rows: the Sᵀ/dPᵀ GEMMs put keys on them (64 per warp group with
 # dkv_from_registers), the dQ GEMM query rows (one 64-row tile per warp group: tile_m 64 splits d
 # between the warp groups, tile_m 128 splits the rows). Shared memory, 2-byte elements, under the
-# 227 KB of an sm_90 CTA:
+# 227 KB of an sm_90 CTA, plus tile_m·d·4 bytes of fp32 sdQ:
 #   2 · (stages·tile_m·(d + dv) + tile_n·(d + dv) + pds_stages·tile_n·tile_m·(1, or 2 with P))
-#   d64, 128 rows: 2·(2·128·128 + 128·128 + 2·128·128) = 160 KB, + 32 KB of fp32 sdQ = 192 KB
-#   d96:  2·(2·64·192 + 128·192 + 2·128·64)   = 128 KB
-#   d128: 2·(2·64·256 + 128·256 + 2·128·64)   = 160 KB
-#   d192/dv128: 2·(2·64·320 + 64·320 + 2·2·64·64) = 152 KB
-#   d256: 2·(2·64·512 + 64·512 + 2·2·64·64)   = 224 KB (+1.5 KB of LSE/D slices and barriers);
-#         one stage and one dSᵀ/Pᵀ buffer: 144 KB, + 64 KB of fp32 sdQ = 208 KB. The TMA dQ
-#         reduce is worth more than the second stage: fwd+bwd 456/475 TF/s at s4k/16k against
-#         342/358 with two stages and per-thread atomics (+33%; causal 411/481 vs 316/359;
-#         deterministic +24-33%), docs/perf-log.md "Backward d256".
+#   d64, 128 rows: 2·(2·128·128 + 128·128 + 2·128·128) = 160 KB, + 32 KB of sdQ = 192 KB
+#   d96:  2·(2·64·192 + 128·192 + 2·128·64)   = 128 KB, + 24 KB
+#   d128: 2·(2·64·256 + 128·256 + 2·128·64)   = 160 KB, + 32 KB
+#   d192/dv128: 2·(2·64·320 + 64·320 + 2·2·64·64) = 152 KB, + 48 KB
+#   d256: one stage and one dSᵀ/Pᵀ buffer: 144 KB, + 64 KB = 208 KB.
 # Registers per MMA thread (240 budget): with dkv_from_registers a warp group holds dK and dV of
-# 64 keys (d128: 64 + 64 fp32), Sᵀ and dPᵀ (tile_m / 2 each) and their 16-bit copies:
-# unconstrained, ptxas would take 236-240 at d128 (250-255 with softcap) and fits all of them in
-# 240 without spills. d64 on 128 rows (FlashAttention-3's shape there) fits with dv_during_ds
-# off (237 registers) and runs forward+backward 8-13% faster than on 64 rows, deterministic
-# 19-28% (docs/perf-log.md, "Backward d64 on 128 × 128 tiles"). d192 and d256 with 64 keys
-# per warp group would need 160 and 256 for dK + dV alone, hence tile_n = 64 with dK/dV split
-# along d (d256: 64 + 64) and P/dS through shared memory: d256 takes ~220, d192 ~155.
-# d96 and d128 run their GEMMs in FA4 upstream's order (session 13): dV issued once dSᵀ is
-# computed, dQ before dK with the dQ hand-over under the dK GEMM, LSE and D read ahead
-# (docs/perf-log.md, "d128 backward in upstream's order"). Forward+backward over session 11's
-# orders, which are the ablations `bwd_v11_order` (d128: dV during dSᵀ, dK first, the hand-over
-# after every GEMM, LSE and D at their use) and `d96_v11_order` (dV during dSᵀ, the next Sᵀ
-# issued ahead): d128 +2.4/+3.2/+4.3% at 1k/4k/16k, causal +1.6/+2.8/+3.0% (two runs agreeing
-# within 1%); d96 +2.6/+6.3/+6.2%, causal +3.3/+5.6/+5.3%. At d64, whose order it already is
-# but for the statistics, reading those ahead loses 1-2% (`stats_ahead` there).
+# 64 keys (d128: 64 + 64 fp32), Sᵀ and dPᵀ (tile_m / 2 each) and their 16-bit copies. d192 and
+# d256 with 64 keys per warp group would need 160 and 256 for dK + dV alone, hence tile_n = 64
+# with dK/dV split along d and P/dS through shared memory. Each entry's reason, and the
+# measurements behind it, are in docs/perf-log.md under the section named.
 TILE_CONFIGS = {
-    64: TileConfig(128, 128, 2, True, 2, dq_tma_reduce=True, dv_during_ds=False,
-                   row_stats_ahead=0, dq_during_dk=True, dq_writers=2, dq_fragment_order=True,
-                   default_stores_first=True),
-    96: TileConfig(64, 128, 2, True, 2, dq_tma_reduce=True, dv_during_ds=False, dq_during_dk=True,
-                   dq_writers=2, dq_fragment_order=True),
-    128: TileConfig(64, 128, 2, True, 2, dq_tma_reduce=True, dv_during_ds=False, dq_during_dk=True,
-                    dq_writers=2, dq_fragment_order=True, lse_before_scores=True,
-                    exp2_poly_share=0.125),
-    192: TileConfig(64, 64, 2, False, 2, dq_tma_reduce=True, scores_ahead=True, dq_writers=2,
-                    dq_fragment_order=True),
-    256: TileConfig(64, 64, 1, False, 1, dq_tma_reduce=True, dq_writers=2, dq_fragment_order=True),
+    # 128 × 128 tiles, FlashAttention-3's d64 shape ("Backward d64 on 128 × 128 tiles"), LSE and
+    # D at their use ("The same backward order at d64 and d96"), the first add stores ("The
+    # first add stores at d64: adopted").
+    64: TileConfig(tile_m=128, row_stats_ahead=0, default_stores_first=True),
+    # FA4 upstream's GEMM order ("The same backward order at d64 and d96").
+    96: TileConfig(),
+    # Upstream's order ("d128 backward in FA4 upstream's GEMM order"), LSE read before the Sᵀ
+    # GEMM ("The d128 backward against upstream's under Nsight Compute"), an eighth of the
+    # exponentials on the FMA pipes ("Exponentials on the FMA pipes in the backward").
+    128: TileConfig(lse_before_scores=True, exp2_poly_share=0.125),
+    # dK/dV split along d, P through shared memory, Sᵀ issued ahead ("Backward: Sᵀ issued
+    # ahead, during the previous block's dQ hand-over").
+    192: TileConfig(tile_n=64, dkv_from_registers=False, dv_during_ds=True, dq_during_dk=False,
+                    scores_ahead=True),
+    # Single-buffered rings so that sdQ fits ("Backward d256: `dq_tma_1stage` compiled, not yet
+    # measured" and its measurement in "Backward v3 measured whole").
+    256: TileConfig(tile_n=64, stages=1, dkv_from_registers=False, pds_stages=1, dv_during_ds=True,
+                    dq_during_dk=False),
 }
 # With softcap the one pass over Sᵀ and dPᵀ keeps both in fp32 until the end; on d64's 128 rows
 # that spills (168 bytes of stack), so softcap keeps 64-row tiles there.
@@ -293,8 +187,46 @@ SOFTCAP_TILE_CONFIGS = {
     64: dataclasses.replace(TILE_CONFIGS[64], tile_m=64, dv_during_ds=True),
 }
 
-LOG2_E = math.log2(math.e)
-SM90_SMEM_BYTES = 227 * 1024  # the most dynamic shared memory an sm_90 CTA may use
+
+class Barrier(enum.IntEnum):
+    """Named barriers (0 is __syncthreads). The dQ hand-over's come in pairs, one per MMA warp
+    group's chunk of sdQ: FULL (the group has written its chunk: it arrives, the writer syncs)
+    and EMPTY (the writer's bulk reduce has read it: the writer arrives, the group syncs)."""
+
+    PDS = 1  # dSᵀ (Pᵀ) fully in shared memory before the GEMMs that read it across warp groups
+    EPILOGUE = 2  # the dK/dV epilogue
+    DQ_FULL_0 = 4
+    DQ_EMPTY_0 = 5
+    # dq_writers > 1: writer w waits on DQ_TOKEN[w] for the previous writer's (w - 1 mod
+    # writers) bulk reduce to have read sdQ; the writers take the adds round-robin.
+    DQ_TOKEN_0 = 6
+    DQ_TOKEN_1 = 7
+    DQ_FULL_1 = 8
+    DQ_EMPTY_1 = 9
+    DQ_TOKEN_2 = 10
+
+
+DQ_FULL = (Barrier.DQ_FULL_0, Barrier.DQ_FULL_1)
+DQ_EMPTY = (Barrier.DQ_EMPTY_0, Barrier.DQ_EMPTY_1)
+DQ_TOKEN = (Barrier.DQ_TOKEN_0, Barrier.DQ_TOKEN_1, Barrier.DQ_TOKEN_2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Roles:
+    """The warp-role table: warp group 0 produces (warp 0 loads, the next `dq_writers` warps
+    write dQ), the ones after it compute."""
+
+    producer_warp_group: int = 0
+    load_warp: int = 0
+    dq_writer_warps: tuple = (1, 2, 3)
+    mma_warp_groups: tuple = (1, 2)
+    producer_registers: int = 24  # setmaxnreg budgets: the producer needs few registers,
+    mma_registers: int = 240  # the MMA groups hold dK, dV, Sᵀ, dPᵀ
+
+
+ROLES = Roles()
+THREADS_PER_WARP_GROUP = 128
+THREADS_PER_WARP = 32
 
 
 def _elem_ptr(tensor: cute.Tensor, index):
@@ -325,6 +257,76 @@ class _QueryWalk:
     rotated: cutlass.Boolean
     key_blocks: Int32
     shift: Int32
+
+
+@dataclasses.dataclass(frozen=True)
+class _KeyBlock:
+    """The CTA's key block and its batch entry: which keys, whose lengths, which q heads."""
+
+    n_block: Int32
+    head_kv: Int32
+    batch: Int32
+    group: Int32  # q heads per kv head
+    seqlen_q: Int32  # the entry's valid query rows and keys
+    seqlen_k: Int32
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tma:
+    """The TMA atoms with the global tensors (in the kernel's (s, d, heads, batch) views) they
+    load or store."""
+
+    atom_q: cute.CopyAtom
+    q: cute.Tensor
+    atom_do: cute.CopyAtom
+    do: cute.Tensor
+    atom_k: cute.CopyAtom
+    k: cute.Tensor
+    atom_v: cute.CopyAtom
+    v: cute.Tensor
+    atom_lse: cute.CopyAtom
+    lse_log2: cute.Tensor
+    atom_dpsum: cute.CopyAtom
+    dpsum: cute.Tensor
+    atom_dk: cute.CopyAtom
+    dk: cute.Tensor
+    atom_dv: cute.CopyAtom
+    dv: cute.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class _Smem:
+    q: cute.Tensor
+    do: cute.Tensor
+    k: cute.Tensor
+    v: cute.Tensor
+    ds: cute.Tensor
+    p: cute.Tensor  # None with dkv_from_registers
+    lse: cute.Tensor
+    dpsum: cute.Tensor
+    dq: cute.Tensor  # the fp32 dQ_partial tile the writer warps reduce, in fragment order
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pipelines:
+    kv: pipeline.PipelineTmaAsync
+    q: pipeline.PipelineTmaAsync
+    do: pipeline.PipelineTmaAsync
+
+
+@dataclasses.dataclass(frozen=True)
+class _Mmas:
+    sdp: cute.TiledMma  # Sᵀ and dPᵀ
+    dk: cute.TiledMma
+    dv: cute.TiledMma
+    dq: cute.TiledMma
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scale:
+    softmax_scale: Float32
+    score_prescale: Float32  # multiplies the scores inside softcap's tanh (1 without softcap)
+    scale_log2: Float32  # carries the (capped) scores into the exp2 domain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,33 +367,12 @@ class _BlockOperands:
     scale_log2: Float32
     pipeline_q: pipeline.PipelineTmaAsync
     pipeline_do: pipeline.PipelineTmaAsync
-    sdQ: cute.Tensor = None  # dq_tma_reduce: the fp32 dQ_partial tile the writer warp reduces
+    sdQ: cute.Tensor
 
 
 class FlashAttentionBackwardSm90:
-    producer_warp_group = 0
-    mma_warp_groups = (1, 2)
-    threads_per_warp_group = 128
-    threads_per_warp = 32
-    # setmaxnreg budgets: the producer needs few registers; the MMA groups hold dK, dV, Sᵀ, dPᵀ.
-    producer_registers = 24
-    mma_registers = 240
-    # Named barrier 0 is __syncthreads. 1: dSᵀ (Pᵀ) fully in shared memory before the GEMMs that
-    # read it across warp groups; 2: the dK/dV epilogue; 3: the deterministic dQ turn.
-    pds_barrier_id = 1
-    epilogue_barrier_id = 2
-    dq_turn_barrier_id = 3
-    # dq_tma_reduce: the MMA warp groups have written sdQ (they arrive, the dQ writer syncs), and
-    # the writer's TMA has read it (the writer arrives, they sync). In tile order both warp
-    # groups use the first of each pair; in fragment order warp group g uses entry g.
-    dq_full_barrier_ids = (4, 8)
-    dq_empty_barrier_ids = (5, 9)
-    # dq_writers > 1: writer w waits on token barrier w for the previous writer's (w - 1 mod
-    # writers) TMA to have read sdQ; the writers take the adds round-robin.
-    dq_token_barrier_ids = (6, 7, 10)
-    dq_writer_warps = (1, 2, 3)  # of the producer warp group (warp 0 loads)
-
     def __init__(self, dtype, head_dim: int, head_dim_v: int, mask: str, has_softcap: bool, **tuning):
+        """`tuning` overrides the tile table's settings (TileConfig fields of the same name)."""
         if mask not in ("none", "causal", "local"):
             raise ValueError(f"mask must be 'none', 'causal' or 'local', got {mask!r}")
         if head_dim not in TILE_CONFIGS:
@@ -405,8 +386,9 @@ class FlashAttentionBackwardSm90:
         config = SOFTCAP_TILE_CONFIGS.get(head_dim) if has_softcap else None
         self.config = dataclasses.replace(config or TILE_CONFIGS[head_dim], **tuning)
         self.tile_m, self.tile_n, self.stages = self.config.tile_m, self.config.tile_n, self.config.stages
-        self.num_mma_threads = len(self.mma_warp_groups) * self.threads_per_warp_group
-        self.num_threads = self.num_mma_threads + self.threads_per_warp_group
+        self.mma_warp_groups = ROLES.mma_warp_groups
+        self.num_mma_threads = len(self.mma_warp_groups) * THREADS_PER_WARP_GROUP
+        self.num_threads = self.num_mma_threads + THREADS_PER_WARP_GROUP
         self._check_config()
         # Columns of dK, dV and dQ one MMA warp group computes.
         wgs = len(self.mma_warp_groups)
@@ -418,16 +400,12 @@ class FlashAttentionBackwardSm90:
         # per warp group would read K twice.
         self.dq_row_groups = self.tile_m // 64
         self.dq_cols = head_dim * self.dq_row_groups // wgs
-        # sdQ's swizzle atoms must not cross the warp groups' parts (32-byte atoms at least).
-        if self.config.dq_tma_reduce and self.dq_cols % 8:
-            raise ValueError(f"{self.config}: dq_tma_reduce needs {self.dq_cols} columns of dQ per "
-                             "warp group to be a multiple of 8")
-        self.preprocess = BackwardPreprocess(dtype, head_dim, head_dim_v, self._det_stores_first(),
-                                             self._default_stores_first())
-        self.postprocess = BackwardPostprocess(
-            dtype, head_dim, fragment_tile_m=self.tile_m if self._dq_fragment_order() else None,
-            det_stores_first=self._det_stores_first(),
-            default_stores_first=self._default_stores_first(), pdl=self.config.pdl)
+        if self.dq_cols % 8:
+            raise ValueError(f"{self.config}: {self.dq_cols} columns of dQ per warp group must be a "
+                             "multiple of 8")
+        self.preprocess = BackwardPreprocess(dtype, head_dim, head_dim_v, self._default_stores_first())
+        self.postprocess = BackwardPostprocess(dtype, head_dim, self.tile_m,
+                                               default_stores_first=self._default_stores_first())
 
     def _check_config(self):
         """Refuses settings the kernel cannot run correctly, naming the setting."""
@@ -440,18 +418,8 @@ class FlashAttentionBackwardSm90:
                              "query blocks alternate dSᵀ buffers by stage)")
         if config.row_stats_ahead < 0:
             raise ValueError(f"{config}: row_stats_ahead counts columns read ahead (0: none)")
-        # (Without dq_tma_reduce there are no writer warps or sdQ: dq_writers and
-        # dq_fragment_order are not read.)
-        if config.dq_writers not in (1, 2, 3) or (
-                config.dq_writers > 1 and config.dq_tma_reduce and not config.det_free_sdq_on_read):
-            raise ValueError(f"{config}: dq_writers is 1, or 2-3 with det_free_sdq_on_read (a writer "
-                             "holding sdQ to its add's completion would hold the other too)")
-        if config.dv_after_ds_store and (config.dv_during_ds or not config.dkv_from_registers):
-            raise ValueError(f"{config}: dv_after_ds_store moves dV's GEMM from registers, issued "
-                             "after dSᵀ (dkv_from_registers, not dv_during_ds)")
-        if config.do_release_early and not config.dq_during_dk:
-            raise ValueError(f"{config}: do_release_early releases dO before the dQ hand-over "
-                             "that dq_during_dk runs under the dK GEMM")
+        if not 1 <= config.dq_writers <= len(ROLES.dq_writer_warps):
+            raise ValueError(f"{config}: dq_writers is 1 to {len(ROLES.dq_writer_warps)}")
         if config.lse_before_scores and config.scores_ahead:
             raise ValueError(f"{config}: lse_before_scores is not implemented with scores_ahead")
         if config.scores_ahead and config.dq_during_dk:
@@ -461,7 +429,7 @@ class FlashAttentionBackwardSm90:
             raise ValueError(f"{config}: scores_ahead needs two Q/dO stages (the next block's Q "
                              "loads while this block's is still read)")
 
-    def _tiled_mmas(self):
+    def _tiled_mmas(self) -> _Mmas:
         """Sᵀ/dPᵀ, dK, dV and dQ WGMMAs for the two MMA warp groups."""
         wgs = len(self.mma_warp_groups)
         K, MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
@@ -491,7 +459,7 @@ class FlashAttentionBackwardSm90:
         tiled_mma_dq = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, MN, MN, Float32, dq_atoms, (64, self.dq_cols)
         )
-        return tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq
+        return _Mmas(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq)
 
     @cute.jit
     def __call__(
@@ -529,7 +497,7 @@ class FlashAttentionBackwardSm90:
         mQ_k, mK_k, mV_k, mdO_k, mdK_k, mdV_k = [permute_modes(t, (1, 3, 2, 0)) for t in (mQ, mK, mV, mdO, mdK, mdV)]
         mLSElog2_k, mdPsum_k = [permute_modes(t, (2, 1, 0)) for t in (mLSElog2, mdPsum)]
 
-        tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq = self._tiled_mmas()
+        mmas = self._tiled_mmas()
 
         # Q, dO and K are also the MN-major B operands of dK, dV and dQ.
         sQ_layout = smem_layout(self.dtype, self.tile_m, self.head_dim, self.stages, split=self.dk_cols)
@@ -555,33 +523,9 @@ class FlashAttentionBackwardSm90:
         tma_atom_dv, tma_dv = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mdV_k, sV_layout, (self.tile_n, self.head_dim_v)
         )
-        tma_atom_dq, tma_dq, sdQ_layout, dq_elems = None, None, None, 0
-        if cutlass.const_expr(self._dq_fragment_order()):
-            # Flat: the MMA threads and the bulk reduces address it through fragment_order_view.
-            sdQ_layout = cute.make_layout(self.tile_m * self.head_dim)
-            dq_elems = cute.cosize(sdQ_layout)
-        elif cutlass.const_expr(self.config.dq_tma_reduce):
-            # sdQ takes the widest swizzle atom that tiles a warp group's part (128 bytes; 64 at
-            # d96), and the TMA reads it in boxes one atom wide. Narrow boxes are slow: with
-            # 32-byte atoms everywhere d256 ran 11-15% slower and d128 gained nothing.
-            # Rows paired: sdQ line p holds tile row (p // 2) + (tile_m / 2)·(p % 2), so a half
-            # warp's STS.64 (rows r, r ^ 1 at the same columns) land in different banks: +1-3%
-            # at d64/d128, neutral at d256 (docs/perf-log.md, "sdQ rows paired"). The TMA reads
-            # the accumulator through a (((2, tile_m/2), query blocks), d, heads·batch) view
-            # whose row mode is split the same way; heads and batch are merged to keep the
-            # tensor map within 5 dimensions.
-            rows = self.tile_m
-            # Copy 0 only: this path adds every turn there (`_dq_copy`).
-            _, batch_count, head_count, seq_pad, _ = mdQaccum.shape
-            mdQaccum_k = cute.make_tensor(mdQaccum.iterator, cute.make_layout(
-                (((2, rows // 2), seq_pad // rows), self.head_dim, head_count * batch_count),
-                stride=((((rows // 2) * self.head_dim, self.head_dim), rows * self.head_dim), 1,
-                        seq_pad * self.head_dim)))
-            sdQ_layout = smem_layout(Float32, self.tile_m, self.head_dim, split=self.dq_cols)
-            tma_atom_dq, tma_dq = cpasync.make_tiled_tma_atom(
-                cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum_k, sdQ_layout, (self.tile_m, self.head_dim)
-            )
-            dq_elems = cute.cosize(sdQ_layout)
+        # Flat: the MMA threads and the bulk reduces address it through fragment_order_view.
+        sdQ_layout = cute.make_layout(self.tile_m * self.head_dim)
+        dq_elems = cute.cosize(sdQ_layout)
         row_bytes = self.tile_m * Float32.width // 8
         self.tma_bytes_q = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1])) + row_bytes
         self.tma_bytes_do = cute.size_in_bytes(self.dtype, cute.select(sdO_layout, mode=[0, 1])) + row_bytes
@@ -606,7 +550,7 @@ class FlashAttentionBackwardSm90:
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, dq_elems], 1024]
 
         # sdQ fits beside two-stage Q/dO rings only at d <= 128 (dkv_from_registers shapes).
-        assert SharedStorage.size_in_bytes() <= SM90_SMEM_BYTES, (
+        assert SharedStorage.size_in_bytes() <= hardware.SMEM_BYTES, (
             f"{self.config} needs {SharedStorage.size_in_bytes()} bytes of shared memory")
         self.shared_storage = SharedStorage
 
@@ -627,12 +571,11 @@ class FlashAttentionBackwardSm90:
         grid = (cute.ceil_div(cute.size(mK_k.shape[0]), self.tile_n), cute.size(mK_k.shape[2]),
                 cute.size(mK_k.shape[3]))
         self.kernel(
-            tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq,
+            mmas.sdp, mmas.dk, mmas.dv, mmas.dq,
             tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
             tma_atom_lse, tma_lse, tma_atom_dpsum, tma_dpsum, tma_atom_dk, tma_dk, tma_atom_dv, tma_dv,
             mdQaccum, mSemaphore, mSeqUsedQ, mSeqUsedK, mQ_k.shape[0], mQ_k.shape[2],
-            sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout, sRow_layout,
-            tma_atom_dq, tma_dq, sdQ_layout,
+            sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout, sRow_layout, sdQ_layout,
             softmax_scale, score_prescale, scale_log2, window_left, window_right, deterministic,
             num_sms,
         ).launch(
@@ -641,11 +584,11 @@ class FlashAttentionBackwardSm90:
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
             min_blocks_per_mp=1,
-            use_pdl=self.config.pdl,
+            use_pdl=True,
         )
 
         self.postprocess(mdQaccum, mdQ, mSeqUsedQ, mSemaphore, softmax_scale, deterministic, stream,
-                         tiled_mma_dq)
+                         mmas.dq)
 
     @cute.kernel
     def kernel(
@@ -682,9 +625,7 @@ class FlashAttentionBackwardSm90:
         sV_layout: cute.ComposedLayout,
         sPdS_layout: cute.ComposedLayout,
         sRow_layout: cute.Layout,
-        tma_atom_dq,
-        mdQaccum_tma,
-        sdQ_layout,
+        sdQ_layout: cute.Layout,
         softmax_scale: Float32,
         score_prescale: Float32,
         scale_log2: Float32,
@@ -694,8 +635,7 @@ class FlashAttentionBackwardSm90:
         num_sms: Int32,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if cutlass.const_expr(self.config.pdl):
-            cute.arch.griddepcontrol_launch_dependents()
+        cute.arch.griddepcontrol_launch_dependents()
         if warp_idx == 0:
             for atom in (tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v, tma_atom_lse, tma_atom_dpsum,
                          tma_atom_dk, tma_atom_dv):
@@ -703,9 +643,11 @@ class FlashAttentionBackwardSm90:
 
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
         mma_warps = self.num_mma_threads // 32
-        pipeline_kv = tma_pipeline(storage.mbar_kv, 1, mma_warps, self.tma_bytes_kv)
-        pipeline_q = tma_pipeline(storage.mbar_q, self.stages, mma_warps, self.tma_bytes_q)
-        pipeline_do = tma_pipeline(storage.mbar_do, self.stages, mma_warps, self.tma_bytes_do)
+        pipes = _Pipelines(
+            kv=tma_pipeline(storage.mbar_kv, 1, mma_warps, self.tma_bytes_kv),
+            q=tma_pipeline(storage.mbar_q, self.stages, mma_warps, self.tma_bytes_q),
+            do=tma_pipeline(storage.mbar_do, self.stages, mma_warps, self.tma_bytes_do),
+        )
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
 
         sQ = swizzled_tensor(storage.sQ, sQ_layout)
@@ -717,18 +659,11 @@ class FlashAttentionBackwardSm90:
         if cutlass.const_expr(not self.config.dkv_from_registers):
             sP = swizzled_tensor(storage.sP, sPdS_layout)
         sLSE = storage.sLSE.get_tensor(sRow_layout)
-        sdQ, sdQ_lines = None, None
-        if cutlass.const_expr(self._dq_fragment_order()):
-            sdQ = storage.sdQ.get_tensor(sdQ_layout)
-            sdQ_lines = sdQ
-        elif cutlass.const_expr(self.config.dq_tma_reduce):
-            sdQ_lines = swizzled_tensor(storage.sdQ, sdQ_layout)
-            # The MMA threads' view: tile row r at line 2·(r mod tile_m/2) + r div (tile_m/2).
-            rows = self.tile_m
-            sdQ = cute.make_tensor(sdQ_lines.iterator, cute.composition(
-                sdQ_lines.layout,
-                cute.make_layout(((rows // 2, 2), self.head_dim), stride=((2, 1), rows))))
+        sdQ = storage.sdQ.get_tensor(sdQ_layout)
         sdPsum = storage.sdPsum.get_tensor(sRow_layout)
+        smem = _Smem(q=sQ, do=sdO, k=sK, v=sV, ds=sdS, p=sP, lse=sLSE, dpsum=sdPsum, dq=sdQ)
+        tma = _Tma(tma_atom_q, mQ, tma_atom_do, mdO, tma_atom_k, mK, tma_atom_v, mV, tma_atom_lse, mLSElog2,
+                   tma_atom_dpsum, mdPsum, tma_atom_dk, mdK, tma_atom_dv, mdV)
 
         block_x, head_kv, batch = cute.arch.block_idx()
         seqlen_k = mK.shape[0]
@@ -741,128 +676,105 @@ class FlashAttentionBackwardSm90:
         # above stays on the buffers' sizes.
         seqlen_q = entry_length(mSeqUsedQ, batch, seqlen_q)
         seqlen_k = entry_length(mSeqUsedK, batch, seqlen_k)
-        group = num_heads // mK.shape[2]
-        block_info = BlockInfo(self.tile_m, self.tile_n, self.causal, self.local)
-        m_block_min, m_block_max = block_info.m_block_range(
-            n_block, seqlen_q, seqlen_k, window_left, window_right
-        )
+        key_block = _KeyBlock(n_block, head_kv, batch, num_heads // mK.shape[2], seqlen_q, seqlen_k)
+        block_info = BlockInfo(self.tile_m, self.tile_n, self.causal, self.local,
+                               MaskBounds(window_left, window_right))
+        m_block_min, m_block_max = block_info.m_block_range(n_block, seqlen_q, seqlen_k)
         walk = self._query_walk(m_block_min, m_block_max, n_block, seqlen_k, deterministic, num_sms)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
-        if cutlass.const_expr(self.config.pdl):
-            # The preprocess's writes (D, LSE, the zeroed dQ workspace and turn counters) are
-            # visible after this; the load warp waits only after issuing K and V.
-            if warp_idx != 0:
-                cute.arch.griddepcontrol_wait()
+        # The preprocess's writes (D, LSE, the zeroed dQ workspace and turn counters) are visible
+        # after this; the load warp waits only after issuing K and V.
+        if warp_idx != ROLES.load_warp:
+            cute.arch.griddepcontrol_wait()
 
         warp_group = cute.arch.make_warp_uniform(warp_idx // 4)
-        if warp_group == self.producer_warp_group:
-            cute.arch.setmaxregister_decrease(self.producer_registers)
-            if warp_idx == 0:
-                self.load(
-                    tma_atom_q, mQ, tma_atom_do, mdO, tma_atom_k, mK, tma_atom_v, mV,
-                    tma_atom_lse, mLSElog2, tma_atom_dpsum, mdPsum, sQ, sdO, sK, sV, sLSE, sdPsum,
-                    pipeline_kv, pipeline_q, pipeline_do, n_block, head_kv, batch, group, walk,
-                )
-            if cutlass.const_expr(self.config.dq_tma_reduce):
-                # The writer adds through the TMA's view in tile order, plain bulk copies otherwise.
-                mdQaccum_writer = mdQaccum if cutlass.const_expr(self._dq_fragment_order()) else mdQaccum_tma
-                for writer in cutlass.range_constexpr(self.config.dq_writers):
-                    if warp_idx == self.dq_writer_warps[writer]:
-                        self.dq_writer(
-                            tma_atom_dq, mdQaccum_writer, sdQ_lines, mSemaphore, n_block, head_kv, batch,
-                            group, seqlen_q, seqlen_k, walk, window_left,
-                            window_right, deterministic, block_info, num_heads, writer,
-                        )
+        if warp_group == ROLES.producer_warp_group:
+            cute.arch.setmaxregister_decrease(ROLES.producer_registers)
+            if warp_idx == ROLES.load_warp:
+                self.load(tma, smem, pipes, key_block, walk)
+            for writer in cutlass.range_constexpr(self.config.dq_writers):
+                if warp_idx == ROLES.dq_writer_warps[writer]:
+                    self.dq_writer(mdQaccum, smem.dq, mSemaphore, key_block, walk, deterministic,
+                                   block_info, num_heads, writer)
         else:
-            cute.arch.setmaxregister_increase(self.mma_registers)
+            cute.arch.setmaxregister_increase(ROLES.mma_registers)
             tidx, _, _ = cute.arch.thread_idx()
             self.mma(
-                tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, tidx - self.threads_per_warp_group,
-                sQ, sdO, sK, sV, sdS, sP, sLSE, sdPsum, pipeline_kv, pipeline_q, pipeline_do,
-                tma_atom_dk, mdK, tma_atom_dv, mdV, mdQaccum, mSemaphore, mSeqUsedK, sdQ,
-                n_block, head_kv, batch, group, seqlen_q, seqlen_k, walk,
-                softmax_scale, score_prescale, scale_log2, window_left, window_right, deterministic,
+                _Mmas(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq),
+                tidx - THREADS_PER_WARP_GROUP, smem, pipes, tma, mdQaccum, mSemaphore, mSeqUsedK,
+                key_block, walk, _Scale(softmax_scale, score_prescale, scale_log2), deterministic,
                 block_info,
             )
 
     @cute.jit
-    def load(
-        self, tma_atom_q, mQ, tma_atom_do, mdO, tma_atom_k, mK, tma_atom_v, mV,
-        tma_atom_lse, mLSElog2, tma_atom_dpsum, mdPsum, sQ, sdO, sK, sV, sLSE, sdPsum,
-        pipeline_kv, pipeline_q, pipeline_do, n_block, head_kv, batch, group, walk,
-    ):
+    def load(self, tma, smem, pipes, key_block, walk):
         no_cluster = cute.make_layout(1)
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim_v), (n_block, 0))
-        tKsK, tKgK = cpasync.tma_partition(tma_atom_k, 0, no_cluster, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_atom_v, 0, no_cluster, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        n_block, head_kv, batch = key_block.n_block, key_block.head_kv, key_block.batch
+        gK = cute.local_tile(tma.k[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
+        gV = cute.local_tile(tma.v[None, None, head_kv, batch], (self.tile_n, self.head_dim_v), (n_block, 0))
+        tKsK, tKgK = cpasync.tma_partition(tma.atom_k, 0, no_cluster, cute.group_modes(smem.k, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma.atom_v, 0, no_cluster, cute.group_modes(smem.v, 0, 2), cute.group_modes(gV, 0, 2))
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        pipeline_kv.producer_acquire(kv_state)
-        cute.copy(tma_atom_k, tKgK, tKsK, tma_bar_ptr=pipeline_kv.producer_get_barrier(kv_state))
-        cute.copy(tma_atom_v, tVgV, tVsV, tma_bar_ptr=pipeline_kv.producer_get_barrier(kv_state))
-        if cutlass.const_expr(self.config.pdl):
-            cute.arch.griddepcontrol_wait()
+        pipes.kv.producer_acquire(kv_state)
+        cute.copy(tma.atom_k, tKgK, tKsK, tma_bar_ptr=pipes.kv.producer_get_barrier(kv_state))
+        cute.copy(tma.atom_v, tVgV, tVsV, tma_bar_ptr=pipes.kv.producer_get_barrier(kv_state))
+        cute.arch.griddepcontrol_wait()
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        for head_in_group in cutlass.range(group, unroll=1):
-            head = head_kv * group + head_in_group
-            gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
-            gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, self.head_dim_v), (None, 0))
-            gLSE = cute.local_tile(mLSElog2[None, head, batch], (self.tile_m,), (None,))
-            gdPsum = cute.local_tile(mdPsum[None, head, batch], (self.tile_m,), (None,))
-            tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, no_cluster, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-            tdOsdO, tdOgdO = cpasync.tma_partition(tma_atom_do, 0, no_cluster, cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2))
-            tLsL, tLgL = cpasync.tma_partition(tma_atom_lse, 0, no_cluster, cute.group_modes(sLSE, 0, 1), cute.group_modes(gLSE, 0, 1))
-            tDsD, tDgD = cpasync.tma_partition(tma_atom_dpsum, 0, no_cluster, cute.group_modes(sdPsum, 0, 1), cute.group_modes(gdPsum, 0, 1))
+        for head_in_group in cutlass.range(key_block.group, unroll=1):
+            head = head_kv * key_block.group + head_in_group
+            gQ = cute.local_tile(tma.q[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
+            gdO = cute.local_tile(tma.do[None, None, head, batch], (self.tile_m, self.head_dim_v), (None, 0))
+            gLSE = cute.local_tile(tma.lse_log2[None, head, batch], (self.tile_m,), (None,))
+            gdPsum = cute.local_tile(tma.dpsum[None, head, batch], (self.tile_m,), (None,))
+            tQsQ, tQgQ = cpasync.tma_partition(tma.atom_q, 0, no_cluster, cute.group_modes(smem.q, 0, 2), cute.group_modes(gQ, 0, 2))
+            tdOsdO, tdOgdO = cpasync.tma_partition(tma.atom_do, 0, no_cluster, cute.group_modes(smem.do, 0, 2), cute.group_modes(gdO, 0, 2))
+            tLsL, tLgL = cpasync.tma_partition(tma.atom_lse, 0, no_cluster, cute.group_modes(smem.lse, 0, 1), cute.group_modes(gLSE, 0, 1))
+            tDsD, tDgD = cpasync.tma_partition(tma.atom_dpsum, 0, no_cluster, cute.group_modes(smem.dpsum, 0, 1), cute.group_modes(gdPsum, 0, 1))
             for step in cutlass.range(walk.m_block_max - walk.m_block_min, unroll=1):
                 m_block = self._m_block_at(walk, step)
-                pipeline_q.producer_acquire(state)
-                q_bar = pipeline_q.producer_get_barrier(state)
-                cute.copy(tma_atom_q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=q_bar)
-                cute.copy(tma_atom_lse, tLgL[None, m_block], tLsL[None, state.index], tma_bar_ptr=q_bar)
-                pipeline_do.producer_acquire(state)
-                do_bar = pipeline_do.producer_get_barrier(state)
-                cute.copy(tma_atom_do, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=do_bar)
-                cute.copy(tma_atom_dpsum, tDgD[None, m_block], tDsD[None, state.index], tma_bar_ptr=do_bar)
+                pipes.q.producer_acquire(state)
+                q_bar = pipes.q.producer_get_barrier(state)
+                cute.copy(tma.atom_q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=q_bar)
+                cute.copy(tma.atom_lse, tLgL[None, m_block], tLsL[None, state.index], tma_bar_ptr=q_bar)
+                pipes.do.producer_acquire(state)
+                do_bar = pipes.do.producer_get_barrier(state)
+                cute.copy(tma.atom_do, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=do_bar)
+                cute.copy(tma.atom_dpsum, tDgD[None, m_block], tDsD[None, state.index], tma_bar_ptr=do_bar)
                 state.advance()
 
     @cute.jit
-    def mma(
-        self, tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, tidx,
-        sQ, sdO, sK, sV, sdS, sP, sLSE, sdPsum, pipeline_kv, pipeline_q, pipeline_do,
-        tma_atom_dk, mdK, tma_atom_dv, mdV, mdQaccum, mSemaphore, mSeqUsedK, sdQ,
-        n_block, head_kv, batch, group, seqlen_q, seqlen_k, walk,
-        softmax_scale, score_prescale, scale_log2, window_left, window_right, deterministic, block_info,
-    ):
-        warp_group = cute.arch.make_warp_uniform(tidx // self.threads_per_warp_group)
+    def mma(self, mmas, tidx, smem, pipes, tma, mdQaccum, mSemaphore, mSeqUsedK, key_block, walk, scale,
+            deterministic, block_info):
+        warp_group = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARP_GROUP)
         # WGMMA descriptors are per warp group; register fragments are per thread.
-        wg_first_thread = warp_group * self.threads_per_warp_group
-        wg_mma_sdp = tiled_mma_sdp.get_slice(wg_first_thread)
-        wg_mma_dk = tiled_mma_dk.get_slice(wg_first_thread)
-        wg_mma_dv = tiled_mma_dv.get_slice(wg_first_thread)
-        wg_mma_dq = tiled_mma_dq.get_slice(wg_first_thread)
-        thr_mma_sdp = tiled_mma_sdp.get_slice(tidx)
-        thr_mma_dk = tiled_mma_dk.get_slice(tidx)
-        thr_mma_dv = tiled_mma_dv.get_slice(tidx)
-        thr_mma_dq = tiled_mma_dq.get_slice(tidx)
+        wg_first_thread = warp_group * THREADS_PER_WARP_GROUP
+        wg_mma_sdp = mmas.sdp.get_slice(wg_first_thread)
+        wg_mma_dk = mmas.dk.get_slice(wg_first_thread)
+        wg_mma_dv = mmas.dv.get_slice(wg_first_thread)
+        wg_mma_dq = mmas.dq.get_slice(wg_first_thread)
+        thr_mma_sdp = mmas.sdp.get_slice(tidx)
+        thr_mma_dk = mmas.dk.get_slice(tidx)
+        thr_mma_dv = mmas.dv.get_slice(tidx)
+        thr_mma_dq = mmas.dq.get_slice(tidx)
 
         # Transposed views: (d, queries, stage) of Q and dO, (queries, keys, stage) of dSᵀ, (d, keys) of K.
-        sQt = permute_modes(sQ, (1, 0, 2))
-        sdOt = permute_modes(sdO, (1, 0, 2))
-        sdSt = permute_modes(sdS, (1, 0, 2))
-        sKt = permute_modes(sK, (1, 0))
+        sQt = permute_modes(smem.q, (1, 0, 2))
+        sdOt = permute_modes(smem.do, (1, 0, 2))
+        sdSt = permute_modes(smem.ds, (1, 0, 2))
+        sKt = permute_modes(smem.k, (1, 0))
         # Pᵀ/dSᵀ registers -> shared memory with stmatrix: one address per 4 8x8 matrices, where
         # element-wise stores would keep ~20 more swizzled addresses live through the loop.
         store_pds = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
-            tiled_mma_sdp,
+            mmas.sdp,
         ).get_slice(tidx)
         tdVrP, tdKrdS = None, None
         tPsP = None
         if cutlass.const_expr(not self.config.dkv_from_registers):
-            tdVrP = wg_mma_dv.make_fragment_A(wg_mma_dv.partition_A(sP))
-            tdKrdS = wg_mma_dk.make_fragment_A(wg_mma_dk.partition_A(sdS))
-            tPsP = store_pds.partition_D(sP)
+            tdVrP = wg_mma_dv.make_fragment_A(wg_mma_dv.partition_A(smem.p))
+            tdKrdS = wg_mma_dk.make_fragment_A(wg_mma_dk.partition_A(smem.ds))
+            tPsP = store_pds.partition_D(smem.p)
 
         acc_s = thr_mma_sdp.make_fragment_C(thr_mma_sdp.partition_shape_C((self.tile_n, self.tile_m)))
         acc_dk = thr_mma_dk.make_fragment_C(thr_mma_dk.partition_shape_C((self.tile_n, self.head_dim)))
@@ -871,11 +783,11 @@ class FlashAttentionBackwardSm90:
         acc_dv.fill(0.0)
         score_identity = cute.make_identity_tensor((self.tile_n, self.tile_m))
         blocks = _BlockOperands(
-            tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, thr_mma_sdp, thr_mma_dq,
-            wg_mma_sdp.make_fragment_A(wg_mma_sdp.partition_A(sK)),
-            wg_mma_sdp.make_fragment_B(wg_mma_sdp.partition_B(sQ)),
-            wg_mma_sdp.make_fragment_A(wg_mma_sdp.partition_A(sV)),
-            wg_mma_sdp.make_fragment_B(wg_mma_sdp.partition_B(sdO)),
+            mmas.sdp, mmas.dk, mmas.dv, mmas.dq, thr_mma_sdp, thr_mma_dq,
+            wg_mma_sdp.make_fragment_A(wg_mma_sdp.partition_A(smem.k)),
+            wg_mma_sdp.make_fragment_B(wg_mma_sdp.partition_B(smem.q)),
+            wg_mma_sdp.make_fragment_A(wg_mma_sdp.partition_A(smem.v)),
+            wg_mma_sdp.make_fragment_B(wg_mma_sdp.partition_B(smem.do)),
             tdVrP,
             wg_mma_dv.make_fragment_B(wg_mma_dv.partition_B(sdOt)),
             tdKrdS,
@@ -884,9 +796,9 @@ class FlashAttentionBackwardSm90:
             wg_mma_dq.make_fragment_B(wg_mma_dq.partition_B(sKt)),
             store_pds,
             tPsP,
-            store_pds.partition_D(sdS),
-            sLSE,
-            sdPsum,
+            store_pds.partition_D(smem.ds),
+            smem.lse,
+            smem.dpsum,
             acc_s,
             cute.make_rmem_tensor_like(acc_s, Float32),
             cute.make_rmem_tensor_like(acc_s, self.dtype),
@@ -894,43 +806,41 @@ class FlashAttentionBackwardSm90:
             acc_dk,
             acc_dv,
             thr_mma_dq.make_fragment_C(thr_mma_dq.partition_shape_C((self.tile_m, self.head_dim))),
-            acc_rows_cols(tiled_mma_sdp.get_slice(0).partition_C(score_identity)),
+            acc_rows_cols(mmas.sdp.get_slice(0).partition_C(score_identity)),
             acc_rows_cols(thr_mma_sdp.partition_C(score_identity))[0, 0],
-            score_prescale,
-            scale_log2,
-            pipeline_q,
-            pipeline_do,
-            sdQ=sdQ,
+            scale.score_prescale,
+            scale.scale_log2,
+            pipes.q,
+            pipes.do,
+            sdQ=smem.dq,
         )
-        mask = AttentionMask(self.tile_m, self.tile_n, self.causal, self.local)
+        n_block, seqlen_q, seqlen_k = key_block.n_block, key_block.seqlen_q, key_block.seqlen_k
+        mask = AttentionMask(self.tile_m, self.tile_n, self.causal, self.local, block_info.bounds)
         apply_mask = functools.partial(
             mask.apply_transposed, coords0=blocks.score_coords0, thread_row=blocks.thread_origin[0],
             thread_col=blocks.thread_origin[1], n_block=n_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-            window_left=window_left, window_right=window_right,
         )
         key_tail = (n_block + 1) * self.tile_n > seqlen_k
         mask_key_tail = functools.partial(
             self.mask_key_tail, mask=mask, blocks=blocks, n_block=n_block, mSeqUsedK=mSeqUsedK,
-            batch=batch, key_buffer=mdK.shape[0],
+            batch=key_block.batch, key_buffer=tma.dk.shape[0],
         )
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        pipeline_kv.consumer_wait(kv_state)
+        pipes.kv.consumer_wait(kv_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         # The CTA's (q head of the group, query block) pairs, flattened: `index` runs over them.
-        coords = functools.partial(self.block_coords, walk=walk, head_kv=head_kv, group=group)
+        coords = functools.partial(self.block_coords, walk=walk, head_kv=key_block.head_kv,
+                                   group=key_block.group)
         dkv_step = functools.partial(
-            self.dkv_step, blocks=blocks, coords=coords, n_block=n_block, seqlen_q=seqlen_q,
-            seqlen_k=seqlen_k, window_left=window_left, window_right=window_right,
-            block_info=block_info, apply_mask=apply_mask, key_tail=key_tail, mask_key_tail=mask_key_tail,
+            self.dkv_step, blocks=blocks, coords=coords, key_block=key_block, block_info=block_info,
+            apply_mask=apply_mask, key_tail=key_tail, mask_key_tail=mask_key_tail,
         )
         dq_step = functools.partial(
-            self.dq_step, blocks=blocks, coords=coords, mdQaccum=mdQaccum, mSemaphore=mSemaphore,
-            n_block=n_block, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-            window_left=window_left, window_right=window_right, deterministic=deterministic,
-            block_info=block_info, walk=walk,
+            self.dq_step, blocks=blocks, coords=coords, key_block=key_block, block_info=block_info,
+            walk=walk,
         )
-        blocks_total = group * (walk.m_block_max - walk.m_block_min)
+        blocks_total = key_block.group * (walk.m_block_max - walk.m_block_min)
         if cutlass.const_expr(self.config.scores_ahead):
             # Rotated by half a block, so that each iteration issues block `index`'s Sᵀ, hands
             # over block index − 1's dQ while it runs, then awaits it: an in-flight WGMMA carried
@@ -955,10 +865,7 @@ class FlashAttentionBackwardSm90:
                     dq_step(index=index)
                 state.advance()
 
-        self.epilogue(
-            blocks, thr_mma_dk, thr_mma_dv, sK, sV, tma_atom_dk, mdK, tma_atom_dv, mdV,
-            n_block, head_kv, batch, softmax_scale,
-        )
+        self.epilogue(blocks, thr_mma_dk, thr_mma_dv, smem, tma, key_block, scale.softmax_scale)
 
     @cute.jit
     def mask_key_tail(self, tile, mask, blocks, n_block, mSeqUsedK, batch, key_buffer,
@@ -980,27 +887,23 @@ class FlashAttentionBackwardSm90:
         return head_kv * group + head_in_group, self._m_block_at(walk, index - head_in_group * blocks_per_head)
 
     @cute.jit
-    def dkv_step(self, blocks, state, index, coords, n_block, seqlen_q, seqlen_k, window_left,
-                 window_right, block_info, apply_mask, key_tail, mask_key_tail, hand_over_dq=None,
-                 lse_ahead=()):
+    def dkv_step(self, blocks, state, index, coords, key_block, block_info, apply_mask, key_tail,
+                 mask_key_tail, hand_over_dq=None, lse_ahead=()):
         """Block `index`'s dK/dV updates and its dQ share in blocks.acc_dq (handed over by
         `hand_over_dq` during the dK GEMM when dq_during_dk); `lse_ahead` from `issue_scores`."""
         _, m_block = coords(index)
         needs_mask = cutlass.Boolean(False)
         if cutlass.const_expr(block_info.has_right_bound):
-            needs_mask = block_info.tile_needs_mask(m_block, n_block, seqlen_q, seqlen_k, window_left, window_right)
+            needs_mask = block_info.tile_needs_mask(m_block, key_block.n_block, key_block.seqlen_q,
+                                                    key_block.seqlen_k)
         self.query_block(blocks, state, m_block, needs_mask, apply_mask, key_tail, mask_key_tail, hand_over_dq,
                          lse_ahead)
 
     @cute.jit
-    def dq_step(self, blocks, index, coords, mdQaccum, mSemaphore, n_block, batch, seqlen_q,
-                seqlen_k, window_left, window_right, deterministic, block_info, walk):
-        """Block `index`'s dQ share (blocks.acc_dq) handed over to global memory."""
-        head, m_block = coords(index)
-        self.accumulate_dq(
-            blocks, mdQaccum[0, batch, head, None, None], mSemaphore, m_block, n_block, head, batch,
-            seqlen_q, seqlen_k, window_left, window_right, deterministic, block_info, walk,
-        )
+    def dq_step(self, blocks, index, coords, key_block, block_info, walk):
+        """Block `index`'s dQ share (blocks.acc_dq) handed over to the dQ writers."""
+        _, m_block = coords(index)
+        self.accumulate_dq(blocks, m_block, key_block, block_info, walk)
 
     @cute.jit
     def issue_scores(self, blocks, state):
@@ -1104,8 +1007,7 @@ class FlashAttentionBackwardSm90:
                 for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
                     dp[r, c] = scores[r, c] * (dp[r, c] - d_value)
             blocks.ds.store(blocks.acc_dp.load().to(self.dtype))
-        if cutlass.const_expr(self.config.dkv_from_registers and not self.config.dv_during_ds
-                              and not self.config.dv_after_ds_store):
+        if cutlass.const_expr(self.config.dkv_from_registers and not self.config.dv_during_ds):
             issue_dv_from_registers()
 
         def issue_dk():
@@ -1123,15 +1025,13 @@ class FlashAttentionBackwardSm90:
         # dSᵀ (and Pᵀ) to shared memory for the GEMMs that read all of it from both warp groups.
         if cutlass.const_expr(self.config.pds_stages == 1):
             # The other warp group may still be reading the previous block's buffer.
-            cute.arch.barrier(barrier_id=self.pds_barrier_id, number_of_threads=self.num_mma_threads)
+            cute.arch.barrier(barrier_id=Barrier.PDS, number_of_threads=self.num_mma_threads)
         cute.copy(blocks.store_pds, blocks.store_pds.retile(blocks.ds), blocks.tdSsdS[None, None, None, pds_index])
         if cutlass.const_expr(not self.config.dkv_from_registers):
             cute.copy(blocks.store_pds, blocks.store_pds.retile(blocks.p), blocks.tPsP[None, None, None, pds_index])
-        if cutlass.const_expr(self.config.dv_after_ds_store):
-            issue_dv_from_registers()
         # Ordinary stores must be made visible to WGMMA (async proxy) before it reads them.
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=self.pds_barrier_id, number_of_threads=self.num_mma_threads)
+        cute.arch.barrier(barrier_id=Barrier.PDS, number_of_threads=self.num_mma_threads)
         if cutlass.const_expr(not self.config.dkv_from_registers):
             wgmma_gemm(blocks.tiled_mma_dv, blocks.acc_dv, blocks.tdVrP[None, None, None, pds_index],
                       blocks.tdVrdO[None, None, None, stage], zero_init=False, wait_group=-1)
@@ -1143,15 +1043,11 @@ class FlashAttentionBackwardSm90:
             issue_dk()
             # dQ (and dV) retired; dK runs through the hand-over.
             warpgroup.wait_group(1)
-            if cutlass.const_expr(self.config.do_release_early):
-                # dK, still running, reads Q and dSᵀ only.
-                blocks.pipeline_do.consumer_release(state)
             hand_over_dq()
             warpgroup.wait_group(0)
         # Every GEMM reading this slot's Q and dO (and P, dS registers) has retired.
         blocks.pipeline_q.consumer_release(state)
-        if cutlass.const_expr(not self.config.do_release_early):
-            blocks.pipeline_do.consumer_release(state)
+        blocks.pipeline_do.consumer_release(state)
 
     @cute.jit
     def _query_of(self, blocks, c: cutlass.Constexpr[int]) -> Int32:
@@ -1159,82 +1055,38 @@ class FlashAttentionBackwardSm90:
         return blocks.thread_origin[1] + blocks.score_coords0[0, c][1]
 
     @cute.jit
-    def accumulate_dq(
-        self, blocks, gdQaccum, mSemaphore, m_block, n_block, head, batch,
-        seqlen_q, seqlen_k, window_left, window_right, deterministic, block_info, walk,
-    ):
-        """mdQaccum[batch, head, m_block rows] += this block's dS·K, unless the tile is fully masked.
+    def accumulate_dq(self, blocks, m_block, key_block, block_info, walk):
+        """This block's dS·K (blocks.acc_dq) into its warp group's chunk of sdQ for the dQ
+        writers, unless the tile is fully masked (no add: `_dq_turn`).
 
-        Deterministic mode: the key blocks that visit a query block (n_block_range) add in
-        increasing order; the semaphore counts those done. Key blocks wait only for lower ones,
-        which the grid launches first, so the chain cannot deadlock. With det_descending
-        (causal/local) they add in decreasing order and the grid launches the highest key block
-        first (see `kernel`): again every wait is on a CTA dispatched earlier.
+        The writers add the chunks into mdQaccum, in deterministic mode in each query block's
+        fixed key-block order (`_dq_turn`): key blocks wait only for ones the grid launched
+        earlier (lower key blocks, or under a mask the higher ones, launched first), so the
+        chain cannot deadlock.
         """
-        adds, turn = self._dq_turn(block_info, m_block, n_block, seqlen_q, seqlen_k, window_left, window_right, walk)
+        adds, _ = self._dq_turn(block_info, m_block, key_block, walk)
         if adds:
-            if cutlass.const_expr(self._dq_fragment_order()):
-                # This warp group's chunk: wait until the writer has read it, fill it, hand it over.
-                mma_thread, chunk = self._mma_thread_chunk()
-                cute.arch.barrier(barrier_id=self._dq_barrier_id(self.dq_empty_barrier_ids, chunk),
-                                  number_of_threads=self._dq_sync_threads())
-                cute.autovec_copy(blocks.acc_dq, fragment_order_view(
-                    blocks.sdQ.iterator, blocks.acc_dq.shape, mma_thread, len(self.mma_warp_groups)))
-                cute.arch.fence_view_async_shared()
-                cute.arch.barrier_arrive(barrier_id=self._dq_barrier_id(self.dq_full_barrier_ids, chunk),
-                                         number_of_threads=self._dq_sync_threads())
-            elif cutlass.const_expr(self.config.dq_tma_reduce):
-                # Wait until the writer's previous TMA has read sdQ, fill it, hand it over.
-                cute.arch.barrier(barrier_id=self.dq_empty_barrier_ids[0], number_of_threads=self._dq_sync_threads())
-                # The stores' 16 swizzled addresses are computed here from an opaque thread
-                # index: hoisted out of the loop they made d128 spill (see opaque_int32).
-                tidx, _, _ = cute.arch.thread_idx()
-                thr_mma_dq = blocks.tiled_mma_dq.get_slice(opaque_int32(tidx - self.threads_per_warp_group))
-                cute.autovec_copy(blocks.acc_dq, thr_mma_dq.partition_C(blocks.sdQ))
-                # Ordinary stores must be made visible to the TMA (async proxy).
-                cute.arch.fence_view_async_shared()
-                cute.arch.barrier_arrive(barrier_id=self.dq_full_barrier_ids[0], number_of_threads=self._dq_sync_threads())
-            else:
-                self._accumulate_dq_red(blocks, gdQaccum, mSemaphore, m_block, turn, head, batch,
-                                        deterministic)
-
-    @cute.jit
-    def _accumulate_dq_red(self, blocks, gdQaccum, mSemaphore, m_block, turn, head, batch, deterministic):
-        """Per-thread red.global.add of the dQ_partial registers (in turn when deterministic)."""
-        gdQ = cute.local_tile(gdQaccum, (self.tile_m, self.head_dim), (m_block, 0))
-        tdQgdQ = blocks.thr_mma_dq.partition_C(gdQ)
-        if deterministic != 0:
-            semaphore = self._semaphore(mSemaphore, 0, batch, head, m_block)
-            if self._is_first_mma_thread():
-                self._wait_for_turn(semaphore, turn)
-            cute.arch.barrier(barrier_id=self.dq_turn_barrier_id, number_of_threads=self.num_mma_threads)
-            self.red_add(blocks.acc_dq, tdQgdQ)
-            # Every thread's adds are visible GPU-wide before the next key block's turn.
-            cute.arch.fence_acq_rel_gpu()
-            cute.arch.barrier(barrier_id=self.dq_turn_barrier_id, number_of_threads=self.num_mma_threads)
-            if self._is_first_mma_thread():
-                cute.arch.atomic_add(semaphore, Int32(1), sem="release", scope="gpu")
-        else:
-            self.red_add(blocks.acc_dq, tdQgdQ)
+            # This warp group's chunk: wait until the writer has read it, fill it, hand it over.
+            mma_thread, chunk = self._mma_thread_chunk()
+            cute.arch.barrier(barrier_id=self._dq_barrier_id(DQ_EMPTY, chunk),
+                              number_of_threads=self._dq_sync_threads())
+            cute.autovec_copy(blocks.acc_dq, fragment_order_view(
+                blocks.sdQ.iterator, blocks.acc_dq.shape, mma_thread, len(self.mma_warp_groups)))
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier_arrive(barrier_id=self._dq_barrier_id(DQ_FULL, chunk),
+                                     number_of_threads=self._dq_sync_threads())
 
     @cute.jit
     def _mma_thread_chunk(self):
-        """(this thread's index among the MMA threads, its warp group's sdQ chunk in fragment
-        order), read afresh rather than kept live through the main loop."""
+        """(this thread's index among the MMA threads, its warp group's sdQ chunk), read afresh
+        rather than kept live through the main loop."""
         tidx, _, _ = cute.arch.thread_idx()
-        mma_thread = tidx - self.threads_per_warp_group
-        return mma_thread, cute.arch.make_warp_uniform(mma_thread // self.threads_per_warp_group)
-
-    def _dq_fragment_order(self) -> bool:
-        return self.config.dq_tma_reduce and self.config.dq_fragment_order
-
-    def _dq_chunks(self) -> int:
-        """sdQ's hand-over units: one per MMA warp group in fragment order, else the whole tile."""
-        return len(self.mma_warp_groups) if self._dq_fragment_order() else 1
+        mma_thread = tidx - THREADS_PER_WARP_GROUP
+        return mma_thread, cute.arch.make_warp_uniform(mma_thread // THREADS_PER_WARP_GROUP)
 
     def _dq_sync_threads(self) -> int:
         """Threads on one hand-over barrier: the MMA threads filling its chunk and a writer warp."""
-        return self.num_mma_threads // self._dq_chunks() + self.threads_per_warp
+        return self.num_mma_threads // len(self.mma_warp_groups) + THREADS_PER_WARP
 
     @staticmethod
     def _dq_barrier_id(ids, chunk):
@@ -1242,7 +1094,7 @@ class FlashAttentionBackwardSm90:
         return ids[0] + (ids[1] - ids[0]) * chunk
 
     @cute.jit
-    def _dq_turn(self, block_info, m_block, n_block, seqlen_q, seqlen_k, window_left, window_right, walk):
+    def _dq_turn(self, block_info, m_block, key_block, walk):
         """(whether key block n_block adds into query block m_block's dQ, how many key blocks
         add into it before n_block: its turn in deterministic mode).
 
@@ -1254,10 +1106,11 @@ class FlashAttentionBackwardSm90:
         query block m at step (m + n) mod M of M, and its turn is the number of the chain's
         key blocks that visit m at an earlier step.
         """
+        n_block = key_block.n_block
         adds = cutlass.Boolean(True)
         turn = n_block
         if cutlass.const_expr(block_info.has_right_bound):
-            n_block_lo, n_block_hi = block_info.n_block_range(m_block, seqlen_q, seqlen_k, window_left, window_right)
+            n_block_lo, n_block_hi = block_info.n_block_range(m_block, key_block.seqlen_q, key_block.seqlen_k)
             adds = cutlass.Boolean(False)
             if n_block >= n_block_lo:
                 if n_block < n_block_hi:
@@ -1304,7 +1157,7 @@ class FlashAttentionBackwardSm90:
         key_blocks = cute.ceil_div(seqlen_k, self.tile_n)
         rotated = cutlass.Boolean(False)
         shift = n_block
-        if cutlass.const_expr(self.config.det_rotated_walk and not (self.causal or self.local)):
+        if cutlass.const_expr(not (self.causal or self.local)):
             if deterministic != 0:
                 if 2 * key_blocks <= num_sms:
                     if key_blocks <= m_block_max - m_block_min:
@@ -1333,42 +1186,31 @@ class FlashAttentionBackwardSm90:
         return walk.m_block_min + offset
 
     @cute.jit
-    def dq_writer(
-        self, tma_atom_dq, mdQaccum, sdQ, mSemaphore, n_block, head_kv, batch, group, seqlen_q,
-        seqlen_k, walk, window_left, window_right, deterministic, block_info,
-        num_heads, writer: cutlass.Constexpr[int],
-    ):
-        """dq_tma_reduce: one warp walks the MMA warp groups' query blocks and, for each that this
-        key block adds into, reduce-adds sdQ into mdQaccum (one TMA in tile order, one bulk reduce
-        per warp group's chunk in fragment order), in turn when deterministic, the turn then
-        passed on once the add is complete. sdQ is free again once read, or, deterministic
-        without det_free_sdq_on_read, once the turn is passed on. With dq_writers = n > 1 this
-        is writer `writer` of n, taking every n-th add. Deterministic in fragment order, the
-        turns alternate between mdQaccum's copies (`_dq_copy`) and each copy's first turn stores
-        instead of adding (`_det_stores_first`: the preprocess left the copies unzeroed)."""
-        no_cluster = cute.make_layout(1)
+    def dq_writer(self, mdQaccum, sdQ, mSemaphore, key_block, walk, deterministic, block_info, num_heads,
+                  writer: cutlass.Constexpr[int]):
+        """One warp walks the MMA warp groups' query blocks and, for each that this key block adds
+        into, reduce-adds each warp group's chunk of sdQ into mdQaccum with one bulk reduce, in
+        turn when deterministic, the turn then passed on once the add is complete. sdQ is free
+        again once read. With dq_writers = n > 1 this is writer `writer` of n, taking every n-th
+        add. Deterministic, the turns alternate between mdQaccum's copies (`_dq_copy`) and each
+        copy's first turn stores instead of adding (the preprocess left the copies unzeroed)."""
         lane = cute.arch.lane_idx()
         writers = self.config.dq_writers
-        chunks = self._dq_chunks()
+        chunks = len(self.mma_warp_groups)
+        batch = key_block.batch
         # A token barrier joins a writer (syncing) and its predecessor (arriving).
-        token_threads = 2 * self.threads_per_warp
+        token_threads = 2 * THREADS_PER_WARP
         adds_seen = Int32(0)
         # sdQ starts empty; the MMA warp groups consume this arrival at their first hand-over
         # (every later one follows a read; the last is consumed in their epilogue).
         if cutlass.const_expr(writer == 0):
             for chunk in cutlass.range_constexpr(chunks):
-                cute.arch.barrier_arrive(barrier_id=self.dq_empty_barrier_ids[chunk], number_of_threads=self._dq_sync_threads())
-        for head_in_group in cutlass.range(group, unroll=1):
-            head = head_kv * group + head_in_group
-            tdQsdQ, tdQgdQ = None, None
-            if cutlass.const_expr(not self._dq_fragment_order()):
-                gdQ = cute.local_tile(mdQaccum[None, None, head + num_heads * batch], (self.tile_m, self.head_dim), (None, 0))
-                tdQsdQ, tdQgdQ = cpasync.tma_partition(
-                    tma_atom_dq, 0, no_cluster, cute.group_modes(sdQ, 0, 2), cute.group_modes(gdQ, 0, 2)
-                )
+                cute.arch.barrier_arrive(barrier_id=DQ_EMPTY[chunk], number_of_threads=self._dq_sync_threads())
+        for head_in_group in cutlass.range(key_block.group, unroll=1):
+            head = key_block.head_kv * key_block.group + head_in_group
             for step in cutlass.range(walk.m_block_max - walk.m_block_min, unroll=1):
                 m_block = self._m_block_at(walk, step)
-                adds, turn = self._dq_turn(block_info, m_block, n_block, seqlen_q, seqlen_k, window_left, window_right, walk)
+                adds, turn = self._dq_turn(block_info, m_block, key_block, walk)
                 if adds:
                     copy, copy_turn = self._dq_copy(mdQaccum, turn, deterministic)
                     claimed = cutlass.Boolean(False)
@@ -1379,58 +1221,45 @@ class FlashAttentionBackwardSm90:
                         if cutlass.const_expr(writers > 1):
                             # The other writer has read sdQ (and left the hand-over barriers).
                             if adds_seen > 0:
-                                cute.arch.barrier(barrier_id=self.dq_token_barrier_ids[writer], number_of_threads=token_threads)
+                                cute.arch.barrier(barrier_id=DQ_TOKEN[writer], number_of_threads=token_threads)
                         for chunk in cutlass.range_constexpr(chunks):
-                            cute.arch.barrier(barrier_id=self.dq_full_barrier_ids[chunk], number_of_threads=self._dq_sync_threads())
+                            cute.arch.barrier(barrier_id=DQ_FULL[chunk], number_of_threads=self._dq_sync_threads())
                             if cutlass.const_expr(chunk == 0):
                                 if deterministic != 0:
-                                    if cutlass.const_expr(self.config.det_ordered):
-                                        if lane == 0:
-                                            self._wait_for_turn(self._semaphore(mSemaphore, copy, batch, head, m_block), copy_turn)
+                                    if lane == 0:
+                                        self._wait_for_turn(self._semaphore(mSemaphore, copy, batch, head, m_block), copy_turn)
                                     cute.arch.sync_warp()
                                     # The previous key block's adds (acquired above) precede this one.
                                     cute.arch.fence_proxy("async.global")
                                 elif cutlass.const_expr(self._default_stores_first()):
                                     claimed = self._claim_store(self._semaphore(mSemaphore, 0, batch, head, m_block), lane)
-                            if cutlass.const_expr(self._dq_fragment_order()):
-                                chunk_elems = cute.cosize(sdQ.layout) // chunks
-                                if lane == 0:
-                                    dst = _elem_ptr(mdQaccum, (copy, batch, head, m_block * self.tile_m, 0)) + chunk * chunk_elems
-                                    src = sdQ.iterator + chunk * chunk_elems
-                                    stores = cutlass.Boolean(False)
-                                    if cutlass.const_expr(self._det_stores_first()):
-                                        if deterministic != 0:
-                                            stores = copy_turn == 0
-                                    if cutlass.const_expr(self._default_stores_first()):
-                                        if deterministic == 0:
-                                            stores = claimed
-                                    if stores:
-                                        _bulk_f32(dst, src, chunk_elems * Float32.width // 8, add=False)
-                                    else:
-                                        _bulk_f32(dst, src, chunk_elems * Float32.width // 8, add=True)
-                            else:
-                                # The whole warp: the TMA copy elects its issuing lane itself (elect.sync).
-                                cute.copy(tma_atom_dq, tdQsdQ, tdQgdQ[None, m_block])
+                            chunk_elems = cute.cosize(sdQ.layout) // chunks
+                            if lane == 0:
+                                dst = _elem_ptr(mdQaccum, (copy, batch, head, m_block * self.tile_m, 0)) + chunk * chunk_elems
+                                src = sdQ.iterator + chunk * chunk_elems
+                                stores = cutlass.Boolean(False)
+                                if deterministic != 0:
+                                    stores = copy_turn == 0
+                                if cutlass.const_expr(self._default_stores_first()):
+                                    if deterministic == 0:
+                                        stores = claimed
+                                if stores:
+                                    _bulk_f32(dst, src, chunk_elems * Float32.width // 8, add=False)
+                                else:
+                                    _bulk_f32(dst, src, chunk_elems * Float32.width // 8, add=True)
                             cute.arch.cp_async_bulk_commit_group()
-                        free_early = cutlass.Boolean(self.config.det_free_sdq_on_read)
-                        if deterministic == 0:
-                            free_early = cutlass.Boolean(True)
-                        if free_early:
-                            for chunk in cutlass.range_constexpr(chunks):
-                                # Chunk `chunk` has been read once at most chunks − 1 − chunk
-                                # younger groups are pending.
-                                cute.arch.cp_async_bulk_wait_group(chunks - 1 - chunk, read=True)
-                                cute.arch.barrier_arrive(barrier_id=self.dq_empty_barrier_ids[chunk], number_of_threads=self._dq_sync_threads())
-                            if cutlass.const_expr(writers > 1):
-                                cute.arch.barrier_arrive(barrier_id=self.dq_token_barrier_ids[(writer + 1) % writers], number_of_threads=token_threads)
+                        for chunk in cutlass.range_constexpr(chunks):
+                            # Chunk `chunk` has been read once at most chunks − 1 − chunk
+                            # younger groups are pending.
+                            cute.arch.cp_async_bulk_wait_group(chunks - 1 - chunk, read=True)
+                            cute.arch.barrier_arrive(barrier_id=DQ_EMPTY[chunk], number_of_threads=self._dq_sync_threads())
+                        if cutlass.const_expr(writers > 1):
+                            cute.arch.barrier_arrive(barrier_id=DQ_TOKEN[(writer + 1) % writers], number_of_threads=token_threads)
                         if deterministic != 0:
                             self._pass_turn(mSemaphore, copy, batch, head, m_block, lane)
                         elif cutlass.const_expr(self._default_stores_first()):
                             if claimed:
                                 self._publish_store(self._semaphore(mSemaphore, 0, batch, head, m_block), lane)
-                        if not free_early:
-                            for chunk in cutlass.range_constexpr(chunks):
-                                cute.arch.barrier_arrive(barrier_id=self.dq_empty_barrier_ids[chunk], number_of_threads=self._dq_sync_threads())
                     if cutlass.const_expr(writers > 1):
                         adds_seen += 1
         if cutlass.const_expr(writers > 1):
@@ -1438,31 +1267,28 @@ class FlashAttentionBackwardSm90:
             # arrival on the token barriers is matched before the CTA exits.
             if adds_seen > 0:
                 if adds_seen % writers == writer:
-                    cute.arch.barrier(barrier_id=self.dq_token_barrier_ids[writer], number_of_threads=token_threads)
+                    cute.arch.barrier(barrier_id=DQ_TOKEN[writer], number_of_threads=token_threads)
         cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
     def _dq_copy(self, mdQaccum, turn, deterministic):
         """(the copy of mdQaccum an add of turn `turn` goes to, its turn among that copy's adds).
 
-        Deterministic in fragment order with two copies (variants.dq_copies), consecutive turns
+        Deterministic with two copies (the router's dq_copies rule), consecutive turns
         alternate, so an add waits for the add two turns back, not the one just before it: a
         chain then moves at the slower of a step and half an add's round trip
-        (docs/perf-log.md, "two dQ accumulators"). The tile order's TMA view and the atomics
-        add every turn into copy 0, whose zeroed partner the postprocess adds as zeros."""
+        (docs/perf-log.md, "two accumulators at d192/d256")."""
         copy, copy_turn = Int32(0), turn
-        if cutlass.const_expr(self._dq_fragment_order()):
-            if deterministic != 0:
-                # Exact for 1 and 2 copies (BWD_MAX_DQ_COPIES).
-                shift = mdQaccum.shape[0] - 1
-                copy, copy_turn = turn & shift, turn >> shift
+        if deterministic != 0:
+            # Exact for 1 and 2 copies (BWD_MAX_DQ_COPIES).
+            shift = mdQaccum.shape[0] - 1
+            copy, copy_turn = turn & shift, turn >> shift
         return copy, copy_turn
 
     def _default_stores_first(self) -> bool:
-        """Default mode, fragment order: the first add into a query block stores
-        (TileConfig.default_stores_first), so the preprocess need not zero mdQaccum (the
-        postprocess skips blocks no add reached)."""
-        return self._dq_fragment_order() and self.config.default_stores_first
+        """Default mode: the first add into a query block stores (TileConfig.default_stores_first),
+        so the preprocess need not zero mdQaccum (the postprocess skips blocks no add reached)."""
+        return self.config.default_stores_first
 
     @cute.jit
     def _claim_store(self, semaphore, lane) -> cutlass.Boolean:
@@ -1491,12 +1317,6 @@ class FlashAttentionBackwardSm90:
         if lane == 0:
             cute.arch.store(semaphore, Int32(2), sem="release", scope="gpu")
 
-    def _det_stores_first(self) -> bool:
-        """Deterministic in fragment order, a copy's first add into a query block stores, so the
-        preprocess need not zero mdQaccum (the postprocess skips copies no add reached). Not
-        without the order (det_unordered), where the first add need not land first."""
-        return self._dq_fragment_order() and self.config.det_ordered
-
     @cute.jit
     def _semaphore(self, mSemaphore, copy, batch, head, m_block):
         """The deterministic turn counter of copy `copy` of query block m_block's dQ rows."""
@@ -1513,9 +1333,9 @@ class FlashAttentionBackwardSm90:
     @cute.jit
     def _pass_turn(self, mSemaphore, copy, batch, head, m_block, lane):
         """Once the dQ writer's adds are complete in global memory, passes the turn of
-        (head, m_block) on to the next key block (as in the red.global path: every lane fences,
-        then one releases). Passing it only after the next add is issued, so that the round trip
-        overlaps a step, was 2-26% slower: docs/perf-log.md, "the deterministic cost split"."""
+        (head, m_block) on to the next key block (every lane fences, then one releases). Passing
+        it only after the next add is issued, so that the round trip overlaps a step, was 2-26%
+        slower: docs/perf-log.md, "the deterministic cost split"."""
         cute.arch.cp_async_bulk_wait_group(0, read=False)
         cute.arch.fence_proxy("async.global")
         cute.arch.fence_acq_rel_gpu()
@@ -1524,64 +1344,46 @@ class FlashAttentionBackwardSm90:
             cute.arch.atomic_add(self._semaphore(mSemaphore, copy, batch, head, m_block), Int32(1), sem="release", scope="gpu")
 
     def _descending_turns(self) -> bool:
-        """Deterministic dQ adds go from the highest key block down (det_descending, masked)."""
-        return self.config.det_descending and (self.causal or self.local)
-
-    @cute.jit
-    def _is_first_mma_thread(self) -> cutlass.Boolean:
-        # Read afresh rather than keeping the thread index live through the main loop.
-        tidx, _, _ = cute.arch.thread_idx()
-        return tidx == self.threads_per_warp_group
+        """Deterministic dQ adds go from the highest key block down under a causal/local mask:
+        a CTA's first query block (its diagonal) then has it as the first contributor, instead of
+        waiting for every lower key block to walk down to it (docs/perf-log.md, "Backward v1")."""
+        return self.causal or self.local
 
     @cute.jit
     def _is_first_mma_warp(self) -> cutlass.Boolean:
         return cute.arch.make_warp_uniform(cute.arch.warp_idx()) == self.mma_warp_groups[0] * 4
 
     @cute.jit
-    def red_add(self, acc, gmem):
-        """gmem += acc, where both are partitions of one accumulator tile.
-
-        Registers 2i and 2i+1 of a WGMMA accumulator hold adjacent columns, so each pair is one
-        8-byte `red.global.add.v2.f32`: half the L2 atomic operations of scalar adds.
-        """
-        for i in cutlass.range_constexpr(0, cute.size(acc), 2):
-            pair = cute.make_tensor(acc.iterator + i, cute.make_layout(2)).load()
-            cute.arch.red(_elem_ptr(gmem, i), pair, op="add", dtype="f32", sem="relaxed", scope="gpu")
-
-    @cute.jit
-    def epilogue(self, blocks, thr_mma_dk, thr_mma_dv, sK, sV, tma_atom_dk, mdK, tma_atom_dv, mdV,
-                 n_block, head_kv, batch, softmax_scale):
+    def epilogue(self, blocks, thr_mma_dk, thr_mma_dv, smem, tma, key_block, softmax_scale):
         """dK·softmax_scale and dV: registers -> K's and V's shared buffers -> TMA stores."""
         dk_out = cute.make_rmem_tensor_like(blocks.acc_dk, self.dtype)
         dk_out.store((blocks.acc_dk.load() * softmax_scale).to(self.dtype))
         dv_out = cute.make_rmem_tensor_like(blocks.acc_dv, self.dtype)
         dv_out.store(blocks.acc_dv.load().to(self.dtype))
-        if cutlass.const_expr(self.config.dq_tma_reduce):
-            # The dQ writer's last arrival (after its last read of sdQ): every arrival on the
-            # barrier is matched before the CTA exits.
-            chunk = 0
-            if cutlass.const_expr(self._dq_fragment_order()):
-                _, chunk = self._mma_thread_chunk()
-            cute.arch.barrier(barrier_id=self._dq_barrier_id(self.dq_empty_barrier_ids, chunk),
-                              number_of_threads=self._dq_sync_threads())
+        # The dQ writer's last arrival (after its last read of sdQ): every arrival on the
+        # barrier is matched before the CTA exits.
+        _, chunk = self._mma_thread_chunk()
+        cute.arch.barrier(barrier_id=self._dq_barrier_id(DQ_EMPTY, chunk),
+                          number_of_threads=self._dq_sync_threads())
         # Both warp groups' GEMMs reading K and V have retired (each waits for its own).
-        cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.num_mma_threads)
-        cute.autovec_copy(dk_out, thr_mma_dk.partition_C(sK))
-        cute.autovec_copy(dv_out, thr_mma_dv.partition_C(sV))
+        cute.arch.barrier(barrier_id=Barrier.EPILOGUE, number_of_threads=self.num_mma_threads)
+        cute.autovec_copy(dk_out, thr_mma_dk.partition_C(smem.k))
+        cute.autovec_copy(dv_out, thr_mma_dv.partition_C(smem.v))
         # Ordinary stores must be made visible to the TMA (async proxy) before the store is issued.
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.num_mma_threads)
+        cute.arch.barrier(barrier_id=Barrier.EPILOGUE, number_of_threads=self.num_mma_threads)
         if self._is_first_mma_warp():
             no_cluster = cute.make_layout(1)
-            gdK = cute.local_tile(mdK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
-            gdV = cute.local_tile(mdV[None, None, head_kv, batch], (self.tile_n, self.head_dim_v), (n_block, 0))
+            n_block, head_kv, batch = key_block.n_block, key_block.head_kv, key_block.batch
+            gdK = cute.local_tile(tma.dk[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
+            gdV = cute.local_tile(tma.dv[None, None, head_kv, batch], (self.tile_n, self.head_dim_v), (n_block, 0))
             tdKsdK_tma, tdKgdK = cpasync.tma_partition(
-                tma_atom_dk, 0, no_cluster, cute.group_modes(sK, 0, 2), cute.group_modes(gdK, 0, 2)
+                tma.atom_dk, 0, no_cluster, cute.group_modes(smem.k, 0, 2), cute.group_modes(gdK, 0, 2)
             )
             tdVsdV_tma, tdVgdV = cpasync.tma_partition(
-                tma_atom_dv, 0, no_cluster, cute.group_modes(sV, 0, 2), cute.group_modes(gdV, 0, 2)
+                tma.atom_dv, 0, no_cluster, cute.group_modes(smem.v, 0, 2), cute.group_modes(gdV, 0, 2)
             )
-            cute.copy(tma_atom_dk, tdKsdK_tma, tdKgdK)
-            cute.copy(tma_atom_dv, tdVsdV_tma, tdVgdV)
+            cute.copy(tma.atom_dk, tdKsdK_tma, tdKgdK)
+            cute.copy(tma.atom_dv, tdVsdV_tma, tdVgdV)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)

@@ -1,9 +1,9 @@
-"""The geometry of the backward's fp32 workspaces, shared by the backward kernel, the FFI
+"""The geometry of the backward's fp32 workspaces, shared by the backward kernels, the FFI
 handler's generated header (aot/codegen.py), the compiler's fake arguments (aot/compile.py) and
-`ffi.backward`, which allocates them as results of the call.
+`ffi.backward_call`, which allocates them as results of the call.
 
-A module of its own, importing nothing, so that the kernel's build-cache key (aot/build.py hashes
-the modules a kernel imports) does not pull in the build driver.
+A module of its own, importing nothing: the run time reads it, and the kernels' build-cache key
+(aot/build.py hashes the modules a kernel imports) does not pull in the build driver.
 """
 
 # The workspaces cover the query rows rounded up to this, so every query tile of up to 128 rows

@@ -1,0 +1,156 @@
+"""Which compiled kernel serves a call: variant names, and the routing rules evaluated on a call.
+
+Each arch folder (fa4_jax/kernels/<arch>/menu.py) declares the variants it ships and, as `Route`s,
+the calls a tuned variant serves instead of the default kernel. The build writes both into the
+library's manifest (fa4_jax/_lib/manifest.json) and into the C++ dispatch table, and the FFI
+handler evaluates the routes on each call's shapes: the custom call's attributes describe the
+problem and never name a tuning, so a `jax.export`ed program runs whatever kernel the installed
+library picks for it. This module is the same rule in Python, read from the manifest, for
+`fa4_jax.explain` and the tests (which check it against the handler's).
+
+Pure Python: imported at run time and by the build, it imports nothing from the package.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+DTYPES = ("bf16", "fp16")
+MASKS = ("none", "causal", "local")
+KINDS = ("fwd", "bwd")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One compiled kernel: a (kind, arch) kernel class built for one problem class and tuning.
+
+    `tuning` names a set of kernel settings: "default" is what most calls run; the arch's menu
+    names the others (its TUNINGS, reached through its ROUTES), and benchmarks/ablations.py its
+    experiments, built into a development library of their own.
+    """
+
+    arch: str
+    dtype: str
+    head_dim: int
+    head_dim_v: int
+    mask: str
+    softcap: bool
+    kind: str = "fwd"
+    tuning: str = "default"
+
+    def __post_init__(self):
+        if (self.dtype not in DTYPES or self.mask not in MASKS or self.kind not in KINDS
+                or not self.tuning.isidentifier() or not self.arch.startswith("sm_")):
+            raise ValueError(f"not a valid variant: {self!r}")
+
+    @property
+    def name(self) -> str:
+        """A C identifier: the export name, function prefix and dispatch key of this variant."""
+        arch = self.arch.replace("_", "")
+        mask = "" if self.mask == "none" else f"_{self.mask}"
+        softcap = "_softcap" if self.softcap else ""
+        tuning = "" if self.tuning == "default" else f"_t{self.tuning}"
+        return (f"{self.kind}_{arch}_{self.dtype}_d{self.head_dim}_dv{self.head_dim_v}"
+                f"{mask}{softcap}{tuning}")
+
+    def to_json(self) -> dict:
+        return {"name": self.name, **dataclasses.asdict(self)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """Calls of `kind`, `mask` and `head_dim` that meet every condition run the `tuning`
+    variant of their problem class (when the library holds it) instead of the default.
+
+    Conditions (0 / None: none):
+      max_rows: seqlen_q, as the kernel sees it (GQA-packed rows), at most this;
+      max_len: max(seqlen_q, seqlen_k) at most this;
+      dense: not a ragged batch (the narrowed blocks below assume one length for every entry);
+      diagonal_multiple: the diagonal's offset (seqlen_k − seqlen_q, or 0 when top-left) a
+        multiple of this;
+      tail_tile_n, tail_keys: more than one tail_tile_n-key block, and at most tail_keys keys
+        in the last;
+      softcap: only calls with (True) or without (False) softcap.
+    """
+
+    tuning: str
+    mask: str
+    head_dim: int
+    kind: str = "fwd"
+    max_rows: int = 0
+    max_len: int = 0
+    dense: bool = False
+    diagonal_multiple: int = 0
+    tail_tile_n: int = 0
+    tail_keys: int = 0
+    softcap: bool | None = None
+
+    def fits(self, call: "Call") -> bool:
+        if (call.kind, call.mask, call.head_dim) != (self.kind, self.mask, self.head_dim):
+            return False
+        if self.softcap is not None and call.softcap != self.softcap:
+            return False
+        if self.max_rows and call.seqlen_q > self.max_rows:
+            return False
+        if self.max_len and max(call.seqlen_q, call.seqlen_k) > self.max_len:
+            return False
+        if self.dense and call.ragged:
+            return False
+        if self.diagonal_multiple and call.diagonal_offset % self.diagonal_multiple:
+            return False
+        if self.tail_tile_n:
+            last_block_keys = call.seqlen_k - (call.seqlen_k - 1) // self.tail_tile_n * self.tail_tile_n
+            if call.seqlen_k <= self.tail_tile_n or last_block_keys > self.tail_keys:
+                return False
+        return True
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """A kernel call as the FFI handler sees it: the problem class and the buffers' shapes."""
+
+    kind: str
+    arch: str
+    dtype: str
+    head_dim: int
+    head_dim_v: int
+    mask: str
+    softcap: bool
+    seqlen_q: int
+    seqlen_k: int
+    ragged: bool = False
+    top_left: bool = False
+
+    @property
+    def diagonal_offset(self) -> int:
+        return 0 if self.top_left else self.seqlen_k - self.seqlen_q
+
+    def variant(self, tuning: str = "default") -> Variant:
+        return Variant(self.arch, self.dtype, self.head_dim, self.head_dim_v, self.mask, self.softcap,
+                       self.kind, tuning)
+
+
+def mask_kind(causal: bool, window_left: int | None, window_right: int | None) -> str:
+    """A window bound on either side makes the call "local" (causal folds into its right bound)."""
+    if window_left is not None or window_right is not None:
+        return "local"
+    return "causal" if causal else "none"
+
+
+def choose(call: Call, routes, compiled) -> Variant:
+    """The variant that serves `call`: the first route that fits it and whose variant is
+    compiled (`compiled`: variant names), else the default; the handler's rule (ffi/common.cc)."""
+    for route in routes:
+        if route.fits(call) and call.variant(route.tuning).name in compiled:
+            return call.variant(route.tuning)
+    return call.variant()
+
+
+def dq_copies(max_keys_by_head_dim: dict, head_dim: int, seqlen_k: int, deterministic: bool) -> int:
+    """The fp32 dQ accumulators (the backward workspace's leading dim) of a backward call: two
+    for deterministic calls at the head dims and key counts the arch's menu names, else one."""
+    if not deterministic:
+        return 1
+    return 2 if seqlen_k <= max_keys_by_head_dim.get(head_dim, 0) else 1

@@ -1,0 +1,172 @@
+"""CPU tier: the shipping menu (the union of the arch folders'), variant names, and the routing
+rules that send a call to a tuned variant (fa4_jax.routing; the handler's copy is checked against
+this one in test_build.py)."""
+import itertools
+import re
+
+import pytest
+
+from fa4_jax import routing
+from fa4_jax.aot import menu
+from fa4_jax.kernels.sm90 import menu as sm90
+from fa4_jax.routing import Call, Route, Variant
+
+COMPILED = {v.name for v in menu.MENU}
+
+
+def choose(kind="fwd", mask="none", head_dim=128, seqlen_q=4096, seqlen_k=4096, softcap=False,
+           ragged=False, top_left=False, dtype="bf16"):
+    head_dim_v = dict(sm90.HEAD_DIMS)[head_dim]
+    call = Call(kind, "sm_90a", dtype, head_dim, head_dim_v, mask, softcap, seqlen_q, seqlen_k, ragged,
+                top_left)
+    return routing.choose(call, sm90.ROUTES, COMPILED).tuning
+
+
+def test_menu_covers_the_axes_once():
+    defaults = [v for v in menu.MENU if v.tuning == "default"]
+    for kind in routing.KINDS:
+        # dtypes x head dims x masks x softcap
+        assert sum(v.kind == kind for v in defaults) == 2 * len(sm90.HEAD_DIMS) * 3 * 2
+    assert len(COMPILED) == len(menu.MENU)
+    assert all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v.name) for v in menu.MENU)
+    assert {v.arch for v in menu.MENU} == {"sm_90a"}
+    assert menu.ARCHES == ("sm_90a", "sm_100a")
+
+
+def test_every_shipped_variant_is_reachable():
+    # The menu holds only what a public call can reach: the defaults, and each route's tuning.
+    routed = {(r.kind, r.mask, r.head_dim, r.tuning) for r in sm90.ROUTES}
+    for v in menu.MENU:
+        assert v.tuning == "default" or (v.kind, v.mask, v.head_dim, v.tuning) in routed, v.name
+        assert v.tuning in sm90.TUNINGS
+    # And each route's variants exist at both dtypes (and the softcap settings it takes).
+    for r, dtype in itertools.product(sm90.ROUTES, routing.DTYPES):
+        for softcap in ((False, True) if r.softcap is None else (r.softcap,)):
+            v = Variant("sm_90a", dtype, r.head_dim, dict(sm90.HEAD_DIMS)[r.head_dim], r.mask, softcap,
+                        r.kind, r.tuning)
+            assert v.name in COMPILED
+
+
+def test_every_backward_variant_has_a_forward_twin():
+    backward = {(v.dtype, v.head_dim, v.head_dim_v, v.mask, v.softcap) for v in menu.MENU if v.kind == "bwd"}
+    forward = {(v.dtype, v.head_dim, v.head_dim_v, v.mask, v.softcap) for v in menu.MENU if v.kind == "fwd"}
+    assert backward == forward
+
+
+def test_name():
+    assert Variant("sm_90a", "bf16", 128, 128, "causal", True).name == "fwd_sm90a_bf16_d128_dv128_causal_softcap"
+    assert Variant("sm_100a", "fp16", 64, 64, "none", False).name == "fwd_sm100a_fp16_d64_dv64"
+    assert Variant("sm_90a", "bf16", 192, 128, "local", False, "bwd").name == "bwd_sm90a_bf16_d192_dv128_local"
+    assert Variant("sm_90a", "bf16", 128, 128, "none", False, "fwd", "tail48").name == \
+        "fwd_sm90a_bf16_d128_dv128_ttail48"
+
+
+def test_mask_kind():
+    assert routing.mask_kind(False, None, None) == "none"
+    assert routing.mask_kind(True, None, None) == "causal"
+    assert routing.mask_kind(False, 3, None) == "local"
+    assert routing.mask_kind(False, None, 0) == "local"
+    assert routing.mask_kind(True, 8, None) == "local"  # causal folds into the window's right bound
+
+
+@pytest.mark.parametrize("bad", [dict(arch="gfx90a"), dict(dtype="fp8"), dict(kind="dgrad"),
+                                 dict(mask="sliding"), dict(tuning="not an identifier")])
+def test_bad_variant_is_refused(bad):
+    fields = dict(arch="sm_90a", dtype="bf16", head_dim=64, head_dim_v=64, mask="none", softcap=False,
+                  kind="fwd", tuning="default") | bad
+    with pytest.raises(ValueError):
+        Variant(**fields)
+
+
+def test_unregistered_arch_or_tuning_is_refused():
+    with pytest.raises(ValueError, match="no registered arch"):
+        menu.arch_menu("sm_80")
+    with pytest.raises(ValueError, match="ships no tuning"):
+        menu.tuning_kwargs(Variant("sm_90a", "bf16", 128, 128, "none", False, "fwd", "tau0"))
+    with pytest.raises(ValueError, match="no fwd kernel"):
+        menu.kernel_class(Variant("sm_100a", "bf16", 128, 128, "none", False))
+
+
+@pytest.mark.parametrize("head_dim", [d for d, _ in sm90.HEAD_DIMS])
+def test_decode_sized_forwards_take_the_decode_tuning(head_dim):
+    assert choose(head_dim=head_dim, seqlen_q=64, seqlen_k=50_000) == "decode"
+    assert choose(head_dim=head_dim, seqlen_q=1, seqlen_k=1, ragged=True, softcap=True) == "decode"
+    # More rows, a mask or the backward: not decode (49_984 keys fill d128's 176-key blocks,
+    # so the tail rule leaves them alone too).
+    assert choose(head_dim=head_dim, seqlen_q=65, seqlen_k=49_984) == "default"
+    assert choose(head_dim=head_dim, mask="local", seqlen_q=1, seqlen_k=100) == "default"
+    assert choose("bwd", head_dim=head_dim, seqlen_q=1, seqlen_k=100) == "default"
+
+
+def test_short_causal_calls():
+    # d64: the diagonal kernel where the diagonal runs along the blocks (dense, no softcap), the
+    # plain short kernel otherwise, up to 1k; the default beyond.
+    assert choose(mask="causal", head_dim=64, seqlen_q=1024, seqlen_k=1024) == "short_wg2_diag"
+    assert choose(mask="causal", head_dim=64, seqlen_q=896, seqlen_k=1024) == "short_wg2_diag"
+    assert choose(mask="causal", head_dim=64, seqlen_q=1000, seqlen_k=1001) == "short_wg2"
+    assert choose(mask="causal", head_dim=64, seqlen_q=1024, seqlen_k=1024, ragged=True) == "short_wg2"
+    assert choose(mask="causal", head_dim=64, seqlen_q=1024, seqlen_k=1024, softcap=True) == "short_wg2"
+    assert choose(mask="causal", head_dim=64, seqlen_q=1025, seqlen_k=1025) == "default"
+    # d128: short (diagonal or not) up to 1k, the diagonal default kernel up to 8k.
+    assert choose(mask="causal", seqlen_q=1024, seqlen_k=1024) == "short_diag"
+    assert choose(mask="causal", seqlen_q=1000, seqlen_k=1001) == "short"
+    assert choose(mask="causal", seqlen_q=8192, seqlen_k=8192) == "diag"
+    assert choose(mask="causal", seqlen_q=4000, seqlen_k=4001) == "default"
+    assert choose(mask="causal", seqlen_q=8193, seqlen_k=8193) == "default"
+    assert choose(mask="causal", seqlen_q=4096, seqlen_k=4096, softcap=True) == "default"
+    # Top-left alignment puts the diagonal at offset 0: block-aligned whatever the lengths.
+    assert choose(mask="causal", seqlen_q=1000, seqlen_k=1001, top_left=True) == "short_diag"
+    assert choose(mask="causal", seqlen_q=3000, seqlen_k=4001, top_left=True) == "diag"
+    # Other head dims and masks keep the default.
+    assert choose(mask="causal", head_dim=256, seqlen_q=512, seqlen_k=512) == "default"
+    assert choose(mask="local", seqlen_q=512, seqlen_k=512) == "default"
+    assert choose("bwd", mask="causal", seqlen_q=512, seqlen_k=512) == "default"
+
+
+def test_dense_d128_forwards_take_the_narrowest_tail_that_holds_their_last_block():
+    tile_n = 176
+    # The benchmark grid's lengths: 2k leaves 112 keys in the last block, 4k 48, 8k 96, 16k 16.
+    assert [choose(seqlen_k=s) for s in (2048, 4096, 8192, 16384)] == ["tail128", "tail48", "tail96", "tail48"]
+    previous = 0
+    for width in (48, 96, 128):
+        for tail in (previous + 1, width):
+            assert choose(seqlen_k=7 * tile_n + tail) == f"tail{width}"
+        previous = width
+    # A last block wider than every width, a full one, or a single block: the default.
+    for seqlen_k in (7 * tile_n + 129, 8 * tile_n, tile_n):
+        assert choose(seqlen_k=seqlen_k) == "default"
+    assert choose(seqlen_q=1024, seqlen_k=1024) == "n128_tree"  # the short rule comes first
+    assert choose(seqlen_k=4096, ragged=True) == "default"
+    assert choose(head_dim=64, seqlen_k=4000) == "default"
+
+
+def test_a_route_whose_variant_is_not_compiled_is_passed_over():
+    call = Call("fwd", "sm_90a", "bf16", 128, 128, "none", False, 4096, 4096)
+    assert routing.choose(call, sm90.ROUTES, COMPILED - {call.variant("tail48").name}).tuning == "default"
+
+
+def test_route_conditions():
+    call = Call("fwd", "sm_90a", "bf16", 128, 128, "causal", False, 1000, 1128)
+    assert Route("x", "causal", 128, max_len=1128, diagonal_multiple=128).fits(call)
+    assert not Route("x", "causal", 128, max_len=1127).fits(call)
+    assert not Route("x", "causal", 128, diagonal_multiple=256).fits(call)
+    assert not Route("x", "causal", 128, max_rows=999).fits(call)
+    assert not Route("x", "causal", 128, softcap=True).fits(call)
+    assert not Route("x", "none", 128).fits(call)
+    assert not Route("x", "causal", 64).fits(call)
+    assert not Route("x", "causal", 128, kind="bwd").fits(call)
+
+
+def test_dq_copies():
+    rule = sm90.DQ_COPIES_MAX_KEYS
+    assert routing.dq_copies(rule, 256, 8192, True) == 2
+    assert routing.dq_copies(rule, 256, 8193, True) == 1
+    assert routing.dq_copies(rule, 256, 1024, False) == 1
+    assert routing.dq_copies(rule, 128, 1024, True) == 1
+
+
+def test_the_sm100_folder_is_registered_and_empty():
+    from fa4_jax.kernels.sm100 import menu as sm100
+
+    assert sm100 in menu.ARCH_MENUS and sm100.ARCH == "sm_100a"
+    assert sm100.MENU == () and sm100.KERNELS == {}
