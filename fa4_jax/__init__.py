@@ -3,11 +3,13 @@
 Public surface: `attention` (the full-featured entry point, padded ragged batches included),
 `varlen_attention` (packed variable-length sequences), `dot_product_attention`
 (a drop-in for `jax.nn.dot_product_attention`), and for multi-device work `ring_attention`
-(context parallelism inside `shard_map`) with the zig-zag layout helpers, and
-`ReshardWarning` (an input sharding the op cannot keep). See docs/multi_gpu.md.
+(context parallelism inside `shard_map`) with the zig-zag layout helpers; `ReshardWarning` (an
+input sharding the op cannot keep, docs/multi_gpu.md) and `FallbackWarning` (a call runs on
+cuDNN or the reference instead of the kernels, and why).
 """
 from fa4_jax.api import attention, dot_product_attention
 from fa4_jax.context_parallel import from_zigzag_layout, ring_attention, to_zigzag_layout
+from fa4_jax.notices import FallbackWarning
 from fa4_jax.sharding import ReshardWarning
 from fa4_jax.varlen import varlen_attention
 
@@ -21,5 +23,6 @@ __all__ = [
     "to_zigzag_layout",
     "from_zigzag_layout",
     "ReshardWarning",
+    "FallbackWarning",
     "__version__",
 ]

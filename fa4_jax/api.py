@@ -154,10 +154,11 @@ def _attention(
     if reason is not None:
         cudnn_reason = cudnn.unsupported_reason(query, key, value, params, ragged, return_lse,
                                                 dispatch.compute_capability())
+        shape = notices.shape_class(query, value, params)
         if cudnn_reason is None:
-            notices.fallback("cuDNN (jax.nn.dot_product_attention)", reason)
+            notices.fallback("cuDNN (jax.nn.dot_product_attention)", reason, shape)
             return cudnn.attention(query, key, value, params)
-        notices.fallback("the pure-JAX reference (float32 math)", _with_cudnn(reason, cudnn_reason))
+        notices.fallback("the pure-JAX reference (float32 math)", _with_cudnn(reason, cudnn_reason), shape)
     seq_lengths = None
     if ragged:
         seq_lengths = (
@@ -198,7 +199,8 @@ def attention_params(
         query, key, value, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
         softcap=softcap, deterministic=deterministic, implementation=implementation)
     if reason is not None:
-        notices.fallback("the pure-JAX reference (float32 math)", reason)
+        notices.fallback("the pure-JAX reference (float32 math)", reason,
+                         notices.shape_class(query, value, params))
     return params
 
 
@@ -321,7 +323,13 @@ def dot_product_attention(
     left, right = _jax_window(local_window_size)
     if is_causal:
         right = 0
-    out, lse = _attention(
+    seqlen_q, seqlen_k = query.shape[1], key.shape[1]
+    # jax gives a valid row that sees no key a uniform softmax over all S keys (masked scores
+    # are a finite large negative number there), so its output is the mean of the head's
+    # values. Rows see no key only when an entry has no keys, or a window ends before them.
+    keyless_rows = seqlen_k > 0 and (key_value_seq_lengths is not None
+                                     or (left is not None and seqlen_q > seqlen_k + left))
+    result = _attention(
         query,
         key,
         value,
@@ -330,27 +338,24 @@ def dot_product_attention(
         window_size=(left, right),
         softcap=None,
         deterministic=False,
-        return_lse=True,
+        return_lse=keyless_rows or return_residual,
         implementation=implementation,
         query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths,
         top_left=True,
     )
-    seqlen_q, seqlen_k = query.shape[1], key.shape[1]
-    rows_valid = jnp.ones((batch, seqlen_q), bool)
-    if query_seq_lengths is not None:
-        rows_valid = jnp.arange(seqlen_q)[None, :] < query_seq_lengths[:, None]
-    # jax gives a valid row that sees no key a uniform softmax over all S keys (masked scores
-    # are a finite large negative number there), so its output is the mean of the head's
-    # values. Rows see no key only when an entry has no keys, or a window ends before them.
-    if seqlen_k > 0 and (key_value_seq_lengths is not None
-                         or (left is not None and seqlen_q > seqlen_k + left)):
+    out, lse = result if keyless_rows or return_residual else (result, None)
+    if keyless_rows:
+        rows_valid = jnp.ones((batch, seqlen_q), bool)
+        if query_seq_lengths is not None:
+            rows_valid = jnp.arange(seqlen_q)[None, :] < query_seq_lengths[:, None]
         keyless = jnp.isneginf(jnp.swapaxes(lse, 1, 2)) & rows_valid[:, :, None]
         groups = query.shape[2] // key.shape[2]
         value_mean = jnp.repeat(jnp.mean(value.astype(jnp.float32), axis=1), groups, axis=1)
         out = jnp.where(keyless[..., None], value_mean[:, None].astype(out.dtype), out)
     if unbatched:
-        out, lse = out[0], lse[0]
+        out = out[0]
+        lse = None if lse is None else lse[0]
     if not return_residual:
         return out
     # jax's residual is [.., T, N] in key's dtype, without gradient. Where a row sees no key

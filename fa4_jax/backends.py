@@ -38,7 +38,7 @@ def backward_unsupported_reason(q, k, v, params: AttentionParams) -> str | None:
         return None
     if params.require_kernels:
         raise ValueError(f"implementation='cute' cannot run the backward of this call: {reason}")
-    notices.fallback("the reference backward (pure JAX, float32)", reason)
+    notices.fallback("the reference backward (pure JAX, float32)", reason, notices.shape_class(q, v, params))
     return reason
 
 

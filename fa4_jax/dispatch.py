@@ -73,13 +73,13 @@ def kernel_call(q, k, v, params, kind: str, arch: str, ragged: bool) -> routing.
 
 
 def unsupported_reason(q, k, v, params, kind: str = "fwd", library: ffi.Library | None = None) -> str | None:
+    arch, reason = device_arch()
+    if reason is not None:
+        return reason
     try:
         library = library or ffi.load()
     except ffi.LibraryUnavailable as e:
         return str(e)
-    arch, reason = device_arch()
-    if reason is not None:
-        return reason
     if str(q.dtype) not in _DTYPE_NAMES:
         return f"dtype {q.dtype} has no kernel (bfloat16 and float16 do)"
     if len({str(x.dtype) for x in (q, k, v)}) != 1:

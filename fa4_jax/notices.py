@@ -16,9 +16,18 @@ class FallbackWarning(UserWarning):
     """
 
 
-def fallback(backend: str, reason: str) -> None:
-    """Warns, once per process for each (backend, reason), that a call runs on `backend`."""
-    message = f"fa4_jax: running on {backend}: {reason}"
+def shape_class(query, value, params) -> str:
+    """What a warning is said once for: dtype, head dims, mask and softcap ("bfloat16 d128 causal")."""
+    head_dims = f"d{query.shape[-1]}" + ("" if value.shape[-1] == query.shape[-1] else f"/dv{value.shape[-1]}")
+    mask = "causal" if params.causal and params.window_left is None else (
+        "window" if params.window_left is not None or params.window_right is not None else "no mask")
+    return " ".join([str(query.dtype), head_dims, mask] + (["softcap"] if params.softcap else []))
+
+
+def fallback(backend: str, reason: str, shape: str) -> None:
+    """Warns, once per process for each (shape class, backend, reason), that calls of that
+    shape class run on `backend`."""
+    message = f"fa4_jax: {shape} calls run on {backend}: {reason}"
     if message in _SAID:
         return
     _SAID.add(message)

@@ -65,8 +65,10 @@ class Route:
       max_rows: seqlen_q, as the kernel sees it (GQA-packed rows), at most this;
       max_len: max(seqlen_q, seqlen_k) at most this;
       dense: not a ragged batch (the narrowed blocks below assume one length for every entry);
-      diagonal_multiple: the diagonal's offset (seqlen_k − seqlen_q, or 0 when top-left) a
-        multiple of this;
+      diagonal_block: the diagonal runs along blocks of this many rows and keys, within the
+        keys: its offset (seqlen_k − seqlen_q, or 0 when top-left) is a multiple of the block,
+        so each query tile's highest visited key block is the one the diagonal crosses
+        (`diagonal_on_blocks`);
       tail_tile_n, tail_keys: more than one tail_tile_n-key block, and at most tail_keys keys
         in the last;
       softcap: only calls with (True) or without (False) softcap.
@@ -79,7 +81,7 @@ class Route:
     max_rows: int = 0
     max_len: int = 0
     dense: bool = False
-    diagonal_multiple: int = 0
+    diagonal_block: int = 0
     tail_tile_n: int = 0
     tail_keys: int = 0
     softcap: bool | None = None
@@ -95,7 +97,7 @@ class Route:
             return False
         if self.dense and call.ragged:
             return False
-        if self.diagonal_multiple and call.diagonal_offset % self.diagonal_multiple:
+        if self.diagonal_block and not diagonal_on_blocks(call, self.diagonal_block):
             return False
         if self.tail_tile_n:
             last_block_keys = call.seqlen_k - (call.seqlen_k - 1) // self.tail_tile_n * self.tail_tile_n
@@ -130,6 +132,18 @@ class Call:
     def variant(self, tuning: str = "default") -> Variant:
         return Variant(self.arch, self.dtype, self.head_dim, self.head_dim_v, self.mask, self.softcap,
                        self.kind, tuning)
+
+
+def diagonal_on_blocks(call: Call, block: int) -> bool:
+    """Whether the diagonal runs along block x block tiles and every query tile's diagonal
+    block holds keys: offset a multiple of `block`, and the last query tile's diagonal block
+    (ceil(seqlen_q / block) − 1 + offset / block) no later than the last key block. Aligned
+    bottom-right the second follows from the first; aligned top-left, query rows past the keys'
+    last block would see a whole block that is not their diagonal."""
+    offset = call.diagonal_offset
+    if offset % block:
+        return False
+    return -(-call.seqlen_q // block) + offset // block <= -(-call.seqlen_k // block)
 
 
 def mask_kind(causal: bool, window_left: int | None, window_right: int | None) -> str:

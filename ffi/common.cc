@@ -83,8 +83,12 @@ bool Fits(const Fa4Route& r, const Problem& p) {
   if (r.max_rows && p.seqlen_q > r.max_rows) return false;
   if (r.max_len && std::max(p.seqlen_q, p.seqlen_k) > r.max_len) return false;
   if (r.dense && p.ragged) return false;
-  const int64_t offset = p.top_left ? 0 : p.seqlen_k - p.seqlen_q;
-  if (r.diagonal_multiple && offset % r.diagonal_multiple != 0) return false;
+  if (r.diagonal_block) {  // fa4_jax.routing.diagonal_on_blocks
+    const int64_t offset = p.top_left ? 0 : p.seqlen_k - p.seqlen_q, block = r.diagonal_block;
+    if (offset % block != 0) return false;
+    const int64_t q_blocks = (p.seqlen_q + block - 1) / block, k_blocks = (p.seqlen_k + block - 1) / block;
+    if (q_blocks + offset / block > k_blocks) return false;
+  }
   if (r.tail_tile_n) {
     const int64_t last_block_keys = p.seqlen_k - (p.seqlen_k - 1) / r.tail_tile_n * r.tail_tile_n;
     if (p.seqlen_k <= r.tail_tile_n || last_block_keys > r.tail_keys) return false;

@@ -70,7 +70,7 @@ struct Fa4Route {
   const char* tuning;
   int max_rows, max_len;
   bool dense;
-  int diagonal_multiple, tail_tile_n, tail_keys;
+  int diagonal_block, tail_tile_n, tail_keys;
   int softcap;
 };
 

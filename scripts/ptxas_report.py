@@ -5,6 +5,9 @@ then fed to the CUDA toolkit's ptxas with -v.
     python scripts/ptxas_report.py bwd_sm90a_bf16_d128_dv128 --tuning '{"scores_ahead": true}'
     python scripts/ptxas_report.py fwd_sm90a_bf16_d128_dv128 --ptx fwd.ptx --sass fwd.sass
 
+The variant is a shipping-menu name (fa4_jax/_lib/manifest.json) or an ablation's
+(benchmarks/ablations.py).
+
 The DSL runs ptxas in-process and keeps its messages to itself, so a kernel whose WGMMAs ptxas
 had to serialize (every HGMMA followed by a wait: tests/test_build.py checks the menu for it)
 compiles without a word. ptxas -v names the cause, e.g. "C7512 ... insufficient register
@@ -34,19 +37,27 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from fa4_jax.aot import compile as aot_compile, toolchain, variants  # noqa: E402
+from fa4_jax.aot import menu, toolchain  # noqa: E402
 
 # Run in a child process: LD_PRELOAD (the DSL runtime shim) and the DSL's dump settings only take
 # effect at process start.
 _CHILD = """
 import json, sys
-from fa4_jax.aot import compile as aot_compile, variants
+from fa4_jax.aot import compile as aot_compile
+from fa4_jax.routing import Variant
 job = json.loads(sys.argv[1])
-variant = variants.Variant(**job["variant"])
-if job["tuning"] is not None:
-    variants.TUNINGS[variant.tuning] = job["tuning"]
-aot_compile.compile_variant(variant, job["kernel"], job["out_dir"])
+aot_compile.compile_variant(Variant(**job["variant"]), job["kernel"], job["tuning"], job["out_dir"])
 """
+
+
+def _variants_and_settings():
+    """name -> (variant, its tuning settings), the shipping menu's and the ablations'."""
+    found = {v.name: (v, menu.tuning_kwargs(v)) for v in menu.MENU}
+    try:
+        from benchmarks import ablations
+    except ImportError:
+        return found
+    return {**{v.name: (v, dict(ablations.TUNINGS[v.tuning])) for v in ablations.MENU}, **found}
 
 
 def find_ptxas() -> str:
@@ -95,8 +106,9 @@ def wgmma_wait_gaps(sass: str) -> list[tuple[str, int, int, int]]:
     (`WARPGROUP.DEPBAR.LE gsb0, 0x1`: the forward's wait for S) to the next wait for all
     (`0x0`: for the previous block's P·V). ptxas moves the second wait up from where the PTX has
     it, and how far depends on code far from the loop: the softmax work left between the two is
-    what overlaps the P·V GEMM (docs/perf-log.md, sessions 14 and 15: in session 15 a change
-    outside the loop left 6 fewer FMNMX there, and the kernel ran 3-5% slower)."""
+    what overlaps the P·V GEMM (docs/perf-log.md, "The P·V wait's place in each forward loop,
+    ours against upstream's": a change outside the loop once left 6 fewer FMNMX there, and the
+    kernel ran 3-5% slower)."""
     lines = [line for line in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/", line)]
     gaps = []
     for i, line in enumerate(lines):
@@ -133,27 +145,27 @@ def summarize(messages: str) -> tuple[list[str], bool]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("variant", help="a menu variant's name (fa4_jax/_lib/variants.json)")
+    parser.add_argument("variant", help="a variant's name (fa4_jax/_lib/manifest.json, benchmarks/ablations.py)")
     parser.add_argument("--tuning", type=json.loads, help="constructor settings, as JSON")
     parser.add_argument("--ptx", metavar="FILE", help="also copy the kept PTX here")
     parser.add_argument("--sass", metavar="FILE",
                         help="also write the compiled cubin's disassembly (cuobjdump -sass) here")
     args = parser.parse_args(argv)
-    by_name = {v.name: v for v in variants.MENU}
+    by_name = _variants_and_settings()
     if args.variant not in by_name:
         parser.error(f"unknown variant {args.variant!r}; e.g. {next(iter(by_name))}")
-    variant = by_name[args.variant]
-    kernel = aot_compile.KERNELS[(variant.kind, variant.arch)]
+    variant, settings = by_name[args.variant]
+    kernel = menu.kernel_class(variant)
+    settings = settings if args.tuning is None else args.tuning
 
     with tempfile.TemporaryDirectory(prefix="fa4_ptxas_") as out_dir:
         shim = toolchain.build_runtime_shim(out_dir)
         env = toolchain.compile_env(shim, out_dir)
         env["CUTE_DSL_KEEP"] = "ptx,cubin"
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-        job = {"variant": dataclasses.asdict(variant), "kernel": kernel,
-               "out_dir": out_dir, "tuning": args.tuning}
-        print(f"compiling {variant.name} ({kernel}, tuning {args.tuning or variant.tuning_kwargs})",
-              flush=True)
+        job = {"variant": dataclasses.asdict(variant), "kernel": kernel, "out_dir": out_dir,
+               "tuning": settings}
+        print(f"compiling {variant.name} ({kernel}, tuning {settings})", flush=True)
         proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(job)], env=env,
                               cwd=str(REPO), capture_output=True, text=True)
         if proc.returncode:

@@ -1,5 +1,6 @@
 """fa4_jax.attention / dot_product_attention: validation, defaults, backend choice, jax parity."""
-import logging
+import functools
+import itertools
 import math
 
 import jax
@@ -138,12 +139,129 @@ def test_cute_rejects_float32_with_the_reason():
         _trace(*_shapes(dtype=jnp.float32), implementation="cute")
 
 
-def test_default_backend_falls_back_to_reference_and_logs_why(next_key, caplog):
-    q, k, v = _qkv(next_key, dtype=jnp.float16)
-    with caplog.at_level(logging.DEBUG, logger="fa4_jax"):
+def test_default_backend_falls_back_to_reference_and_says_why(next_key):
+    # A new shape class, so that this process has not said it yet.
+    q, k, v = _qkv(next_key, dtype=jnp.float16, head_dim=40)
+    with pytest.warns(fa4_jax.FallbackWarning, match="float16 d40 no mask calls run on the pure-JAX reference.*not a CUDA GPU"):
         out = fa4_jax.attention(q, k, v)
-    assert any("reference backend" in r.getMessage() for r in caplog.records)
     np.testing.assert_array_equal(out, fa4_jax.attention(q, k, v, implementation="reference"))
+
+
+def test_a_chosen_reference_says_nothing(next_key, recwarn):
+    q, k, v = _qkv(next_key, dtype=jnp.float16, head_dim=48)
+    fa4_jax.attention(q, k, v, implementation="reference")
+    assert not [w for w in recwarn if issubclass(w.category, fa4_jax.FallbackWarning)]
+
+
+# -------------------------------------------------------------- backends on a mocked CUDA device
+
+@pytest.fixture
+def gpu_without_kernels(monkeypatch):
+    """The default device reads as a CUDA GPU of compute capability `cc` (default 8.0, an A100)
+    with no fa4_jax kernel; cuDNN's attention is the fp32 reference, recording its calls."""
+    from fa4_jax import api, cudnn, dispatch
+
+    state = {"cc": "8.0", "cudnn_calls": []}
+    monkeypatch.setattr(dispatch, "compute_capability", lambda: state["cc"])
+    monkeypatch.setattr(dispatch, "unsupported_reason",
+                        lambda *args, **kwargs: f"no kernels for compute capability {state['cc']}")
+
+    def fake_cudnn(query, key, value, params):
+        state["cudnn_calls"].append(params)
+        return attention_reference(query, key, value, softmax_scale=params.softmax_scale,
+                                   causal=params.causal, window_left=params.window_left,
+                                   top_left=params.top_left)[0]
+
+    monkeypatch.setattr(cudnn, "attention", fake_cudnn)
+    monkeypatch.setattr(api.notices, "_SAID", set())
+    return state
+
+
+CUDNN_SERVES = {
+    "plain": dict(),
+    "causal": dict(causal=True),
+    "causal_window": dict(causal=True, window_size=(5, None)),
+    "gqa_scale": dict(softmax_scale=0.2),
+}
+CUDNN_DOES_NOT_SERVE = {
+    "softcap": (dict(softcap=5.0), {}, "softcap"),
+    "deterministic": (dict(deterministic=True), {}, "deterministic"),
+    "lse": (dict(return_lse=True), {}, "logsumexp"),
+    "right_window": (dict(window_size=(None, 4)), {}, "left bound"),
+    "bottom_right_unequal": (dict(causal=True), dict(seqlen_k=24), "top-left"),
+    "head_dim_v": (dict(), dict(head_dim_v=8), "one head dim"),
+    "ragged": (dict(key_value_seq_lengths=jnp.array([3, 16], jnp.int32)), {}, "ragged"),
+}
+
+
+@pytest.mark.parametrize("options", CUDNN_SERVES.values(), ids=CUDNN_SERVES.keys())
+def test_a_gpu_without_kernels_runs_cudnn_where_it_means_the_same(next_key, gpu_without_kernels, options):
+    q, k, v = _qkv(next_key, dtype=jnp.bfloat16)
+    with pytest.warns(fa4_jax.FallbackWarning, match=r"run on cuDNN .*no kernels for compute capability 8.0"):
+        out = fa4_jax.attention(q, k, v, **options)
+    assert len(gpu_without_kernels["cudnn_calls"]) == 1
+    np.testing.assert_array_equal(out, fa4_jax.attention(q, k, v, implementation="reference", **options))
+
+
+@pytest.mark.parametrize("case", CUDNN_DOES_NOT_SERVE.values(), ids=CUDNN_DOES_NOT_SERVE.keys())
+def test_a_gpu_without_kernels_runs_the_reference_where_cudnn_differs(next_key, gpu_without_kernels, case):
+    options, shapes, why = case
+    q, k, v = _qkv(next_key, dtype=jnp.bfloat16, **shapes)
+    with pytest.warns(fa4_jax.FallbackWarning, match=f"run on the pure-JAX reference.*not cuDNN: .*{why}"):
+        fa4_jax.attention(q, k, v, **options)
+    assert gpu_without_kernels["cudnn_calls"] == []
+
+
+def test_cudnn_head_dims_follow_the_gpu(next_key, gpu_without_kernels):
+    q, k, v = _qkv(next_key, dtype=jnp.bfloat16, head_dim=192)
+    with pytest.warns(fa4_jax.FallbackWarning, match="not cuDNN: .*up to 128"):
+        fa4_jax.attention(q, k, v)
+    gpu_without_kernels["cc"] = "10.0"  # Blackwell: up to 256
+    with pytest.warns(fa4_jax.FallbackWarning, match="run on cuDNN"):
+        fa4_jax.attention(q, k, v)
+    gpu_without_kernels["cc"] = "7.5"  # Turing: no flash attention in cuDNN
+    with pytest.warns(fa4_jax.FallbackWarning, match="not cuDNN: .*sm_80"):
+        fa4_jax.attention(q, k, v)
+
+
+def test_the_drop_in_runs_cudnn_with_its_top_left_masks(next_key, gpu_without_kernels):
+    q, k, v = _qkv(next_key, dtype=jnp.bfloat16, seqlen_q=8, seqlen_k=24)
+    with pytest.warns(fa4_jax.FallbackWarning, match="run on cuDNN"):
+        out = fa4_jax.dot_product_attention(q, k, v, is_causal=True)
+    assert gpu_without_kernels["cudnn_calls"][0].top_left
+    np.testing.assert_array_equal(out, fa4_jax.dot_product_attention(q, k, v, is_causal=True,
+                                                                     implementation="reference"))
+
+
+@pytest.fixture
+def forward_kernels_only(monkeypatch):
+    """The kernels serve the forward (computed by the reference) and not the backward."""
+    from fa4_jax import backends, dispatch
+
+    monkeypatch.setattr(dispatch, "unsupported_reason", lambda q, k, v, params, kind="fwd", library=None:
+                        None if kind == "fwd" else "no backward kernel for this arch yet")
+    monkeypatch.setattr(dispatch, "forward", lambda q, k, v, params, seq_lengths=None, **kwargs:
+                        backends._reference_fp32(q, k, v, params, seq_lengths))
+    from fa4_jax import api
+
+    monkeypatch.setattr(api.notices, "_SAID", set())
+
+
+def test_cute_raises_when_the_backward_cannot_run_on_the_kernels(next_key, forward_kernels_only):
+    q, k, v = _qkv(next_key, dtype=jnp.bfloat16)
+    out = fa4_jax.attention(q, k, v, implementation="cute")  # inference is fine
+    assert out.shape == q.shape
+    loss = lambda q: fa4_jax.attention(q, k, v, implementation="cute").astype(jnp.float32).sum()  # noqa: E731
+    with pytest.raises(ValueError, match="cannot run the backward of this call: no backward kernel"):
+        jax.grad(loss)(q)
+
+
+def test_default_takes_the_reference_backward_and_says_so(next_key, forward_kernels_only):
+    q, k, v = _qkv(next_key, dtype=jnp.bfloat16)
+    loss = lambda q, impl: fa4_jax.attention(q, k, v, implementation=impl).astype(jnp.float32).sum()  # noqa: E731
+    with pytest.warns(fa4_jax.FallbackWarning, match="reference backward.*no backward kernel"):
+        grad = jax.grad(loss)(q, None)
+    np.testing.assert_array_equal(grad, jax.grad(loss)(q, "reference"))
 
 
 def test_public_surface():
@@ -155,37 +273,140 @@ def test_public_surface():
         "to_zigzag_layout",
         "from_zigzag_layout",
         "ReshardWarning",
+        "FallbackWarning",
         "__version__",
     }
     assert isinstance(fa4_jax.__version__, str)
 
 
-# (T, S, N, K, is_causal, local_window_size): the cases where jax's top-left masks translate.
-JAX_PARITY = {
-    "plain": (16, 16, 4, 4, False, None),
-    "causal": (16, 16, 4, 4, True, None),
-    "local_pair": (24, 24, 4, 4, False, (3, 2)),
-    "local_int": (24, 24, 4, 4, False, 4),
-    "causal_local": (24, 24, 4, 2, True, (5, 3)),
-    "gqa_causal": (16, 16, 8, 2, True, None),
-    "mqa": (16, 16, 4, 1, False, None),
-    "causal_q_longer": (20, 12, 4, 2, True, None),
-    "local_q_shorter": (8, 12, 4, 2, False, (2, 6)),
-}
+# ------------------------------------------------------- the drop-in against jax's own function
+
+def _jax_pair(q, k, v, **kwargs):
+    """(fa4_jax's, jax's XLA implementation's) (out, residual), both jitted (the lengths as
+    traced arguments, the masks static)."""
+    static = {name: kwargs.pop(name) for name in ("is_causal", "local_window_size") if name in kwargs}
+    ours = jax.jit(lambda q, k, v, kw: fa4_jax.dot_product_attention(q, k, v, return_residual=True, **kw, **static))
+    theirs = jax.jit(lambda q, k, v, kw: jax.nn.dot_product_attention(
+        q, k, v, implementation="xla", return_residual=True, **kw, **static))
+    return ours(q, k, v, kwargs), theirs(q, k, v, kwargs)
 
 
-@pytest.mark.parametrize("case", JAX_PARITY.values(), ids=JAX_PARITY.keys())
-def test_dot_product_attention_matches_jax_xla(next_key, case):
-    seqlen_q, seqlen_k, heads_q, heads_kv, is_causal, window = case
-    q, k, v = _qkv(next_key, seqlen_q=seqlen_q, seqlen_k=seqlen_k, heads_q=heads_q,
-                   heads_kv=heads_kv)
-    kwargs = dict(is_causal=is_causal, local_window_size=window, return_residual=True)
-    out, residual = jax.jit(lambda *qkv: fa4_jax.dot_product_attention(*qkv, **kwargs))(q, k, v)
-    want, want_residual = jax.jit(
-        lambda *qkv: jax.nn.dot_product_attention(*qkv, implementation="xla", **kwargs)
-    )(q, k, v)
+def _assert_matches_jax(q, k, v, **kwargs):
+    (out, residual), (want, want_residual) = _jax_pair(q, k, v, **kwargs)
     np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+    # Rows that see no key: jax's residual is the logsumexp of S large negative scores.
     np.testing.assert_allclose(residual, want_residual, atol=2e-5, rtol=2e-5)
+
+
+def _lengths(next_key, kind, batch, seqlen):
+    """int32 [batch] lengths: random, all equal to the buffer, all zero, or a mix of the ends."""
+    if kind == "full":
+        return jnp.full((batch,), seqlen, jnp.int32)
+    if kind == "zero":
+        return jnp.zeros((batch,), jnp.int32)
+    if kind == "ends":
+        return jnp.asarray([0, seqlen, 1, seqlen - 1][:batch], jnp.int32)
+    return jax.random.randint(next_key(), (batch,), 0, seqlen + 1).astype(jnp.int32)
+
+
+# (T, S, N, K): equal and unequal lengths, GQA and MQA.
+DROP_IN_SHAPES = {"square": (16, 16, 4, 4), "q_shorter_gqa": (12, 20, 8, 2),
+                  "q_longer_mqa": (20, 12, 4, 1)}
+# (is_causal, local_window_size): jax's masks, all top-left.
+DROP_IN_MASKS = {"none": (False, None), "causal": (True, None), "window_pair": (False, (3, 2)),
+                 "window_int": (False, 4), "causal_window": (True, (5, 3)),
+                 "window_past_keys": (False, (1, 0))}
+
+
+@pytest.mark.parametrize("mask", DROP_IN_MASKS.values(), ids=DROP_IN_MASKS.keys())
+@pytest.mark.parametrize("shape", DROP_IN_SHAPES.values(), ids=DROP_IN_SHAPES.keys())
+def test_dot_product_attention_matches_jax_xla(next_key, shape, mask):
+    seqlen_q, seqlen_k, heads_q, heads_kv = shape
+    is_causal, window = mask
+    q, k, v = _qkv(next_key, batch=3, seqlen_q=seqlen_q, seqlen_k=seqlen_k, heads_q=heads_q,
+                   heads_kv=heads_kv)
+    _assert_matches_jax(q, k, v, is_causal=is_causal, local_window_size=window)
+
+
+LENGTH_KINDS = ("random", "full", "zero", "ends")
+# Every pair of (query lengths, key lengths) kinds, query lengths also absent: 20 pairs, two per
+# (mask, shape) case below, so that each pair meets a different mask and shape.
+LENGTH_PAIRS = list(itertools.product(LENGTH_KINDS + (None,), LENGTH_KINDS))
+LENGTH_MASKS = {"none": (False, None), "causal": (True, None), "causal_window": (True, (4, 0)),
+                "window": (False, (2, 5))}
+LENGTH_SHAPES = {"square": (16, 16, 4, 2), "q_shorter": (12, 20, 4, 2), "q_longer": (20, 12, 4, 4)}
+
+
+@pytest.mark.parametrize("shape_index", range(len(LENGTH_SHAPES)), ids=LENGTH_SHAPES.keys())
+@pytest.mark.parametrize("mask_index", range(len(LENGTH_MASKS)), ids=LENGTH_MASKS.keys())
+def test_dot_product_attention_lengths_match_jax_xla(next_key, mask_index, shape_index):
+    # Lengths random, full, zero or at both ends, alone or paired, with every mask, whatever T
+    # and S: jax's top-left rule everywhere, padded rows 0, key-less rows the mean of all
+    # values, as jax's XLA path gives them.
+    seqlen_q, seqlen_k, heads_q, heads_kv = list(LENGTH_SHAPES.values())[shape_index]
+    is_causal, window = list(LENGTH_MASKS.values())[mask_index]
+    case = mask_index * len(LENGTH_SHAPES) + shape_index
+    for q_kind, kv_kind in (LENGTH_PAIRS[(2 * case) % len(LENGTH_PAIRS)],
+                            LENGTH_PAIRS[(2 * case + 1) % len(LENGTH_PAIRS)]):
+        q, k, v = _qkv(next_key, batch=4, seqlen_q=seqlen_q, seqlen_k=seqlen_k, heads_q=heads_q,
+                       heads_kv=heads_kv)
+        lengths = {"key_value_seq_lengths": _lengths(next_key, kv_kind, 4, seqlen_k)}
+        if q_kind is not None:
+            lengths["query_seq_lengths"] = _lengths(next_key, q_kind, 4, seqlen_q)
+        _assert_matches_jax(q, k, v, is_causal=is_causal, local_window_size=window, **lengths)
+
+
+def test_dot_product_attention_jaxs_causal_padding_case(next_key):
+    # jax's own testDotProductAttentionMask, mask mode ('causal', 'padding'): unequal lengths per
+    # entry, the case where a bottom-right rule differs from jax's by up to 3.1.
+    batch, seqlen, heads, head_dim = 2, 128, 4, 32
+    q, k, v = _qkv(next_key, batch=batch, seqlen_q=seqlen, seqlen_k=seqlen, heads_q=heads,
+                   heads_kv=heads, head_dim=head_dim)
+    lengths = dict(query_seq_lengths=jnp.asarray([seqlen // 2, seqlen // 4], jnp.int32),
+                   key_value_seq_lengths=jnp.asarray([seqlen // 4, seqlen // 2], jnp.int32))
+    _assert_matches_jax(q, k, v, is_causal=True, **lengths)
+    # The alignment matters here: fa4_jax.attention's bottom-right rule gives other rows.
+    bottom_right = fa4_jax.attention(q, k, v, causal=True, query_seq_lengths=lengths["query_seq_lengths"],
+                                     key_value_seq_lengths=lengths["key_value_seq_lengths"])
+    want = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla", **lengths)
+    assert np.abs(np.asarray(bottom_right) - np.asarray(want)).max() > 0.1
+
+
+@pytest.mark.parametrize("case", [
+    dict(is_causal=True, seqlen_q=12, seqlen_k=20),
+    dict(is_causal=True, seqlen_q=20, seqlen_k=12, query_seq_lengths=[20, 5, 9]),
+    dict(local_window_size=(3, 1), seqlen_q=16, seqlen_k=16, key_value_seq_lengths=[4, 0, 16]),
+    dict(is_causal=True, local_window_size=(2, 0), seqlen_q=16, seqlen_k=16,
+         query_seq_lengths=[16, 3, 7], key_value_seq_lengths=[9, 16, 0]),
+], ids=["causal", "causal_q_lengths", "window_kv_lengths", "causal_window_both_lengths"])
+def test_dot_product_attention_gradients_match_jax_xla(next_key, case):
+    case = dict(case)
+    seqlen_q, seqlen_k = case.pop("seqlen_q"), case.pop("seqlen_k")
+    q, k, v = _qkv(next_key, batch=3, seqlen_q=seqlen_q, seqlen_k=seqlen_k, heads_q=4, heads_kv=2)
+    static = {name: case.pop(name) for name in ("is_causal", "local_window_size") if name in case}
+    lengths = {name: jnp.asarray(value, jnp.int32) for name, value in case.items()}
+    d_out = jax.random.normal(next_key(), q.shape, q.dtype)
+
+    def grads(attention):
+        def loss(q, k, v, lengths):
+            return jnp.sum(attention(q, k, v, **lengths, **static) * d_out)
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, lengths)
+
+    ours = grads(fa4_jax.dot_product_attention)
+    theirs = grads(functools.partial(jax.nn.dot_product_attention, implementation="xla"))
+    for name, got, want in zip(("dq", "dk", "dv"), ours, theirs):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4, err_msg=name)
+
+
+def test_dot_product_attention_gives_keyless_rows_the_mean_of_the_values(next_key):
+    # An entry with no keys: every valid row sees none, and jax's XLA path averages all S
+    # values (its masked scores are a finite large negative number); padded rows stay 0.
+    q, k, v = _qkv(next_key, batch=2)
+    out = fa4_jax.dot_product_attention(q, k, v, query_seq_lengths=jnp.asarray([16, 5], jnp.int32),
+                                        key_value_seq_lengths=jnp.asarray([16, 0], jnp.int32))
+    mean = np.repeat(np.asarray(v[1]).mean(axis=0), 2, axis=0)  # kv head h serves q heads 2h, 2h+1
+    np.testing.assert_allclose(np.asarray(out[1, :5]), np.broadcast_to(mean, (5,) + mean.shape), atol=1e-6)
+    assert np.all(np.asarray(out[1, 5:]) == 0.0)
 
 
 def test_dot_product_attention_accepts_unbatched_inputs(next_key):
@@ -211,64 +432,27 @@ def test_dot_product_attention_unsupported_arguments(next_key, name):
         fa4_jax.dot_product_attention(q, k, v, **{name: arrays[name]})
 
 
-# (T, S, is_causal, local_window_size, which lengths): where jax's semantics and fa4_jax's
-# agree. Masks need equal lengths per entry; without one, either length may come alone.
-JAX_LENGTH_PARITY = {
-    "query_only": (16, 12, False, None, "q"),
-    "key_only": (12, 16, False, None, "kv"),
-    "both_differ": (12, 16, False, None, "both"),
-    "causal_equal": (16, 16, True, None, "equal"),
-    "window_equal_q_longer": (16, 12, False, (3, 2), "equal"),
+DROP_IN_ERRORS = {
+    # jax refuses these too.
+    "lengths_int16": (dict(key_value_seq_lengths=np.array([3, 4], np.int16)), ValueError,
+                      "key_value_seq_lengths must be an int32 array of shape"),
+    "lengths_shape": (dict(query_seq_lengths=jnp.array([3, 4, 5], jnp.int32)), ValueError,
+                      r"query_seq_lengths must be an int32 array of shape \(2,\)"),
+    "value_head_dim": (dict(value_head_dim=8), ValueError, "value must have key's shape"),
+    # fa4_jax's own limits.
+    "negative_window": (dict(local_window_size=(-1, 2)), NotImplementedError, "negative bounds"),
+    "window_type": (dict(local_window_size=(1.5, 2)), TypeError, "local_window_size"),
+    "scale": (dict(scale=-1.0), ValueError, "^scale must be"),
+    "is_causal_type": (dict(is_causal=1), TypeError, "is_causal must be"),
 }
 
 
-@pytest.mark.parametrize("case", JAX_LENGTH_PARITY.values(), ids=JAX_LENGTH_PARITY.keys())
-def test_dot_product_attention_lengths_match_jax_xla(next_key, case):
-    seqlen_q, seqlen_k, is_causal, window, which = case
-    q, k, v = _qkv(next_key, batch=3, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
-    # Every row keeps at least one key: jax gives key-less rows the mean of all values.
-    q_len = jax.random.randint(next_key(), (3,), 0, seqlen_q + 1)
-    kv_len = jax.random.randint(next_key(), (3,), 1, seqlen_k + 1)
-    if which == "equal":
-        q_len = kv_len = jnp.minimum(kv_len, seqlen_q)
-    lengths = {
-        "q": dict(query_seq_lengths=q_len),
-        "kv": dict(key_value_seq_lengths=kv_len),
-    }.get(which, dict(query_seq_lengths=q_len, key_value_seq_lengths=kv_len))
-    kwargs = dict(is_causal=is_causal, local_window_size=window, return_residual=True)
-    out, residual = jax.jit(
-        lambda q, k, v, lengths: fa4_jax.dot_product_attention(q, k, v, **lengths, **kwargs)
-    )(q, k, v, lengths)
-    want, want_residual = jax.jit(
-        lambda q, k, v, lengths: jax.nn.dot_product_attention(
-            q, k, v, implementation="xla", **lengths, **kwargs)
-    )(q, k, v, lengths)
-    np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
-    # jax's residual of a padded row is a large negative number, fa4_jax's -inf.
-    rows = np.asarray(lengths.get("query_seq_lengths", np.full(3, seqlen_q)))
-    valid = np.arange(seqlen_q)[None, :] < rows[:, None]
-    np.testing.assert_allclose(np.asarray(residual)[valid], np.asarray(want_residual)[valid],
-                               atol=2e-5, rtol=2e-5)
-    assert np.all(np.isneginf(np.asarray(residual)[~valid]))
-
-
-def test_dot_product_attention_mask_with_one_length_is_rejected(next_key):
-    q, k, v = _qkv(next_key)
-    with pytest.raises(NotImplementedError, match="pass both"):
-        fa4_jax.dot_product_attention(q, k, v, is_causal=True,
-                                      key_value_seq_lengths=jnp.array([3, 16], jnp.int32))
-
-
-def test_dot_product_attention_untranslatable_mask(next_key):
-    q, k, v = _qkv(next_key, seqlen_q=8, seqlen_k=12)
-    with pytest.raises(NotImplementedError, match="top-left"):
-        fa4_jax.dot_product_attention(q, k, v, is_causal=True)
-
-
-def test_dot_product_attention_scale_error_names_scale(next_key):
-    q, k, v = _qkv(next_key)
-    with pytest.raises(ValueError, match="^scale must be"):
-        fa4_jax.dot_product_attention(q, k, v, scale=-1.0)
+@pytest.mark.parametrize("case", DROP_IN_ERRORS.values(), ids=DROP_IN_ERRORS.keys())
+def test_dot_product_attention_errors_name_the_argument(next_key, case):
+    kwargs, error, message = case
+    q, k, v = _qkv(next_key, heads_kv=4, head_dim_v=kwargs.pop("value_head_dim", None))
+    with pytest.raises(error, match=message):
+        fa4_jax.dot_product_attention(q, k, v, **kwargs)
 
 
 @pytest.mark.parametrize("implementation", ["xla", "cudnn"])

@@ -4,6 +4,7 @@ Needs the library built first (`pip install -e .` or `python -m fa4_jax.aot.buil
 incremental and failure checks never recompile a menu variant.
 """
 import ctypes
+import itertools
 import json
 import os
 import shutil
@@ -14,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from fa4_jax import ffi
-from fa4_jax.aot import build, compile as aot_compile, variants
+from fa4_jax import ffi, routing
+from fa4_jax.aot import build, menu
 from tests.scripts import load_script
 
 
@@ -30,6 +31,8 @@ def test_library_loads_and_exports_handlers(library):
     lib = ctypes.CDLL(str(library))
     assert lib.Fa4FwdInstantiate and lib.Fa4FwdExecute
     assert lib.Fa4BwdInstantiate and lib.Fa4BwdExecute
+    # The targets that take a tuning name are the development library's only.
+    assert not hasattr(lib, "Fa4DevFwdExecute") and not hasattr(lib, "Fa4DevBwdExecute")
 
 
 def test_library_needs_only_libc(library):
@@ -44,14 +47,48 @@ def test_library_needs_only_libc(library):
 def test_targets_register_for_cuda(library):
     # register_ffi_target(platform="CUDA") works on a CPU-only jaxlib too; the target cannot run
     # there, which the GPU tier covers.
-    compiled, reason = ffi._load()
-    assert reason is None
-    assert compiled == {v.name for v in variants.MENU}
+    loaded = ffi.load()
+    assert loaded.compiled == {v.name for v in menu.MENU}
+    assert (loaded.fwd_target, loaded.bwd_target) == ("fa4_jax_fwd_v2", "fa4_jax_bwd_v2")
 
 
 def test_manifest_is_the_menu(library):
-    manifest = json.loads((library.parent / "variants.json").read_text())
-    assert manifest == [v.to_json() for v in variants.MENU]
+    manifest = json.loads((library.parent / "manifest.json").read_text())
+    assert manifest == build.manifest(build.shipping_menu())
+    assert [v["name"] for v in manifest["variants"]] == [v.name for v in menu.MENU]
+
+
+def _handler_choice(lib, call: routing.Call) -> str:
+    choose = lib.Fa4ChooseVariant
+    choose.restype = ctypes.c_char_p
+    choose.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_char_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+                       ctypes.c_int]
+    return choose(routing.KINDS.index(call.kind), call.arch.encode(), routing.DTYPES.index(call.dtype),
+                  call.head_dim, call.head_dim_v, call.mask.encode(), int(call.softcap), call.seqlen_q,
+                  call.seqlen_k, int(call.ragged), int(call.top_left)).decode()
+
+
+def test_the_handler_routes_calls_as_fa4_jax_routing_does(library):
+    # The C++ rule (ffi/common.cc) that picks a call's variant, against the Python one that
+    # explain and the tests use, over every problem class and lengths around each bound.
+    lib = ctypes.CDLL(str(library))
+    loaded = ffi.load()
+    lengths = (1, 63, 64, 65, 176, 177, 300, 1000, 1024, 1025, 1100, 1152, 2048, 4096, 4200, 8192,
+               8193, 16384)
+    calls = 0
+    for v in menu.MENU:
+        if v.tuning != "default":
+            continue
+        for seqlen_q, seqlen_k, ragged, top_left in itertools.product(lengths, lengths, (False, True),
+                                                                      (False, True)):
+            call = routing.Call(v.kind, v.arch, v.dtype, v.head_dim, v.head_dim_v, v.mask, v.softcap,
+                                seqlen_q, seqlen_k, ragged, top_left)
+            assert _handler_choice(lib, call) == loaded.choose(call).name, call
+            calls += 1
+    assert calls > 100_000
+    missing = routing.Call("fwd", "sm_90a", "bf16", 80, 80, "none", False, 128, 128)
+    assert _handler_choice(lib, missing) == ""
 
 
 def _cuobjdump() -> str:
@@ -87,7 +124,7 @@ def _sass(variant) -> str:
     return sass
 
 
-@pytest.mark.parametrize("variant", [v for v in variants.MENU if v.arch == "sm_90a"],
+@pytest.mark.parametrize("variant", [v for v in menu.MENU if v.arch == "sm_90a"],
                          ids=lambda v: v.name)
 def test_sm90_cubin_holds_pipelined_hgmma(library, variant):
     # Expected to hold for the real Hopper kernel (WGMMA -> HGMMA in SASS); the naive stand-in
@@ -105,12 +142,13 @@ def test_sm90_cubin_holds_pipelined_hgmma(library, variant):
 
 
 # ptxas moves the forward's wait for the previous block's P·V GEMM up from where the PTX has it,
-# and how far depends on code far from the loop: in session 15 a change outside the loop left 6
-# fewer max steps under the GEMM and the kernel ran 3-5% slower; in session 14 the tree maximum
-# put 41 exponentials under it on 128-key blocks, +2-3% (docs/perf-log.md). Floors at about half
-# the exponentials (MUFU) that these kernels' steady loops keep between the wait for S and the
-# wait for P·V (`ptxas_report.wgmma_wait_gaps`; the last pair is the unmasked loop). Counts at
-# session 15 in the comments. A failure means: check the kernel's speed before accepting it.
+# and how far depends on code far from the loop: a change outside the loop once left 6 fewer max
+# steps under the GEMM and the kernel ran 3-5% slower; the tree maximum put 41 exponentials under
+# it on 128-key blocks, +2-3% (docs/perf-log.md, "The wait for P·V: the row maximum as a tree").
+# Floors at about half the exponentials (MUFU) that these kernels' steady loops keep between the
+# wait for S and the wait for P·V (`ptxas_report.wgmma_wait_gaps`; the last pair is the unmasked
+# loop); the counts when the floors were set in the comments. A failure means: check the
+# kernel's speed before accepting it.
 PV_OVERLAP_FLOORS = {
     "fwd_sm90a_bf16_d128_dv128": 32,  # 65
     "fwd_sm90a_bf16_d128_dv128_tn128_tree": 20,  # 41
@@ -120,7 +158,7 @@ PV_OVERLAP_FLOORS = {
 
 @pytest.mark.parametrize("name,floor", PV_OVERLAP_FLOORS.items())
 def test_softmax_work_stays_under_the_pv_gemm(library, name, floor):
-    variant = next(v for v in variants.MENU if v.name == name)
+    variant = next(v for v in menu.MENU if v.name == name)
     gaps = load_script("ptxas_report").wgmma_wait_gaps(_sass(variant))
     assert gaps, f"{name}: no wait for S followed by a wait for P·V in its SASS"
     exponentials = gaps[-1][2]
@@ -129,23 +167,21 @@ def test_softmax_work_stays_under_the_pv_gemm(library, name, floor):
         f"its steady loop, under the floor of {floor} (python scripts/ptxas_report.py {name})")
 
 
-# With pv_wait_in_branch (d128's masked kernels, the short causal rule's, the `pv_wait_pinned`
-# ablations) the wait for P·V sits in both arms of O's rescale branch, where ptxas cannot hoist
-# it: every exponential of the block runs under the GEMM. Each steady loop's span between the
-# wait for S and the wait for P·V must hold them on the MUFU pipe: tile_n / 2 per thread (64
-# rows × tile_n over 128 threads), less those the FMA pipes compute. The overlapped persistent
-# kernels' tile-boundary step keeps O's scale, has no rescale branch and is not pinned (the
-# last span).
+# With pv_wait_in_branch (d128's masked kernels, the short causal rule's, the decode kernels) the
+# wait for P·V sits in both arms of O's rescale branch, where ptxas cannot hoist it: every
+# exponential of the block runs under the GEMM. Each steady loop's span between the wait for S
+# and the wait for P·V must hold them on the MUFU pipe: tile_n / 2 per thread (64 rows × tile_n
+# over 128 threads), less those the FMA pipes compute.
 def _fwd_sm90_config(variant):
     import cutlass
 
     from fa4_jax.kernels.sm90.fwd import FlashAttentionForwardSm90
 
     return FlashAttentionForwardSm90(cutlass.BFloat16, variant.head_dim, variant.head_dim_v,
-                                     variant.mask, variant.softcap, **variant.tuning_kwargs).config
+                                     variant.mask, variant.softcap, **menu.tuning_kwargs(variant)).config
 
 
-@pytest.mark.parametrize("variant", [v for v in variants.MENU if v.arch == "sm_90a" and v.kind == "fwd"],
+@pytest.mark.parametrize("variant", [v for v in menu.MENU if v.arch == "sm_90a" and v.kind == "fwd"],
                          ids=lambda v: v.name)
 def test_pinned_pv_wait_keeps_the_softmax_under_the_gemm(library, variant):
     config = _fwd_sm90_config(variant)
@@ -153,10 +189,9 @@ def test_pinned_pv_wait_keeps_the_softmax_under_the_gemm(library, variant):
         pytest.skip("the P·V wait is not pinned in this kernel (PV_OVERLAP_FLOORS covers some)")
     gaps = load_script("ptxas_report").wgmma_wait_gaps(_sass(variant))
     assert gaps, f"{variant.name}: no wait for S followed by a wait for P·V in its SASS"
-    pinned = gaps[:-1] if config.overlap_tiles else gaps
     columns = config.tile_n // 4
     exponentials = 2 * sum(not config.softmax.uses_poly(c) for c in range(columns))
-    short = [(address, mufu) for address, _, mufu, _ in pinned if mufu < exponentials]
+    short = [(address, mufu) for address, _, mufu, _ in gaps if mufu < exponentials]
     assert not short, (
         f"{variant.name}: loops at {short} have fewer than the block's {exponentials} exponentials "
         f"between the wait for S and the wait for P·V (python scripts/ptxas_report.py {variant.name})")
@@ -167,10 +202,9 @@ def test_second_build_is_all_cached(library):
     assert not missing, f"not in the cache {build.cache_dir()} (built with another one?): {missing}"
     lines = []
     start = time.monotonic()
-    build.compile_variants(variants.MENU, jobs=2, log=lines.append)
+    build.compile_variants(build.shipping_menu(), jobs=2, log=lines.append)
     assert time.monotonic() - start < 30
-    assert len(lines) == len(variants.MENU)
-    assert all(line.endswith(": cached") for line in lines), lines
+    assert lines == [f"fa4_jax: {len(menu.MENU)} variants, {len(menu.MENU)} cached, 0 to compile on 2 workers"]
 
 
 _BROKEN_KERNEL = """
@@ -182,7 +216,7 @@ _BROKEN_KERNEL = """
 
         @cute.jit
         def __call__(self, mQ, mK, mV, mO, mLSE, mSeqUsedQ, mSeqUsedK, softmax_scale, softcap,
-                     window_left, window_right, stream):
+                     window_left, window_right, top_left, stream):
             this_name_is_not_defined(mQ)
 """
 
@@ -192,30 +226,38 @@ def test_broken_variant_fails_loudly(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p))
     monkeypatch.setenv("FA4_JAX_CACHE_DIR", str(tmp_path / "cache"))
-    victim = variants.MENU[0]
-    monkeypatch.setattr(variants, "MENU", (victim,))
-    monkeypatch.setitem(aot_compile.KERNELS, ("fwd", "sm_90a"), "broken_kernel:Broken")
+    monkeypatch.setenv("FA4_JAX_BUILD_LOG", str(tmp_path / "build.log"))
+    victim = menu.MENU[0]
+    broken = build.Menu((victim,), kernel_class=lambda v: "broken_kernel:Broken")
+    monkeypatch.setattr(build, "shipping_menu", lambda *args: broken)
     assert build.main(["--jobs", "1"]) == 1
     err = capsys.readouterr().err
     assert "BUILD FAILED" in err and f"variant {victim.name} FAILED" in err
     assert "this_name_is_not_defined" in err  # the worker's own error reaches the user
+    assert f"variant {victim.name} FAILED" in (tmp_path / "build.log").read_text()
     assert not list((tmp_path / "cache" / "variants").iterdir())  # no half-written entry
 
 
-def test_cache_keys_follow_each_variants_own_settings(monkeypatch):
+def test_build_log_says_what_the_build_does(tmp_path, monkeypatch):
+    # pip hides a build backend's output: the log file carries the per-variant progress.
+    monkeypatch.setenv("FA4_JAX_BUILD_LOG", str(tmp_path / "build.log"))
+    log = build._logger()
+    build.compile_variants(build.shipping_menu(only="^fwd_sm90a_bf16_d64_dv64$"), jobs=1, log=log)
+    text = (tmp_path / "build.log").read_text()
+    assert "fa4_jax: 1 variants, 1 cached, 0 to compile" in text
+
+
+def test_cache_keys_follow_each_variants_own_settings():
     # A variant's key covers its kernel's sources and its own fields and tuning settings, not
     # the rest of the menu: adding or renaming another tuning recompiles nothing else.
-    kernel = aot_compile.KERNELS["fwd", "sm_90a"]
-    variant = variants.Variant("sm_90a", "bf16", 128, 128, "causal", False, "fwd", "lpt")
-    key = build.variant_key(variant, kernel)
-    monkeypatch.setitem(variants.TUNINGS, "an_unrelated_ablation", {"tile_n": 64})
-    assert build.variant_key(variant, kernel) == key
-    monkeypatch.setitem(variants.TUNINGS, "lpt", {"scheduler": "lpt", "tile_n": 64})
-    assert build.variant_key(variant, kernel) != key
-    menu_file = build.PACKAGE / "aot" / "variants.py"
-    assert menu_file not in build._ALWAYS_HASHED
-    for kind in ("fwd", "bwd"):
-        assert menu_file not in build._kernel_sources(aot_compile.KERNELS[kind, "sm_90a"]), kind
+    variant = routing.Variant("sm_90a", "bf16", 128, 128, "causal", False, "fwd", "short")
+    kernel = menu.kernel_class(variant)
+    key = build.variant_key(variant, kernel, menu.tuning_kwargs(variant))
+    assert build.variant_key(variant, kernel, {**menu.tuning_kwargs(variant), "tile_n": 64}) != key
+    for menu_file in (build.PACKAGE / "aot" / "menu.py", build.PACKAGE / "kernels" / "sm90" / "menu.py"):
+        assert menu_file not in build._ALWAYS_HASHED
+        for kind in ("fwd", "bwd"):
+            assert menu_file not in build._kernel_sources(menu.arch_menu("sm_90a").KERNELS[kind]), kind
 
 
 def test_the_ffi_headers_come_from_the_pinned_build_jax():

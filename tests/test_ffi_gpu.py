@@ -1,4 +1,5 @@
-"""GPU tier: the fa4_fwd_v1 custom call end to end (library -> handler -> variant -> kernel)."""
+"""GPU tier: the fa4_jax_fwd_v2 / fa4_jax_bwd_v2 custom calls end to end (library -> handler ->
+routed variant -> kernel)."""
 import math
 
 import jax
@@ -6,12 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fa4_jax import ffi
+from fa4_jax import dispatch, ffi
 from fa4_jax.params import AttentionParams
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not ffi.is_available(), reason="needs the built library and an sm_90 GPU"),
+    pytest.mark.skipif(not dispatch.available(), reason="needs the built library and an sm_90 GPU"),
 ]
 
 
@@ -24,7 +25,7 @@ def _naive(q, k, v, p: AttentionParams):
     if p.softcap is not None:
         s = p.softcap * jnp.tanh(s / p.softcap)
     sq, sk = q.shape[1], k.shape[1]
-    i = jnp.arange(sq)[:, None] + (sk - sq)
+    i = jnp.arange(sq)[:, None] + (0 if p.top_left else sk - sq)
     j = jnp.arange(sk)[None, :]
     visible = jnp.ones((sq, sk), bool)
     if p.causal:
@@ -44,15 +45,16 @@ def _naive(q, k, v, p: AttentionParams):
 @pytest.mark.parametrize("mask", [{}, {"causal": True}, {"window_left": 5, "window_right": 0},
                                   {"window_left": 7}, {"causal": True, "window_left": 3}])
 @pytest.mark.parametrize("softcap", [None, 5.0])
-def test_forward_matches_naive(dtype, d, mask, softcap):
+@pytest.mark.parametrize("top_left", [False, True])
+def test_forward_matches_naive(dtype, d, mask, softcap, top_left):
     b, sq, sk, h, hk = 2, 77, 93, 4, 2
     keys = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(keys[0], (b, sq, h, d), dtype)
     k = jax.random.normal(keys[1], (b, sk, hk, d), dtype)
     v = jax.random.normal(keys[2], (b, sk, hk, d), dtype)
-    p = AttentionParams(softmax_scale=1 / math.sqrt(d), softcap=softcap, **mask)
-    assert ffi.unsupported_reason(q, k, v, p) is None
-    out, lse = jax.jit(lambda q, k, v: ffi.forward(q, k, v, p))(q, k, v)
+    p = AttentionParams(softmax_scale=1 / math.sqrt(d), softcap=softcap, top_left=top_left, **mask)
+    assert dispatch.unsupported_reason(q, k, v, p) is None
+    out, lse = jax.jit(lambda q, k, v: dispatch.forward(q, k, v, p))(q, k, v)
     ref_out, ref_lse = _naive(q, k, v, p)
     assert out.shape == (b, sq, h, d) and out.dtype == dtype and lse.shape == (b, h, sq)
     np.testing.assert_allclose(np.asarray(out, np.float32), ref_out, atol=2e-2, rtol=2e-2)
@@ -62,9 +64,9 @@ def test_forward_matches_naive(dtype, d, mask, softcap):
 def test_missing_variant_is_named():
     q = jnp.ones((1, 8, 2, 160), jnp.bfloat16)
     params = AttentionParams(softmax_scale=0.1)
-    reason = ffi.unsupported_reason(q, q, q, params)
+    reason = dispatch.unsupported_reason(q, q, q, params)
     assert reason is not None and "fwd_sm90a_bf16_d160_dv160" in reason
-    reason = ffi.unsupported_reason(q, q, q, params, "bwd")
+    reason = dispatch.unsupported_reason(q, q, q, params, "bwd")
     assert reason is not None and "bwd_sm90a_bf16_d160_dv160" in reason
 
 
@@ -74,7 +76,17 @@ def test_handler_rejects_bad_shapes():
     call = jax.ffi.ffi_call(ffi.FWD_TARGET, (jax.ShapeDtypeStruct((1, 8, 2, 64), jnp.bfloat16),
                                               jax.ShapeDtypeStruct((1, 2, 8), jnp.float32)))
     with pytest.raises(Exception, match="multiple of heads"):
-        jax.block_until_ready(call(q, k, k, *ffi._seq_used(None), **_ATTRS))
+        jax.block_until_ready(call(q, k, k, *ffi.seq_used(None), **_ATTRS))
+
+
+def test_handler_refuses_a_tuning_attribute():
+    # The stable target's attributes describe the problem only; a tuning is the development
+    # library's (benchmarks/ablations.py).
+    q = jnp.ones((1, 8, 2, 64), jnp.bfloat16)
+    call = jax.ffi.ffi_call(ffi.FWD_TARGET, (jax.ShapeDtypeStruct(q.shape, q.dtype),
+                                              jax.ShapeDtypeStruct((1, 2, 8), jnp.float32)))
+    with pytest.raises(Exception, match="tuning"):
+        jax.block_until_ready(call(q, q, q, *ffi.seq_used(None), **_ATTRS, tuning="default"))
 
 
 def test_handler_names_a_wrong_length_operand():
@@ -85,13 +97,13 @@ def test_handler_names_a_wrong_length_operand():
     with pytest.raises(Exception, match=r"seq_used_k has shape \[3\], expected \[2\]"):
         jax.block_until_ready(call(q, q, q, full, jnp.full((3,), 8, jnp.int32), **_ATTRS))
     # Empty operands mean a dense batch only when both are empty.
-    empty, _ = ffi._seq_used(None)
+    empty, _ = ffi.seq_used(None)
     with pytest.raises(Exception, match=r"seq_used_q has shape \[0\], expected \[2\]"):
         jax.block_until_ready(call(q, q, q, empty, full, **_ATTRS))
 
 
 _ATTRS = dict(softmax_scale=np.float32(1), causal=False, window_left=np.int32(-1),
-              window_right=np.int32(-1), softcap=np.float32(0), tuning="default")
+              window_right=np.int32(-1), softcap=np.float32(0), top_left=False)
 
 
 def _backward_workspace_call(dpsum_rows=128, copies=1, d_lse_batch=1):
@@ -107,7 +119,7 @@ def _backward_workspace_call(dpsum_rows=128, copies=1, d_lse_batch=1):
         jax.ShapeDtypeStruct((copies, b, h, sq_pad // 64), jnp.int32),
     ]
     call = jax.ffi.ffi_call(ffi.BWD_TARGET, results)
-    return lambda: jax.block_until_ready(call(q, q, q, q, q, stats, d_lse, *ffi._seq_used(None),
+    return lambda: jax.block_until_ready(call(q, q, q, q, q, stats, d_lse, *ffi.seq_used(None),
                                               deterministic=True, **_ATTRS))
 
 

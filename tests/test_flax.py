@@ -170,9 +170,19 @@ def test_unsupported_arguments_raise_naming_them(kwargs, named, seed):
         attention_fn(*small_qkv(seed), **kwargs)
 
 
-def test_is_causal_with_unequal_lengths_raises(seed):
+@pytest.mark.parametrize("q_len, kv_len", [(8, 16), (16, 8)])
+def test_is_causal_with_unequal_lengths_is_flaxs_top_left_mask(q_len, kv_len, seed):
+    # Flax's is_causal is tril over [q_len, kv_len]: query i sees keys j <= i.
+    q, k, v = small_qkv(seed, q_len=q_len, kv_len=kv_len)
+    want = nnx.dot_product_attention(q, k, v, is_causal=True)
+    np.testing.assert_allclose(attention_fn(q, k, v, is_causal=True), want, **FP32_TOL)
+    # Against the other alignment: the comparison would catch a bottom-right mask.
+    assert np.abs(np.asarray(make_attention_fn(causal=True)(q, k, v)) - np.asarray(want)).max() > 1e-3
+
+
+def test_is_causal_beside_a_bottom_right_factory_mask_raises(seed):
     with pytest.raises(NotImplementedError, match="is_causal"):
-        attention_fn(*small_qkv(seed, q_len=8, kv_len=16), is_causal=True)
+        make_attention_fn(causal=True)(*small_qkv(seed, q_len=8, kv_len=16), is_causal=True)
 
 
 def test_mismatched_batch_dims_raise_value_error(seed):

@@ -9,19 +9,23 @@ pytest.importorskip("cutlass")
 
 import cutlass  # noqa: E402
 
+from fa4_jax.kernels.sm90 import hardware, menu as sm90  # noqa: E402
+from fa4_jax.kernels.sm90.bwd import Barrier as BwdBarrier  # noqa: E402
 from fa4_jax.kernels.sm90.bwd import FlashAttentionBackwardSm90  # noqa: E402
-from fa4_jax.kernels.sm90.fwd import FlashAttentionForwardSm90  # noqa: E402
+from fa4_jax.kernels.sm90.fwd import Barrier as FwdBarrier  # noqa: E402
+from fa4_jax.kernels.sm90.fwd import MMA_REGISTERS, ROLES, TILE_CONFIGS, FlashAttentionForwardSm90  # noqa: E402
 
 
-def _kernel(mask="causal", **tuning):
-    return FlashAttentionForwardSm90(cutlass.BFloat16, 128, 128, mask, False, **tuning)
+def _kernel(mask="causal", head_dim=128, **tuning):
+    return FlashAttentionForwardSm90(cutlass.BFloat16, head_dim, head_dim, mask, False, **tuning)
 
 
 @pytest.mark.parametrize("tuning", [
-    dict(overlap_tiles=True),  # one CTA per tile: no next tile to overlap with
-    dict(overlap_tiles=True, scheduler="lpt"),  # O staged in Q's buffer: the next Q cannot land
     dict(mma_warp_groups=1),  # ping-pong needs a second warp group
-    dict(tile_n=100),
+    dict(mma_warp_groups=4),  # no register budget for four
+    dict(tile_n=100),  # not a multiple of P·V's k16 steps
+    dict(tile_n=256, kv_stages=3),  # more shared memory than a CTA has
+    dict(exp2_poly_share=1.5),
     dict(no_such_knob=1),
 ])
 def test_bad_tunings_are_refused(tuning):
@@ -33,7 +37,11 @@ def test_bad_tunings_are_refused(tuning):
 def test_d128_pingpong_is_off_under_a_mask_only(mask):
     assert _kernel(mask).pingpong is (mask == "none")
     assert _kernel(mask, pingpong=True).pingpong
-    assert _kernel(mask, scheduler="lpt", separate_o=True, overlap_tiles=True, tile_n=128).config.overlap_tiles
+
+
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_d256_takes_pingpong_under_a_mask_only(mask):
+    assert _kernel(mask, head_dim=256).pingpong is (mask == "causal")
 
 
 @pytest.mark.parametrize("mask, width", [("none", 176), ("causal", 128), ("local", 128)])
@@ -45,42 +53,55 @@ def test_d128_key_blocks_are_narrower_under_a_mask(mask, width):
 
 @pytest.mark.parametrize("mask", ["none", "causal"])
 def test_d64_padded_warp_groups_skip_their_gemms(mask):
-    # d64's default since session 16; the overlapped persistent order has no skip, so its
-    # tunings turn it off rather than being refused (variants._OVERLAP).
-    from fa4_jax.aot import variants
-
-    def d64(tuning):
-        kwargs = variants.TUNINGS[tuning]
-        return FlashAttentionForwardSm90(cutlass.BFloat16, 64, 64, mask, False, **kwargs).config
-
-    assert d64("default").skip_padded_groups
-    assert not d64("no_skip_padded").skip_padded_groups
-    assert d64("lpt_so_overlap").overlap_tiles and not d64("lpt_so_overlap").skip_padded_groups
+    assert _kernel(mask, head_dim=64).config.skip_padded_groups
+    assert not _kernel(mask, head_dim=64, skip_padded_groups=False).config.skip_padded_groups
     assert not _kernel(mask).config.skip_padded_groups  # d128: unmeasured, off
     with pytest.raises(ValueError, match="skip_padded_groups"):
-        FlashAttentionForwardSm90(cutlass.BFloat16, 64, 64, mask, False, scheduler="lpt",
-                                  separate_o=True, overlap_tiles=True, tile_n=128)
+        FlashAttentionForwardSm90(cutlass.BFloat16, 64, 64, "none", False, tail_keys=48)
 
 
-def test_tail_rule_agrees_with_the_tile_table():
-    # variants.TAIL_CALLS carries each head dim's unmasked tile_n for the CPU-side rule.
-    from fa4_jax.aot import variants
-
-    for head_dim, tile_n in variants.TAIL_CALLS.items():
-        kernel = FlashAttentionForwardSm90(cutlass.BFloat16, head_dim, head_dim, "none", False)
-        assert kernel.tile_n == tile_n
-        for width in variants.TAIL_WIDTHS:
-            tuning = variants.TUNINGS[f"tail{width}"]
-            assert FlashAttentionForwardSm90(cutlass.BFloat16, head_dim, head_dim, "none", False,
-                                             **tuning).tail_keys == width
-            # Under a mask the tail block keeps the full width.
-            assert FlashAttentionForwardSm90(cutlass.BFloat16, head_dim, head_dim, "causal", False,
-                                             **tuning).tail_keys == 0
+def test_tile_shapes_fit_the_hardware():
+    for (d, dv), config in TILE_CONFIGS.items():
+        for masked in (False, True):
+            resolved = config.for_mask(masked)
+            assert resolved.smem_bytes(d, dv) + 1024 <= hardware.SMEM_BYTES, (d, dv, masked)
+    # The register budgets: the producer group's 128 threads at its budget plus the MMA
+    # threads' fill the register file at most.
+    for groups, budget in MMA_REGISTERS.items():
+        assert 128 * ROLES.producer_registers + groups * 128 * budget <= hardware.REGISTERS_PER_SM
+        assert budget % 8 == 0 and budget <= 240
 
 
-@pytest.mark.parametrize("tuning", [dict(tail_keys=40), dict(tail_keys=176), dict(tail_keys=-16),
-                                    dict(tail_keys=48, scheduler="lpt", separate_o=True,
-                                         overlap_tiles=True, tile_n=128)])
+def test_named_barriers_fit_the_hardware():
+    forward = [int(b) for b in FwdBarrier] + [FwdBarrier.PINGPONG + g for g in range(3)]
+    backward = [int(b) for b in BwdBarrier]
+    for ids in (forward, backward):
+        assert 0 not in ids and max(ids) < hardware.NAMED_BARRIERS
+
+
+def test_tail_routes_agree_with_the_tile_table():
+    # The menu's tail routes carry d128's unmasked tile_n for the run-time rule.
+    for route in (r for r in sm90.ROUTES if r.tail_tile_n):
+        kernel = _kernel("none", route.head_dim)
+        assert kernel.tile_n == route.tail_tile_n
+        tuned = _kernel("none", route.head_dim, **sm90.TUNINGS[route.tuning])
+        assert tuned.tail_keys == route.tail_keys
+        # Under a mask the tail block keeps the full width.
+        assert _kernel("causal", route.head_dim, **sm90.TUNINGS[route.tuning]).tail_keys == 0
+
+
+def test_diagonal_routes_agree_with_the_kernels():
+    for route in (r for r in sm90.ROUTES if r.diagonal_block):
+        kernel = _kernel("causal", route.head_dim, **sm90.TUNINGS[route.tuning])
+        assert kernel.diagonal_keys == 64 and kernel.tile_m == kernel.tile_n == route.diagonal_block
+        # Softcap kernels keep the full diagonal, so the routes take no softcap.
+        assert route.softcap is False
+        softcapped = FlashAttentionForwardSm90(cutlass.BFloat16, route.head_dim, route.head_dim, "causal",
+                                               True, **sm90.TUNINGS[route.tuning])
+        assert softcapped.diagonal_keys == 0
+
+
+@pytest.mark.parametrize("tuning", [dict(tail_keys=40), dict(tail_keys=176), dict(tail_keys=-16)])
 def test_bad_tail_widths_are_refused(tuning):
     with pytest.raises(ValueError, match="tail_keys"):
         _kernel("none", **tuning)
@@ -95,13 +116,9 @@ def _backward(head_dim=64, mask="none", softcap=False, **tuning):
     # d256 has one Q/dO stage: the next Q cannot load ahead.
     (256, dict(scores_ahead=True)),
     (64, dict(scores_ahead=True)),  # and d64's dq_during_dk: two overlaps of one hand-over
-    (128, dict(det_free_sdq_on_read=False)),  # sdQ held to the add's completion: one writer only
     (256, dict(dq_writers=4)),  # the producer group has three warps besides the loader
     (128, dict(stages=3)),  # pds_stages 2 does not divide it
     (128, dict(row_stats_ahead=-1)),
-    (128, dict(dv_after_ds_store=True, dv_during_ds=True)),  # dV is already issued earlier
-    (256, dict(dv_after_ds_store=True)),  # d256's dV GEMM reads Pᵀ from shared memory
-    (256, dict(do_release_early=True)),  # no hand-over under the dK GEMM to release before
     (64, dict(no_such_knob=1)),
 ])
 def test_bad_backward_tunings_are_refused(head_dim, tuning):
@@ -119,13 +136,13 @@ def test_d64_backward_tiles_are_128_rows_except_with_softcap():
 
 @pytest.mark.parametrize("head_dim", [96, 128])
 def test_d96_d128_backward_issue_in_upstreams_order(head_dim):
-    # dV after dSᵀ, dQ before dK with the hand-over under it, LSE/D read ahead (session 13); the
-    # ablations that turn it back must still build.
+    # dV after dSᵀ, dQ before dK with the hand-over under it, LSE/D read ahead; the settings
+    # that turn it back must still build.
     config = _backward(head_dim).config
     assert (config.dv_during_ds, config.dq_during_dk, config.scores_ahead) == (False, True, False)
     assert config.row_stats_ahead == 16
-    # d128 reads LSE before the Sᵀ GEMM, as upstream does (session 16); the Sᵀ issued ahead
-    # reads it later, and refuses the combination.
+    # d128 reads LSE before the Sᵀ GEMM, as upstream does; the Sᵀ issued ahead reads it later,
+    # and refuses the combination.
     assert config.lse_before_scores == (head_dim == 128)
     ahead = _backward(head_dim, scores_ahead=True, dq_during_dk=False, lse_before_scores=False)
     assert ahead.config.scores_ahead
@@ -138,13 +155,9 @@ def test_d96_d128_backward_issue_in_upstreams_order(head_dim):
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("softcap", [False, True])
 def test_only_d64_claims_its_first_dq_add_by_default(head_dim, softcap):
-    # Measured at d64 over three runs (session 20); at d256 it loses, at d128 it is mixed.
-    from fa4_jax.aot import variants
-
     config = _backward(head_dim, softcap=softcap).config
     assert config.default_stores_first == (head_dim == 64)
-    zeroed = _backward(head_dim, softcap=softcap, **variants.TUNINGS["dq_zeroed"]).config
-    assert not zeroed.default_stores_first
+    assert not _backward(head_dim, softcap=softcap, default_stores_first=False).config.default_stores_first
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 31, 32, 44, 88])

@@ -117,6 +117,10 @@ def test_short_causal_calls():
     # Top-left alignment puts the diagonal at offset 0: block-aligned whatever the lengths.
     assert choose(mask="causal", seqlen_q=1000, seqlen_k=1001, top_left=True) == "short_diag"
     assert choose(mask="causal", seqlen_q=3000, seqlen_k=4001, top_left=True) == "diag"
+    # ... but query rows past the keys' last block see whole blocks that are not their diagonal.
+    assert choose(mask="causal", seqlen_q=4096, seqlen_k=1000, top_left=True) == "default"
+    assert choose(mask="causal", seqlen_q=1024, seqlen_k=1000, top_left=True) == "short_diag"
+    assert choose(mask="causal", seqlen_q=1025, seqlen_k=1024, top_left=True) == "default"
     # Other head dims and masks keep the default.
     assert choose(mask="causal", head_dim=256, seqlen_q=512, seqlen_k=512) == "default"
     assert choose(mask="local", seqlen_q=512, seqlen_k=512) == "default"
@@ -141,15 +145,17 @@ def test_dense_d128_forwards_take_the_narrowest_tail_that_holds_their_last_block
 
 
 def test_a_route_whose_variant_is_not_compiled_is_passed_over():
-    call = Call("fwd", "sm_90a", "bf16", 128, 128, "none", False, 4096, 4096)
-    assert routing.choose(call, sm90.ROUTES, COMPILED - {call.variant("tail48").name}).tuning == "default"
+    call = Call("fwd", "sm_90a", "bf16", 128, 128, "none", False, 4096, 4096)  # 48 keys in the last block
+    assert routing.choose(call, sm90.ROUTES, COMPILED - {call.variant("tail48").name}).tuning == "tail96"
+    tails = {call.variant(f"tail{keys}").name for keys in (48, 96, 128)}
+    assert routing.choose(call, sm90.ROUTES, COMPILED - tails).tuning == "default"
 
 
 def test_route_conditions():
     call = Call("fwd", "sm_90a", "bf16", 128, 128, "causal", False, 1000, 1128)
-    assert Route("x", "causal", 128, max_len=1128, diagonal_multiple=128).fits(call)
+    assert Route("x", "causal", 128, max_len=1128, diagonal_block=128).fits(call)
     assert not Route("x", "causal", 128, max_len=1127).fits(call)
-    assert not Route("x", "causal", 128, diagonal_multiple=256).fits(call)
+    assert not Route("x", "causal", 128, diagonal_block=256).fits(call)
     assert not Route("x", "causal", 128, max_rows=999).fits(call)
     assert not Route("x", "causal", 128, softcap=True).fits(call)
     assert not Route("x", "none", 128).fits(call)

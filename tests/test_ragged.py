@@ -188,15 +188,15 @@ def test_dense_calls_pass_empty_lengths_that_cost_no_op():
     # custom_partitioning, which rejects closed-over constants (a numpy array would be one). A
     # dense call's are empty, so XLA compiles them to constants and launches nothing for them
     # (full lengths were a broadcast kernel before every call).
-    jaxpr = jax.make_jaxpr(lambda: ffi._seq_used(None))()
+    jaxpr = jax.make_jaxpr(lambda: ffi.seq_used(None))()
     assert not jaxpr.consts
-    dense = jax.jit(lambda: ffi._seq_used(None))
+    dense = jax.jit(lambda: ffi.seq_used(None))
     for lengths in dense():
         assert lengths.shape == (0,) and lengths.dtype == jnp.int32
     compiled = dense.lower().compile().as_text()
     assert "broadcast(" not in compiled and "fusion(" not in compiled, compiled
     q_len, kv_len = jnp.array([1, 0, 8]), jnp.array([5, 3, 0])
-    seq_used_q, seq_used_k = ffi._seq_used((q_len, kv_len))
+    seq_used_q, seq_used_k = ffi.seq_used((q_len, kv_len))
     np.testing.assert_array_equal(seq_used_q, q_len)
     np.testing.assert_array_equal(seq_used_k, kv_len)
     assert seq_used_q.dtype == seq_used_k.dtype == jnp.int32

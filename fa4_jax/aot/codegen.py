@@ -98,7 +98,7 @@ def _table_entry(v) -> str:
 def _route_entry(arch: str, r) -> str:
     softcap = -1 if r.softcap is None else int(r.softcap)
     return (f'  {{{_KIND[r.kind]}, "{arch}", "{r.mask}", {r.head_dim}, "{r.tuning}", {r.max_rows}, '
-            f'{r.max_len}, {str(r.dense).lower()}, {r.diagonal_multiple}, {r.tail_tile_n}, '
+            f'{r.max_len}, {str(r.dense).lower()}, {r.diagonal_block}, {r.tail_tile_n}, '
             f'{r.tail_keys}, {softcap}}},')
 
 

@@ -69,14 +69,16 @@ DYNAMIC_DIMS = ("b", "sq", "sk", "h", "hk", "sq_pad", "m_blocks", "copies", "b_l
 STATIC_DIMS = ("d", "dv")
 
 # Each kind's scalar arguments after the tensors (then the CUDA stream): name and dtype.
+# top_left is 0 or 1: 1 aligns the causal/window masks to the top-left corner (diagonal offset 0)
+# instead of the bottom-right (seqlen_k − seqlen_q, per batch entry).
 # deterministic is 0 or 1: 1 fixes the order of every floating-point reduction across CTAs.
 # num_sms: the device's multiprocessors, so CTAs of one backward kernel (one per SM) that run at
 # once; the deterministic order may then rotate chains of key blocks that fit (bwd.py).
 SCALARS = {
     "fwd": (("softmax_scale", "f32"), ("softcap", "f32"), ("window_left", "i32"),
-            ("window_right", "i32")),
+            ("window_right", "i32"), ("top_left", "i32")),
     "bwd": (("softmax_scale", "f32"), ("softcap", "f32"), ("window_left", "i32"),
-            ("window_right", "i32"), ("deterministic", "i32"), ("num_sms", "i32")),
+            ("window_right", "i32"), ("top_left", "i32"), ("deterministic", "i32"), ("num_sms", "i32")),
 }
 
 

@@ -26,13 +26,13 @@ LOCAL_AND_SOFTCAP = {
 }
 
 
-def ablation_tunings(kind):
+def routed_tunings(kind):
     """pytest.mark.parametrize over the (head_dim, head_dim_v, tuning, causal) of `kind`'s
-    compiled non-default variants without a window (the ablations, and the call-routed "short"
-    and "decode" variants), ids like "d128-lpt-causal" ("d192v128-decode-full")."""
-    from fa4_jax.aot import variants
+    shipped non-default variants without a window (the tunings the router sends calls to), ids
+    like "d128-short-causal" ("d192v128-decode-full")."""
+    from fa4_jax.aot import menu
 
-    cases = sorted({(v.head_dim, v.head_dim_v, v.tuning, v.mask == "causal") for v in variants.MENU
+    cases = sorted({(v.head_dim, v.head_dim_v, v.tuning, v.mask == "causal") for v in menu.MENU
                     if v.kind == kind and v.tuning != "default" and v.mask != "local"})
     ids = [f"d{d}{'' if dv == d else f'v{dv}'}-{t}-{'causal' if c else 'full'}" for d, dv, t, c in cases]
     return pytest.mark.parametrize("head_dim,head_dim_v,tuning,causal", cases, ids=ids)
@@ -41,13 +41,13 @@ def ablation_tunings(kind):
 def require_kernels(q, k, v, **options):
     """Skips unless both the forward and the backward kernel serve this call (so a green run
     never overstates coverage); the skip gives the library's reason."""
-    from fa4_jax import ffi
+    from fa4_jax import dispatch
     from fa4_jax.api import attention_params
 
     try:
         params = attention_params(q, k, v, implementation="cute", **options)
     except ValueError as error:
         pytest.skip(str(error))
-    reason = ffi.unsupported_reason(q, k, v, params, "bwd")
+    reason = dispatch.unsupported_reason(q, k, v, params, "bwd")
     if reason is not None:
         pytest.skip(f"no backward kernel: {reason}")

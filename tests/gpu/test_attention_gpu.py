@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import fa4_jax
-from tests.gpu.cases import LOCAL_AND_SOFTCAP, ablation_tunings, mask_options, qkv
+from tests.gpu.cases import LOCAL_AND_SOFTCAP, mask_options, qkv
 from tests.numerics import (
     assert_close_by_rule,
     naive_attention_fp64,
@@ -62,29 +62,38 @@ def _check_forward(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_
         assert not np.array_equal(np.asarray(out), np.asarray(other_out))
 
 
-@pytest.mark.parametrize("mask,head_dim", [("causal", 64), ("causal", 128), ("none", 128)])
-def test_short_calls_run_the_short_variant(next_key, mask, head_dim):
-    # The tests at short lengths below exercise the short variants (variants.call_tuning); this
-    # pins that they do, and that longer calls keep the default.
-    from fa4_jax import ffi
-    from fa4_jax.aot.variants import SHORT_CALLS, TUNINGS
+def _routed(q, k, v, **options):
+    """The tuning of the variant the handler runs for this call (fa4_jax.routing's rule)."""
+    from fa4_jax import dispatch
     from fa4_jax.api import attention_params
 
-    steps = SHORT_CALLS[(mask, head_dim)]
+    params = attention_params(q, k, v, implementation="cute", **options)
+    return dispatch.explain_variant(q, k, v, params).tuning
+
+
+# (mask, head dim, seqlen_q, seqlen_k, the tuning the call routes to): each routed variant at
+# the ends of its range (kernels/sm90/menu.py ROUTES), and the default just past them.
+ROUTED_CALLS = [
+    ("causal", 64, 1024, 1024, "short_wg2_diag"),
+    ("causal", 64, 1000, 1001, "short_wg2"),
+    ("causal", 64, 1025, 1025, "default"),
+    ("causal", 128, 1000, 1128, "short_diag"),
+    ("causal", 128, 999, 1000, "short"),
+    ("causal", 128, 2048, 2048, "diag"),
+    ("causal", 128, 8064, 8192, "diag"),
+    ("causal", 128, 3000, 3001, "default"),
+    ("none", 128, 1000, 1000, "n128_tree"),
+    ("none", 64, 64, 3000, "decode"),
+]
+
+
+@pytest.mark.parametrize("mask,head_dim,seqlen_q,seqlen_k,want", ROUTED_CALLS,
+                         ids=[f"{m}-d{d}-{sq}x{sk}-{t}" for m, d, sq, sk, t in ROUTED_CALLS])
+def test_routed_calls_run_their_variant(next_key, mask, head_dim, seqlen_q, seqlen_k, want):
+    q, k, v = qkv(next_key, 1, seqlen_q, seqlen_k, 2, 2, head_dim, jnp.bfloat16)
     causal = mask == "causal"
-    # Each step's longest call (the first step's at 1000, an odd length), then one past the last.
-    # A step that narrows the diagonal takes equal lengths; the others one key more, which its
-    # narrowing cannot take (variants.diagonal_fits), so the call reaches them.
-    cases = []
-    for i, (tuning, longest) in enumerate(steps):
-        seqlen_q = 1000 if i == 0 else longest
-        extra_key = 0 if TUNINGS[tuning].get("first_group_diagonal") else 1
-        cases.append((seqlen_q - extra_key, seqlen_q, tuning))
-    for seqlen_q, seqlen_k, want in cases + [(steps[-1][1] + 1,) * 2 + ("default",)]:
-        q, k, v = qkv(next_key, 1, seqlen_q, seqlen_k, 2, 2, head_dim, jnp.bfloat16)
-        params = attention_params(q, k, v, causal=causal, implementation="cute")
-        assert ffi._forward_tuning(q, k, v, params, "default") == want
-        _check_forward(next_key, 1, seqlen_q, seqlen_k, 2, 2, head_dim, jnp.bfloat16, causal=causal)
+    assert _routed(q, k, v, causal=causal) == want
+    _check_forward(next_key, 1, seqlen_q, seqlen_k, 2, 2, head_dim, jnp.bfloat16, causal=causal)
 
 
 @pytest.mark.parametrize("softcap", [None, 5.0])
@@ -92,24 +101,20 @@ def test_short_calls_run_the_short_variant(next_key, mask, head_dim):
 @pytest.mark.parametrize("head_dim,seqlen,want", [(128, 1024, "short_diag"), (128, 2048, "diag"),
                                                   (64, 1024, "short_wg2_diag")])
 def test_causal_calls_run_their_narrowed_diagonal_variant(next_key, head_dim, seqlen, want, dtype, softcap):
-    # Every dtype and softcap setting of the diagonal rule (variants.SHORT_CALLS), routed and
-    # against the reference (softcap kernels keep the full diagonal); GQA, and 128 fewer queries
-    # than keys.
-    from fa4_jax import ffi
-    from fa4_jax.api import attention_params
-
+    # Every dtype and softcap setting of the diagonal routes, routed and against the reference
+    # (softcap calls take the full-diagonal kernels); GQA, and 128 fewer queries than keys.
     q, k, v = qkv(next_key, 2, seqlen - 128, seqlen, 4, 2, head_dim, dtype)
-    params = attention_params(q, k, v, causal=True, softcap=softcap, implementation="cute")
-    assert ffi._forward_tuning(q, k, v, params, "default") == want
+    expected = want if softcap is None else {"short_diag": "short", "diag": "default",
+                                             "short_wg2_diag": "short_wg2"}[want]
+    assert _routed(q, k, v, causal=True, softcap=softcap) == expected
     _check_forward(next_key, 2, seqlen - 128, seqlen, 4, 2, head_dim, dtype, causal=True, softcap=softcap)
 
 
 def _tail_cases():
     """(width, keys in the last block) at both ends of each tail width's range."""
-    from fa4_jax.aot.variants import TAIL_WIDTHS
-
-    narrower = (0,) + TAIL_WIDTHS[:-1]
-    return [(width, tail) for low, width in zip(narrower, TAIL_WIDTHS) for tail in (low + 1, width)]
+    widths = (48, 96, 128)
+    narrower = (0,) + widths[:-1]
+    return [(width, tail) for low, width in zip(narrower, widths) for tail in (low + 1, width)]
 
 
 @pytest.mark.parametrize("softcap", [None, 5.0])
@@ -117,27 +122,12 @@ def _tail_cases():
 @pytest.mark.parametrize("width,tail", _tail_cases())
 def test_dense_calls_run_their_narrowed_tail_variant(next_key, width, tail, dtype, softcap):
     # Dense d128 calls without a mask compute their last key block only as wide as the tail
-    # variant's width (variants.TAIL_CALLS): pin the choice, then the numerics at both ends of
-    # the width's range (the keys past the tail must not leak in; none of the tail may drop).
-    from fa4_jax import ffi
-    from fa4_jax.aot.variants import TAIL_CALLS
-    from fa4_jax.api import attention_params
-
-    seqlen_q, seqlen_k = 300, 7 * TAIL_CALLS[128] + tail
+    # variant's width: pin the choice, then the numerics at both ends of the width's range (the
+    # keys past the tail must not leak in; none of the tail may drop).
+    seqlen_q, seqlen_k = 300, 7 * 176 + tail
     q, k, v = qkv(next_key, 2, seqlen_q, seqlen_k, 4, 2, 128, dtype)
-    params = attention_params(q, k, v, softcap=softcap, implementation="cute")
-    assert ffi._forward_tuning(q, k, v, params, "default") == f"tail{width}"
+    assert _routed(q, k, v, softcap=softcap) == f"tail{width}"
     _check_forward(next_key, 2, seqlen_q, seqlen_k, 4, 2, 128, dtype, softcap=softcap)
-
-
-def test_a_tail_variant_refuses_a_call_it_would_cut_short(next_key):
-    from fa4_jax import ffi
-    from fa4_jax.api import attention_params
-
-    q, k, v = qkv(next_key, 1, 300, 4200, 2, 2, 128, jnp.bfloat16)  # 152 keys in the last block
-    params = attention_params(q, k, v, implementation="cute")
-    with pytest.raises(ValueError, match="tuning: .*seqlen_k=4200"):
-        ffi.forward(q, k, v, params, tuning="tail48")
 
 
 # The first warp group's diagonal block 64 keys wide (TileConfig.first_group_diagonal) on
@@ -148,33 +138,44 @@ DIAGONAL_SHAPES = {
     "more_keys_odd": (2, 1000, 1128, 4, 4),
     "fewer_keys": (3, 300, 172, 4, 1),
     "one_block": (4, 129, 129, 4, 4),
+    "longer": (1, 2000, 2128, 4, 2),
 }
 
 
 @pytest.mark.parametrize("shape", DIAGONAL_SHAPES.values(), ids=DIAGONAL_SHAPES.keys())
-@pytest.mark.parametrize("head_dim,tuning", [(128, "diag"), (128, "short_diag"), (64, "short_wg2_diag"),
-                                             (96, "diag")])
-def test_the_first_groups_narrowed_diagonal(next_key, head_dim, tuning, shape):
-    from fa4_jax import ffi
-    from fa4_jax.api import attention_params
-
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_first_groups_narrowed_diagonal(next_key, head_dim, shape):
     batch, seqlen_q, seqlen_k, heads_q, heads_kv = shape
     q, k, v = qkv(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, jnp.bfloat16)
-    params = attention_params(q, k, v, causal=True, implementation="cute")
-    out, lse = jax.jit(lambda q, k, v: ffi.forward(q, k, v, params, tuning=tuning))(q, k, v)
-    (ref, ref_lse), (lowp, lowp_lse) = reference_pair(q, k, v, causal=True)
+    short = max(seqlen_q, seqlen_k) <= 1024
+    want = {64: "short_wg2_diag" if short else "default", 128: "short_diag" if short else "diag"}
+    assert _routed(q, k, v, causal=True) == want[head_dim]
+    _check_forward(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, jnp.bfloat16,
+                   causal=True)
+
+
+# Top-left masks (the drop-in's rule, jax.nn.dot_product_attention's): the diagonal at offset
+# 0 whatever the lengths, on the kernels, forward and backward through the drop-in.
+TOP_LEFT_SHAPES = {
+    "q_shorter": (2, 300, 1000, 4, 2),
+    "q_longer": (2, 1000, 300, 4, 2),
+    "diag_routed": (1, 2000, 3000, 4, 4),
+    "q_past_keys": (1, 1200, 500, 2, 2),
+}
+
+
+@pytest.mark.parametrize("window", [None, (64, 0), (50, 20)], ids=["causal", "causal_window", "window"])
+@pytest.mark.parametrize("shape", TOP_LEFT_SHAPES.values(), ids=TOP_LEFT_SHAPES.keys())
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_top_left_masks_on_the_kernels(next_key, shape, window, dtype):
+    batch, seqlen_q, seqlen_k, heads_q, heads_kv = shape
+    q, k, v = qkv(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, 128, dtype)
+    kwargs = dict(is_causal=window is None or window[1] == 0, local_window_size=window)
+    out = fa4_jax.dot_product_attention(q, k, v, implementation="cute", **kwargs)
+    ref = jax.nn.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)), implementation="xla",
+                                       **kwargs)
+    lowp = jax.nn.dot_product_attention(q, k, v, implementation="xla", **kwargs)
     assert_close_by_rule(out, ref, lowp, name="out")
-    assert_close_by_rule(lse, ref_lse, lowp_lse, name="lse")
-
-
-def test_a_diagonal_variant_refuses_a_diagonal_off_its_blocks(next_key):
-    from fa4_jax import ffi
-    from fa4_jax.api import attention_params
-
-    q, k, v = qkv(next_key, 1, 1000, 1064, 2, 2, 128, jnp.bfloat16)
-    params = attention_params(q, k, v, causal=True, implementation="cute")
-    with pytest.raises(ValueError, match="tuning: .*seqlen_q=1000, seqlen_k=1064"):
-        ffi.forward(q, k, v, params, tuning="diag")
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -281,29 +282,8 @@ SCHEDULER_SHAPES = {
 
 
 @pytest.mark.parametrize("shape", SCHEDULER_SHAPES.values(), ids=SCHEDULER_SHAPES.keys())
-@ablation_tunings("fwd")
-def test_ablation_tunings_compute_the_same_attention(next_key, head_dim, head_dim_v, tuning, causal,
-                                                      shape):
-    # The benchmark's ablation rows must be correct kernels, or their timings mean nothing.
-    from fa4_jax import ffi
-    from fa4_jax.aot.variants import narrowing_mismatch
-    from fa4_jax.api import attention_params
-
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_short_persistent_kernels_on_many_tiles(next_key, head_dim, shape):
+    # The short causal routes' persistent kernels walk several tiles per CTA.
     batch, seqlen_q, seqlen_k, heads_q, heads_kv = shape
-    q, k, v = qkv(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, jnp.bfloat16,
-                  head_dim_v)
-    params = attention_params(q, k, v, causal=causal, implementation="cute")
-    reason = ffi.unsupported_reason(q, k, v, params, tuning=tuning)
-    if reason is not None:
-        pytest.skip(reason)
-    # A tail tuning serves only the key counts whose last block it holds (variants.tail_fits;
-    # test_dense_calls_run_their_narrowed_tail_variant covers each width's range); ffi refuses
-    # the others (test_a_tail_variant_refuses_a_call_it_would_cut_short).
-    reason = narrowing_mismatch(tuning, "causal" if causal else "none", head_dim, seqlen_q, seqlen_k,
-                                False)
-    if reason is not None:
-        pytest.skip(reason)
-    out, lse = jax.jit(lambda q, k, v: ffi.forward(q, k, v, params, tuning=tuning))(q, k, v)
-    (ref, ref_lse), (lowp, lowp_lse) = reference_pair(q, k, v, causal=causal)
-    assert_close_by_rule(out, ref, lowp, name="out")
-    assert_close_by_rule(lse, ref_lse, lowp_lse, name="lse")
+    _check_forward(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, jnp.bfloat16, causal=True)

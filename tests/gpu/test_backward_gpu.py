@@ -20,9 +20,10 @@ import pytest
 
 import fa4_jax
 from fa4_jax import ffi
+from fa4_jax import dispatch
 from fa4_jax.api import attention_params
 from fa4_jax.reference import attention_reference
-from tests.gpu.cases import LOCAL_AND_SOFTCAP, ablation_tunings, mask_options, qkv, require_kernels
+from tests.gpu.cases import LOCAL_AND_SOFTCAP, mask_options, qkv, require_kernels
 from tests.numerics import assert_close_by_rule, dense_attention, visible_mask
 
 pytestmark = pytest.mark.gpu
@@ -124,7 +125,7 @@ def test_odd_and_unequal_lengths(next_key, seqlen_q, seqlen_k, causal):
     _check_backward(next_key, 1, seqlen_q, seqlen_k, 4, 2, 128, jnp.bfloat16, causal=causal)
 
 
-# Deterministic d192/d256 calls take two dQ accumulators (variants.dq_copies), and every
+# Deterministic d192/d256 calls take two dQ accumulators (routing.dq_copies), and every
 # deterministic call leaves them unzeroed (a copy's first add stores): odd lengths, sq != sk.
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 1000), (1000, 17), (2049, 113), (113, 2049)])
@@ -212,8 +213,8 @@ def _grad_fn(d_out, deterministic, causal=True):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
-# Each head dim's dQ hand-over differs: d64's 128-row tiles and d256's single-buffered sdQ hand
-# it back before the add lands (det_free_sdq_on_read), d128 after.
+# Each head dim's dQ hand-over differs: d64's 128-row tiles, d128's two-stage rings, d256's
+# single-buffered sdQ.
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_deterministic_mode_is_bitwise_repeatable(next_key, causal, head_dim):
@@ -244,8 +245,8 @@ def test_an_empty_d_lse_gives_the_bits_of_zeros(next_key, head_dim):
     q, k, v, d_out = _deterministic_case(next_key, head_dim)
     require_kernels(q, k, v, causal=True, deterministic=True)
     params = attention_params(q, k, v, causal=True, deterministic=True, implementation="cute")
-    out, lse = jax.jit(lambda q, k, v: ffi.forward(q, k, v, params))(q, k, v)
-    backward = jax.jit(lambda d_lse: ffi.backward(q, k, v, out, lse, d_out, d_lse, params))
+    out, lse = jax.jit(lambda q, k, v: dispatch.forward(q, k, v, params))(q, k, v)
+    backward = jax.jit(lambda d_lse: dispatch.backward(q, k, v, out, lse, d_out, d_lse, params))
     without = backward(None)
     with_zeros = backward(jnp.zeros(lse.shape, jnp.float32))
     for name, got, want in zip(("dq", "dk", "dv"), without, with_zeros):
@@ -270,24 +271,20 @@ def test_a_loss_of_out_passes_the_backward_an_empty_d_lse(next_key):
     assert "f32[0,4,512]" in calls[0] and "f32[1,4,512]" in calls[0], calls[0]  # d_lse, lse
 
 
-@pytest.mark.parametrize("tuning", ["default", "stores_first"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-def test_default_mode_repeats_agree_to_rounding(next_key, causal, head_dim, tuning):
+def test_default_mode_repeats_agree_to_rounding(next_key, causal, head_dim):
     # The default mode adds dQ in a varying order: runs agree to rounding, not bits. A lost or
     # doubled add in a rare interleaving would move a dQ row by a key block's share, far beyond
-    # that: 10 runs against the first. `stores_first` (TileConfig.default_stores_first, d64's
-    # default, so "default" there) is where such a race could hide: the first add into each
-    # query block claims a store over the unzeroed accumulator and the others wait for it.
+    # that: 10 runs against the first. d64's first add into each query block claims a store over
+    # the unzeroed accumulator and the others wait for it (TileConfig.default_stores_first),
+    # where such a race could hide.
     q, k, v, d_out = _deterministic_case(next_key, head_dim)
     require_kernels(q, k, v, causal=causal)
     params = attention_params(q, k, v, causal=causal, implementation="cute")
-    reason = ffi.unsupported_reason(q, k, v, params, "bwd", tuning=tuning)
-    if reason is not None:
-        pytest.skip(reason)
-    out, lse = jax.jit(lambda q, k, v: ffi.forward(q, k, v, params))(q, k, v)
-    grad = jax.jit(lambda q, k, v, out, lse, d_out: ffi.backward(q, k, v, out, lse, d_out, None,
-                                                                 params, tuning=tuning))
+    out, lse = jax.jit(lambda q, k, v: dispatch.forward(q, k, v, params))(q, k, v)
+    grad = jax.jit(lambda q, k, v, out, lse, d_out: dispatch.backward(q, k, v, out, lse, d_out, None,
+                                                                      params))
     arrays = (q, k, v, out, lse, d_out)
     first = [np.asarray(g, np.float32) for g in grad(*arrays)]
     for _ in range(9):
@@ -361,45 +358,44 @@ def test_gradient_of_lse_alone(next_key):
     assert np.all(np.asarray(grads[2], np.float32) == 0.0)  # lse does not depend on v
 
 
-# Many key and query blocks per head (the deterministic order), odd lengths, sq != sk, GQA.
-ABLATION_SHAPES = {
-    "gqa_2k": (2, 2048, 2048, 8, 2),
-    "odd_sq_gt_sk": (2, 1100, 700, 4, 4),
-    "odd_sq_lt_sk": (1, 333, 1500, 4, 1),
-}
-
-
-@pytest.mark.parametrize("shape", ABLATION_SHAPES.values(), ids=ABLATION_SHAPES.keys())
-@pytest.mark.parametrize("deterministic", [False, True])
-@ablation_tunings("bwd")
-def test_backward_ablation_tunings(next_key, head_dim, head_dim_v, tuning, causal, deterministic, shape):
-    # The benchmark's backward ablation rows must be correct kernels (and, deterministic,
-    # bitwise repeatable), or their timings mean nothing.
-    if tuning in ("det_asc", "det_in_order", "det_one_copy") and not deterministic:
-        pytest.skip(f"{tuning} changes only deterministic calls (the default-mode kernel is the same)")
+# Top-left masks (the drop-in's rule), whose diagonal sits at offset 0 whatever the lengths: the
+# gradients of the drop-in on the kernels against jax's own, and the deterministic order on them.
+@pytest.mark.parametrize("window", [None, (64, 0), (50, 20)], ids=["causal", "causal_window", "window"])
+@pytest.mark.parametrize("shape", [(2, 300, 1000, 4, 2), (2, 1000, 300, 4, 2), (1, 1100, 2100, 4, 4)],
+                         ids=["q_shorter", "q_longer", "many_blocks"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_top_left_gradients_on_the_kernels(next_key, head_dim, shape, window):
     batch, seqlen_q, seqlen_k, heads_q, heads_kv = shape
-    q, k, v = qkv(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, jnp.bfloat16,
-                  head_dim_v)
-    params = attention_params(q, k, v, causal=causal, deterministic=deterministic, implementation="cute")
-    reason = ffi.unsupported_reason(q, k, v, params, "bwd", tuning=tuning)
-    if reason is not None:
-        pytest.skip(reason)
-    d_out, d_lse, _ = _cotangents(next_key, q, v, seqlen_k, causal=causal)
+    q, k, v = qkv(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, jnp.bfloat16)
+    d_out = jax.random.normal(next_key(), q.shape, jnp.bfloat16)
+    is_causal = window is None or window[1] == 0
 
-    @jax.jit
-    def grads(q, k, v, d_out, d_lse):
-        out, lse = ffi.forward(q, k, v, params)
-        return ffi.backward(q, k, v, out, lse, d_out, d_lse, params, tuning=tuning)
+    def grads(attention, q, k, v):
+        def loss(q, k, v):
+            return jnp.sum(attention(q, k, v).astype(jnp.float32) * d_out.astype(jnp.float32))
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
-    got = grads(q, k, v, d_out, d_lse)
-    ref = _reference_grads(q, k, v, d_out, d_lse, jnp.float32, causal=causal)
-    lowp = _reference_grads(q, k, v, d_out, d_lse, jnp.bfloat16, causal=causal)
+    got = grads(functools.partial(fa4_jax.dot_product_attention, is_causal=is_causal,
+                                  local_window_size=window, implementation="cute"), q, k, v)
+    xla = functools.partial(jax.nn.dot_product_attention, is_causal=is_causal, local_window_size=window,
+                            implementation="xla")
+    ref = grads(xla, *(x.astype(jnp.float32) for x in (q, k, v)))
+    lowp = grads(xla, q, k, v)
     for name, grad, want, want_lowp in zip(("dq", "dk", "dv"), got, ref, lowp):
-        assert np.isfinite(np.asarray(grad, np.float32)).all(), f"{name}: non-finite entries"
-        assert_close_by_rule(grad, want, want_lowp, name=f"{tuning} {name}")
-    # det_unordered drops the order on purpose (it measures what the order costs).
-    if deterministic and tuning != "det_unordered":
-        first = [np.asarray(g) for g in got]
-        for _ in range(5):
-            for name, want, again in zip(("dq", "dk", "dv"), first, grads(q, k, v, d_out, d_lse)):
-                np.testing.assert_array_equal(np.asarray(again), want, err_msg=f"{tuning} {name}")
+        assert_close_by_rule(grad, want, want_lowp, name=name)
+    # The deterministic order over top-left masks: bitwise repeatable, and the default mode's
+    # gradients to rounding.
+    from fa4_jax.api import _attention
+
+    left, right = (None, None) if window is None else window
+    options = dict(causal=is_causal, softmax_scale=None, window_size=(left, 0 if is_causal else right),
+                   softcap=None, return_lse=False, implementation="cute", query_seq_lengths=None,
+                   key_value_seq_lengths=None, top_left=True)
+    deterministic = grads(functools.partial(_attention, deterministic=True, **options), q, k, v)
+    again = grads(functools.partial(_attention, deterministic=True, **options), q, k, v)
+    default = grads(functools.partial(_attention, deterministic=False, **options), q, k, v)
+    for name, first, second, fast in zip(("dq", "dk", "dv"), deterministic, again, default):
+        np.testing.assert_array_equal(np.asarray(first), np.asarray(second), err_msg=name)
+        want = np.asarray(fast, np.float32)
+        np.testing.assert_allclose(np.asarray(first, np.float32), want, rtol=2 ** -6,
+                                   atol=2 ** -6 * float(np.abs(want).max()), err_msg=name)

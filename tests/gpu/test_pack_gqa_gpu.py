@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import fa4_jax
-from fa4_jax import ffi, pack_gqa
+from fa4_jax import dispatch, pack_gqa
 from fa4_jax.api import attention_params
 from tests.gpu.cases import mask_options, qkv
 from tests.numerics import assert_close_by_rule, reference_pair
@@ -19,10 +19,10 @@ pytestmark = pytest.mark.gpu
 
 
 def _forward(q, k, v, params, seq_lengths, pack):
-    reason = ffi.unsupported_reason(q, k, v, params)
+    reason = dispatch.unsupported_reason(q, k, v, params)
     if reason is not None:
         pytest.skip(reason)
-    return jax.jit(lambda q, k, v, lengths: ffi.forward(q, k, v, params, lengths, pack_gqa=pack))(
+    return jax.jit(lambda q, k, v, lengths: dispatch.forward(q, k, v, params, lengths, pack_gqa=pack))(
         q, k, v, seq_lengths)
 
 

@@ -484,6 +484,7 @@ class FlashAttentionBackwardSm90:
         softcap: Float32,
         window_left: Int32,
         window_right: Int32,
+        top_left: Int32,
         deterministic: Int32,
         num_sms: Int32,
         stream: cuda.CUstream,
@@ -576,8 +577,8 @@ class FlashAttentionBackwardSm90:
             tma_atom_lse, tma_lse, tma_atom_dpsum, tma_dpsum, tma_atom_dk, tma_dk, tma_atom_dv, tma_dv,
             mdQaccum, mSemaphore, mSeqUsedQ, mSeqUsedK, mQ_k.shape[0], mQ_k.shape[2],
             sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout, sRow_layout, sdQ_layout,
-            softmax_scale, score_prescale, scale_log2, window_left, window_right, deterministic,
-            num_sms,
+            softmax_scale, score_prescale, scale_log2, window_left, window_right, top_left,
+            deterministic, num_sms,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -631,6 +632,7 @@ class FlashAttentionBackwardSm90:
         scale_log2: Float32,
         window_left: Int32,
         window_right: Int32,
+        top_left: Int32,
         deterministic: Int32,
         num_sms: Int32,
     ):
@@ -677,8 +679,8 @@ class FlashAttentionBackwardSm90:
         seqlen_q = entry_length(mSeqUsedQ, batch, seqlen_q)
         seqlen_k = entry_length(mSeqUsedK, batch, seqlen_k)
         key_block = _KeyBlock(n_block, head_kv, batch, num_heads // mK.shape[2], seqlen_q, seqlen_k)
-        block_info = BlockInfo(self.tile_m, self.tile_n, self.causal, self.local,
-                               MaskBounds(window_left, window_right))
+        bounds = MaskBounds(window_left, window_right, top_left if self.causal or self.local else None)
+        block_info = BlockInfo(self.tile_m, self.tile_n, self.causal, self.local, bounds)
         m_block_min, m_block_max = block_info.m_block_range(n_block, seqlen_q, seqlen_k)
         walk = self._query_walk(m_block_min, m_block_max, n_block, seqlen_k, deterministic, num_sms)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))

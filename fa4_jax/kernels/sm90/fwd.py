@@ -388,6 +388,7 @@ class FlashAttentionForwardSm90:
         softcap: Float32,
         window_left: Int32,
         window_right: Int32,
+        top_left: Int32,
         stream: cuda.CUstream,
     ):
         """mQ [b, sq, h, d], mK [b, sk, hk, d], mV [b, sk, hk, dv], mO [b, sq, h, dv], mLSE [b, h, sq],
@@ -398,7 +399,7 @@ class FlashAttentionForwardSm90:
         masked like the sequence tail, and the V rows of those inside the last key block read
         are zeroed in shared memory (`zero_v_past_keys`), so K and V padding may hold anything.
         Q's padding must be finite (the caller zeroes it): a padding row's NaN would reach its
-        O through the rescale by 0."""
+        O through the rescale by 0. top_left: 1 aligns the mask to the top-left corner."""
         # Kernel-side views put the sequence and feature modes first: (s, d, heads, batch).
         mQ, mK, mV, mO = [permute_modes(t, (1, 3, 2, 0)) for t in (mQ, mK, mV, mO)]
         mLSE = permute_modes(mLSE, (2, 1, 0))
@@ -450,7 +451,7 @@ class FlashAttentionForwardSm90:
             tiled_mma_qk, tiled_mma_pv,
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o,
             mLSE, mSeqUsedQ, mSeqUsedK, sQ_layout, sK_layout, sV_layout, sO_layout,
-            score_prescale, scale_log2, window_left, window_right,
+            score_prescale, scale_log2, window_left, window_right, top_left,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -483,6 +484,7 @@ class FlashAttentionForwardSm90:
         scale_log2: Float32,
         window_left: Int32,
         window_right: Int32,
+        top_left: Int32,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -510,7 +512,7 @@ class FlashAttentionForwardSm90:
         )
         tma = _Tma(tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, tma_atom_o, mO)
         problem = _Problem(mQ.shape[0], mK.shape[0], mQ.shape[2], mK.shape[2], mQ.shape[3], mSeqUsedQ, mSeqUsedK)
-        bounds = MaskBounds(window_left, window_right)
+        bounds = MaskBounds(window_left, window_right, top_left if self.causal or self.local else None)
         block_info = BlockInfo(self.tile_m, self.tile_n, self.causal, self.local, bounds)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 

@@ -55,11 +55,11 @@ ROUTES: tuple[Route, ...] = (
     # Short causal calls ("Short causal calls: a tile shape per head dim"; "The first warp
     # group's diagonal 64 keys wide": the diagonal variants where the call's diagonal runs
     # along the 128-key blocks, dense calls without softcap).
-    Route("short_wg2_diag", "causal", 64, max_len=1024, dense=True, diagonal_multiple=128, softcap=False),
+    Route("short_wg2_diag", "causal", 64, max_len=1024, dense=True, diagonal_block=128, softcap=False),
     Route("short_wg2", "causal", 64, max_len=1024),
-    Route("short_diag", "causal", 128, max_len=1024, dense=True, diagonal_multiple=128, softcap=False),
+    Route("short_diag", "causal", 128, max_len=1024, dense=True, diagonal_block=128, softcap=False),
     Route("short", "causal", 128, max_len=1024),
-    Route("diag", "causal", 128, max_len=8192, dense=True, diagonal_multiple=128, softcap=False),
+    Route("diag", "causal", 128, max_len=8192, dense=True, diagonal_block=128, softcap=False),
     # Short d128 calls without a mask on 128-key blocks ("The wait for P·V: the row maximum as
     # a tree, on 128-key blocks").
     Route("n128_tree", "none", 128, max_len=1024),
