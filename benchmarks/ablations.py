@@ -115,6 +115,27 @@ def _variants():
 MENU = tuple(dict.fromkeys(_variants()))
 
 
+def narrowing_mismatch(tuning: str, call) -> str | None:
+    """Why `call` (a fa4_jax.routing.Call) may not run `tuning`, one whose kernel computes only
+    part of a key block (the router's conditions for the shipped ones, kernels/sm90/menu.py),
+    or None: the development library's targets run the tuning they are given, whatever the
+    shapes."""
+    from fa4_jax import routing
+
+    settings = TUNINGS[tuning]
+    if settings.get("first_group_diagonal") and call.mask == "causal":
+        if call.ragged or not routing.diagonal_on_blocks(call, 128):
+            return (f"tuning {tuning!r} narrows the diagonal block, which needs a dense call whose "
+                    f"diagonal runs along 128-key blocks; seqlen_q={call.seqlen_q}, seqlen_k={call.seqlen_k}")
+    tail_keys = settings.get("tail_keys", 0)
+    if tail_keys and call.mask == "none":
+        tail = routing.Route(tuning, "none", call.head_dim, dense=True, tail_tile_n=176, tail_keys=tail_keys)
+        if not tail.fits(call):
+            return (f"tuning {tuning!r} computes {tail_keys} keys of the last 176-key block; "
+                    f"seqlen_k={call.seqlen_k} does not fit")
+    return None
+
+
 def ablation_menu(only: str | None = None) -> build.Menu:
     variants = tuple(v for v in MENU if only is None or re.search(only, v.name))
     return build.Menu(variants, tuning_kwargs=lambda v: dict(TUNINGS[v.tuning]),

@@ -1,18 +1,18 @@
-"""The peer figures of /work/shared/ANCHORS.md, transcribed, as TFLOP/s per (mode, d, seqlen, causal).
+"""The peer figures of docs/anchors.md, transcribed, as TFLOP/s per (mode, d, seqlen, causal).
 
-ANCHORS.md measured every peer on our H200 (bf16, batch·seqlen = 16384, heads = 2048 / d). The
+docs/anchors.md measured every peer on our H200 (bf16, batch·seqlen = 16384, heads = 2048 / d). The
 harness uses these figures for two things: the dashed "FA4 upstream" reference line in the plots,
-and the bar for peers it cannot run in a JAX process (torch), since DESIGN.md sets the bar for
+and the bar for peers it cannot run in a JAX process (torch), since docs/design.md sets the bar for
 fa4_jax at the best peer of each row. "–" (not measured) becomes None.
 """
 from __future__ import annotations
 
-# ANCHORS.md's ceiling: a bf16 8192³ matmul through JAX in the same run as its figures (790 on
+# docs/anchors.md's ceiling: a bf16 8192³ matmul through JAX in the same run as its figures (790 on
 # other days). bench_attention times the same matmul, so that a run's figures can be read against
 # ANCHORS' on the same scale when the GPU's sustained clock differs between days.
 MATMUL_TFLOPS = 732.0
 
-# Column names in the order of ANCHORS.md's tables.
+# Column names in the order of docs/anchors.md's tables.
 COLUMNS = ("fa4_upstream", "jax_cudnn", "torch_cudnn", "pallas_mgpu", "torch_fa2", "jax_xla")
 
 # Columns that were not measured inside a JAX process: the harness cannot time these itself.
@@ -79,7 +79,7 @@ ANCHORS = {"fwd": _parse(_FWD_TABLE), "fwd_bwd": _parse(_FWD_BWD_TABLE)}
 
 
 def anchor(mode: str, head_dim: int, seqlen: int, causal: bool, column: str) -> float | None:
-    """One ANCHORS.md figure, or None when the row is not in ANCHORS or was not measured."""
+    """One docs/anchors.md figure, or None when the row is not in ANCHORS or was not measured."""
     return ANCHORS[mode].get((head_dim, seqlen, causal), {}).get(column)
 
 

@@ -4,17 +4,16 @@ Peers: fa4_jax (implementation="cute"), jax.nn.dot_product_attention with implem
 and "xla", and the Pallas Mosaic GPU kernel (jax.experimental.pallas.ops.gpu.attention_mgpu, fp16).
 fa4_jax's own rows: "fa4_jax_det" (deterministic=True; forward+backward only) and, with
 --fa4-tunings A,B, "fa4_jax:A" ... (the forward kernel under a named tuning of
-fa4_jax.aot.variants.TUNINGS, for ablations), and with --fa4-bwd-tunings A,B, "fa4_jax_bwd:A" and
+benchmarks/ablations.py, for ablations), and with --fa4-bwd-tunings A,B, "fa4_jax_bwd:A" and
 "fa4_jax_bwd_det:A" (forward+backward only: the default forward kernel, then the backward kernel
-under tuning A, default and deterministic mode; "default" names the untuned backward through the
-same path, the like-for-like baseline). "upstream" is FA4 upstream's Hopper forward and backward
-(flash-attn-4) exported ahead of time into a library by scripts/upstream_peer/build.py and named
-by $FA4_UPSTREAM_LIB (skipped without it): upstream's kernels under this timer, beside ANCHORS.md's
-torch figures for them. "fa4_jax_full_lengths" (only when named) calls the kernels as before
-session 18, with dense calls' full lengths built in the graph, and "fa4_jax_dlse_zeros" (only when
-named) gives the backward lse's cotangent as zeros, as before session 19. Only the JAX peers count
+under tuning A, default and deterministic mode; "default" names the shipped kernel through the
+same path, the like-for-like baseline). Tuning rows run on the development library
+(`python -m benchmarks.ablations build`; skipped without it). "upstream" is FA4 upstream's Hopper
+forward and backward (flash-attn-4) exported ahead of time into a library by
+scripts/upstream_peer/build.py and named by $FA4_UPSTREAM_LIB (skipped without it): upstream's
+kernels under this timer, beside docs/anchors.md's torch figures for them. Only the JAX peers count
 as "best peer".
-Grid (ANCHORS.md): batch·seqlen = 16384 tokens, heads = 2048 / head_dim, head dims 64/128/256,
+Grid (docs/anchors.md): batch·seqlen = 16384 tokens, heads = 2048 / head_dim, head dims 64/128/256,
 seqlen 1024/4096/16384, causal and not, forward and forward+backward. Head dim 192 runs with
 value head dim 128 (DeepSeek's shape, the library's one d ≠ dv variant; HEAD_DIM_V).
 
@@ -27,18 +26,18 @@ and on any machine, on the CPU with tiny shapes, to test the harness itself:
 
     python -m benchmarks.bench_attention --dry-run
 
-Timer (the one ANCHORS.md used for its JAX peers): a jit'd step is called `calls` times in a Python
+Timer (the one docs/anchors.md used for its JAX peers): a jit'd step is called `calls` times in a Python
 loop, dispatches queued asynchronously and rotating between two input sets, then the last result is
 blocked on; the wall time over `calls` is one sample, and the figure is the median of `repeats`
 samples. The first two calls and then --warmup-s (0.3 s) of calls are warm-up and are excluded (the
 GPU's clocks drop while the next peer compiles); the first call's time minus a warm call's is
 reported as compile time. Dispatch is counted, so short calls (1k tokens) read a few percent low
-against CUDA-event timing, exactly as in ANCHORS.md.
+against CUDA-event timing, exactly as in docs/anchors.md.
 
 FLOPs: forward 2·b·h·sq·sk·(d + dv), halved when causal; forward+backward counts 3.5× the
 forward.
 
-Ceiling: before the grid, a bf16 8192³ matmul under the same timer (--ceiling-size), ANCHORS.md's
+Ceiling: before the grid, a bf16 8192³ matmul under the same timer (--ceiling-size), docs/anchors.md's
 own ceiling (732 TF/s in its run), printed and kept in results.json's meta: the H200 runs
 attention at its power limit, and a day's sustained clock moves every figure together.
 """
@@ -68,13 +67,13 @@ MODES = ("fwd", "fwd_bwd")
 FWD_BWD_FLOP_FACTOR = 3.5
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
 INPUT_SETS = 2  # rotate between two input sets so no call finds its inputs already in L2
-# Value head dim by head dim where they differ (fa4_jax.aot.variants.HEAD_DIMS).
+# Value head dim by head dim where they differ (kernels/sm90/menu.py HEAD_DIMS).
 HEAD_DIM_V = {192: 128}
 # Head dims scripts/upstream_peer/ exports FA4 upstream's forward and backward for (upstream's own
 # tile choice).
 UPSTREAM_HEAD_DIMS = (64, 128, 256)
 
-# Defaults of the two ways to run: the ANCHORS.md grid on the H200, and tiny shapes on the CPU.
+# Defaults of the two ways to run: the docs/anchors.md grid on the H200, and tiny shapes on the CPU.
 PRESETS = {
     "h200": dict(
         tokens=16384, hidden=2048, head_dims=(64, 128, 256), seqlens=(1024, 4096, 16384),
@@ -114,7 +113,7 @@ class Settings:
 
     @property
     def matches_anchors(self) -> bool:
-        """ANCHORS.md figures compare only with runs of its own shapes and dtype."""
+        """docs/anchors.md figures compare only with runs of its own shapes and dtype."""
         return (self.tokens, self.hidden, self.dtype) == (16384, 2048, "bf16")
 
 
@@ -195,32 +194,37 @@ def fa4_jax_deterministic_candidates(case: Case, settings: Settings) -> list[Can
 
 
 def fa4_jax_tuning_candidates(tuning: str):
-    """The forward kernel under a named tuning (an ablation row), called through ffi.forward."""
+    """The forward kernel under a named tuning of benchmarks/ablations.py (an ablation row),
+    through the development library's tuning targets."""
     def candidates(case: Case, settings: Settings) -> list[Candidate]:
         _fa4_jax()
-        from fa4_jax import ffi
-        from fa4_jax.api import attention_params
+        from fa4_jax import dispatch
 
         if case.mode != "fwd":
             raise Skip("tunings are forward ablations")
-        _require_compiled(case, settings, "fwd", tuning, deterministic=False)
+        library, params = _require_ablation(case, settings, "fwd", tuning, deterministic=False)
 
         def attend(q, k, v):
-            params = attention_params(q, k, v, causal=case.causal, implementation="cute")
-            return ffi.forward(q, k, v, params, tuning=tuning)[0]
+            return dispatch.forward(q, k, v, params, library=library, tuning=tuning)[0]
 
         return [Candidate({"tuning": tuning}, attend, DTYPES[settings.dtype])]
 
     return candidates
 
 
-def _require_compiled(case: Case, settings: Settings, kind: str, tuning: str,
-                      deterministic: bool) -> None:
-    """Skips (rather than fails) a tuning row whose kernel variant the library lacks: the
-    ablations are compiled at some head dims only (fa4_jax.aot.variants.ABLATIONS)."""
-    from fa4_jax import ffi
+def _require_ablation(case: Case, settings: Settings, kind: str, tuning: str, deterministic: bool):
+    """(the development library, the call's params), or a skip (not a failure) naming why the
+    row cannot run: no library, no such variant (ablations are compiled at some head dims
+    only), or a narrowed tuning that would cut this call's keys short."""
+    from fa4_jax import dispatch, ffi, routing
     from fa4_jax.api import attention_params
 
+    from benchmarks import ablations
+
+    try:
+        library = ablations.library()
+    except ffi.LibraryUnavailable as error:
+        raise Skip(f"{error} (python -m benchmarks.ablations build)") from None
     dtype = DTYPES[settings.dtype]
     q = jax.ShapeDtypeStruct(case.shape, dtype)
     v = jax.ShapeDtypeStruct(case.value_shape, dtype)
@@ -229,113 +233,51 @@ def _require_compiled(case: Case, settings: Settings, kind: str, tuning: str,
                                   implementation="cute")
     except ValueError as error:
         raise Skip(str(error)) from None
-    reason = ffi.unsupported_reason(q, q, v, params, kind, tuning=tuning)
+    arch, reason = dispatch.device_arch()
     if reason is not None:
         raise Skip(reason)
+    call = dispatch.kernel_call(q, q, v, params, kind, arch, ragged=False)
+    if call.variant(tuning).name not in library.compiled:
+        raise Skip(f"{call.variant(tuning).name} is not in {library.path}")
+    reason = ablations.narrowing_mismatch(tuning, call)
+    if reason is not None:
+        raise Skip(reason)
+    return library, params
 
 
 def fa4_jax_bwd_tuning_candidates(tuning: str, deterministic: bool):
     """Forward+backward with the backward kernel under a named tuning: a custom_vjp whose forward
-    is the default forward kernel and whose backward calls ffi.backward(..., tuning=tuning)."""
+    is the default forward kernel and whose backward runs the tuning, both through the
+    development library's tuning targets ("default" is the like-for-like baseline)."""
     def candidates(case: Case, settings: Settings) -> list[Candidate]:
         _fa4_jax()
-        from fa4_jax import ffi
-        from fa4_jax.api import attention_params
+        from fa4_jax import dispatch
 
         if case.mode != "fwd_bwd":
             raise Skip("backward tunings are timed forward+backward")
-        _require_compiled(case, settings, "bwd", tuning, deterministic)
+        library, params = _require_ablation(case, settings, "bwd", tuning, deterministic)
+        copies = 1 if tuning == "det_one_copy" else None
+        forward = functools.partial(dispatch.forward, params=params, library=library)
+        backward = functools.partial(dispatch.backward, params=params, library=library,
+                                     tuning=tuning, copies=copies)
 
+        @jax.custom_vjp
         def attend(q, k, v):
-            params = attention_params(q, k, v, causal=case.causal, deterministic=deterministic,
-                                      implementation="cute")
-            return _ffi_attention(params, tuning)(q, k, v)
+            return forward(q, k, v)[0]
 
+        def attend_fwd(q, k, v):
+            out, lse = forward(q, k, v)
+            return out, (q, k, v, out, lse)
+
+        def attend_bwd(residuals, d_out):
+            q, k, v, out, lse = residuals
+            return backward(q, k, v, out, lse, d_out, None)
+
+        attend.defvjp(attend_fwd, attend_bwd)
         config = {"tuning": tuning, "deterministic": deterministic}
         return [Candidate(config, attend, DTYPES[settings.dtype])]
 
     return candidates
-
-
-def _ffi_attention(params, tuning: str = "default", traced: Callable = lambda fn: fn,
-                   d_lse_zeros: bool = False) -> Callable:
-    """attention(q, k, v) -> out straight through ffi.forward and ffi.backward (the backward
-    under `tuning`) in a custom_vjp; `traced` wraps both calls, which run when the step traces.
-    The backward gets no d_lse, as fa4_jax.attention's does when lse is not differentiated, or
-    with `d_lse_zeros` an fp32 array of zeros (before session 19)."""
-    from fa4_jax import ffi
-
-    forward = traced(lambda q, k, v: ffi.forward(q, k, v, params))
-    backward = traced(lambda *arrays: ffi.backward(*arrays, params, tuning=tuning))
-
-    @jax.custom_vjp
-    def attention(q, k, v):
-        return forward(q, k, v)[0]
-
-    def attention_fwd(q, k, v):
-        out, lse = forward(q, k, v)
-        return out, (q, k, v, out, lse)
-
-    def attention_bwd(residuals, d_out):
-        q, k, v, out, lse = residuals
-        d_lse = jnp.zeros(lse.shape, jnp.float32) if d_lse_zeros else None
-        return backward(q, k, v, out, lse, d_out, d_lse)
-
-    attention.defvjp(attention_fwd, attention_bwd)
-    return attention
-
-
-def fa4_jax_full_lengths_candidates(case: Case, settings: Settings) -> list[Candidate]:
-    """The ablation of dense calls' empty length operands (session 18, docs/perf-log.md): the
-    kernels called as before, with full lengths built in the graph (XLA runs a broadcast kernel
-    ahead of each call) that the kernels then read. Compare with "fa4_jax:default" (forward) and
-    "fa4_jax_bwd:default" (forward+backward), which take the same path with empty lengths."""
-    _fa4_jax()
-    from fa4_jax import ffi
-    from fa4_jax.api import attention_params
-
-    _require_compiled(case, settings, "fwd", "default", deterministic=False)
-    if case.mode == "fwd_bwd":
-        _require_compiled(case, settings, "bwd", "default", deterministic=False)
-
-    def full_lengths(q, k, seq_lengths):
-        b = q.shape[0]
-        return jnp.full((b,), q.shape[1], jnp.int32), jnp.full((b,), k.shape[1], jnp.int32)
-
-    def traced(fn):
-        def with_full_lengths(*args):
-            empty_lengths, ffi._seq_used = ffi._seq_used, full_lengths
-            try:
-                return fn(*args)
-            finally:
-                ffi._seq_used = empty_lengths
-        return with_full_lengths
-
-    def attend(q, k, v):
-        params = attention_params(q, k, v, causal=case.causal, implementation="cute")
-        return _ffi_attention(params, traced=traced)(q, k, v)
-
-    return [Candidate({"lengths": "full"}, attend, DTYPES[settings.dtype])]
-
-
-def fa4_jax_dlse_zeros_candidates(case: Case, settings: Settings) -> list[Candidate]:
-    """The ablation of the symbolic dLSE cotangent (session 19, docs/perf-log.md): the backward
-    given lse's cotangent as an fp32 array of zeros (XLA runs a broadcast kernel ahead of each
-    backward, which the preprocess then reads). Compare with "fa4_jax_bwd:default", the same path
-    without it."""
-    _fa4_jax()
-    from fa4_jax.api import attention_params
-
-    if case.mode != "fwd_bwd":
-        raise Skip("the dLSE cotangent is a backward operand")
-    _require_compiled(case, settings, "fwd", "default", deterministic=False)
-    _require_compiled(case, settings, "bwd", "default", deterministic=False)
-
-    def attend(q, k, v):
-        params = attention_params(q, k, v, causal=case.causal, implementation="cute")
-        return _ffi_attention(params, d_lse_zeros=True)(q, k, v)
-
-    return [Candidate({"d_lse": "zeros"}, attend, DTYPES[settings.dtype])]
 
 
 def with_value_padded(attend: Callable) -> Callable:
@@ -357,7 +299,7 @@ def dot_product_attention_candidates(implementation: str):
     def candidates(case: Case, settings: Settings) -> list[Candidate]:
         if implementation == "xla" and case.seqlen > settings.max_xla_seqlen:
             raise Skip(f"XLA materialises the scores: not run above seqlen "
-                       f"{settings.max_xla_seqlen} (OOM or minutes, as in ANCHORS.md)")
+                       f"{settings.max_xla_seqlen} (OOM or minutes, as in docs/anchors.md)")
 
         @with_value_padded
         def attend(q, k, v):
@@ -480,7 +422,7 @@ def upstream_candidates(case: Case, settings: Settings) -> list[Candidate]:
     """FA4 upstream's Hopper forward and backward (flash-attn-4), exported ahead of time by
     scripts/upstream_peer/ into a library named by $FA4_UPSTREAM_LIB: upstream's kernels under our
     timer, in our process. Not a JAX peer (a JAX user cannot call it); the column says how far
-    ANCHORS.md's torch figures for it are from what our timer reads."""
+    docs/anchors.md's torch figures for it are from what our timer reads."""
     path = os.environ.get(UPSTREAM_LIB_ENV)
     if not path:
         raise Skip(f"${UPSTREAM_LIB_ENV} is not set (scripts/upstream_peer/ builds the library)")
@@ -505,22 +447,16 @@ PEERS = {
     "xla": dot_product_attention_candidates("xla"),
     "mgpu": mgpu_candidates,
     "upstream": upstream_candidates,
-    "fa4_jax_full_lengths": fa4_jax_full_lengths_candidates,
-    "fa4_jax_dlse_zeros": fa4_jax_dlse_zeros_candidates,
 }
 PEER_LABELS = {"cudnn": "JAX cuDNN", "xla": "JAX XLA", "mgpu": "Pallas MGPU (fp16)",
                "fa4_jax_det": "fa4_jax (cute, deterministic)",
-               "upstream": "FA4 upstream (AOT, our timer)",
-               "fa4_jax_full_lengths": "fa4_jax (dense calls pass full lengths)",
-               "fa4_jax_dlse_zeros": "fa4_jax (backward given dLSE zeros)"}
-# Rows that measure one of fa4_jax's own changes, run only when named in --peers.
-ABLATION_PEERS = ("fa4_jax_full_lengths", "fa4_jax_dlse_zeros")
+               "upstream": "FA4 upstream (AOT, our timer)"}
 # The peers fa4_jax is measured against ("best peer"): what a JAX user has today.
 JAX_PEERS = ("cudnn", "xla", "mgpu")
 TUNING_PREFIX = "fa4_jax:"
 BWD_TUNING_PREFIX = "fa4_jax_bwd:"
 BWD_DET_TUNING_PREFIX = "fa4_jax_bwd_det:"
-# The ANCHORS.md column measured with the same peer: a drift check of the machine and the timer.
+# The docs/anchors.md column measured with the same peer: a drift check of the machine and the timer.
 ANCHOR_COLUMN = {"cudnn": "jax_cudnn", "xla": "jax_xla", "mgpu": "pallas_mgpu"}
 
 
@@ -589,7 +525,7 @@ def seconds_of(step: Callable, inputs: tuple) -> float:
 
 
 def time_step(step: Callable, input_sets: list[tuple], settings: Settings) -> Timing:
-    """The ANCHORS.md JAX timer: median over repeats of (wall time of `calls` dispatches) / calls."""
+    """The docs/anchors.md JAX timer: median over repeats of (wall time of `calls` dispatches) / calls."""
     first_s = seconds_of(step, input_sets[0])  # trace + compile + one run
     warm_s = seconds_of(step, input_sets[1 % len(input_sets)])
     compile_s = max(first_s - warm_s, 0.0)
@@ -623,9 +559,9 @@ def time_step(step: Callable, input_sets: list[tuple], settings: Settings) -> Ti
 
 
 def matmul_ceiling(size: int, settings: Settings) -> dict:
-    """ANCHORS.md's ceiling, a jit'd size³ matmul in the run's dtype, under the same timer.
+    """docs/anchors.md's ceiling, a jit'd size³ matmul in the run's dtype, under the same timer.
     The H200 runs attention at its power limit, and its sustained clock has differed between
-    days (ANCHORS.md: 732 TF/s for this matmul in its run, 790 on others); this says which kind
+    days (docs/anchors.md: 732 TF/s for this matmul in its run, 790 on others); this says which kind
     of day a run had, against anchors.MATMUL_TFLOPS."""
     dtype = DTYPES[settings.dtype]
     keys = jax.random.split(jax.random.key(0), 2 * INPUT_SETS)
@@ -638,7 +574,7 @@ def matmul_ceiling(size: int, settings: Settings) -> dict:
 
 def format_ceiling(ceiling: dict) -> str:
     return (f"ceiling: bf16 {ceiling['size']}³ matmul {ceiling['tflops']:.0f} TF/s "
-            f"(ANCHORS.md's run: {ceiling['anchors_tflops']:.0f}; ratio "
+            f"(docs/anchors.md's run: {ceiling['anchors_tflops']:.0f}; ratio "
             f"{ceiling['tflops'] / ceiling['anchors_tflops']:.3f})")
 
 
@@ -647,7 +583,7 @@ def format_ceiling(ceiling: dict) -> str:
 
 
 def cases_in_priority_order(settings: Settings, modes, head_dims, seqlens, causals) -> list[Case]:
-    """Seqlen >= 4k first (ANCHORS.md's priority), ascending, so a cut-short run keeps those rows,
+    """Seqlen >= 4k first (docs/anchors.md's priority), ascending, so a cut-short run keeps those rows,
     and so a slow peer's time at 4k predicts its time at 16k before it is run."""
     def priority(seqlen):
         return (seqlen < 4096, seqlen)
@@ -781,8 +717,8 @@ def result_index(results: list[dict]) -> dict:
 
 
 def row_comparison(by_key: dict, row: tuple, peers: list[str], settings: Settings) -> dict:
-    """fa4_jax against the best peer measured here, and against the bar of DESIGN.md: the best
-    of those and of ANCHORS.md's figures for peers outside JAX (FA4 upstream, torch)."""
+    """fa4_jax against the best peer measured here, and against the bar of docs/design.md: the best
+    of those and of docs/anchors.md's figures for peers outside JAX (FA4 upstream, torch)."""
     tflops = {p: by_key[(*row, p)]["tflops"] for p in peers
               if (*row, p) in by_key and by_key[(*row, p)]["status"] == "ok"}
     best_here = max((v for p, v in tflops.items() if p in JAX_PEERS), default=None)
@@ -854,7 +790,7 @@ def write_json(path: str, payload: dict) -> None:
 
 def plot(results: list[dict], peers: list[str], settings: Settings, out_dir: str) -> list[str]:
     """One PNG per mode: TFLOP/s against seqlen, a panel per (causal, head dim), a line per peer,
-    and FA4 upstream's ANCHORS.md figures dashed."""
+    and FA4 upstream's docs/anchors.md figures dashed."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -883,9 +819,9 @@ def plot(results: list[dict], peers: list[str], settings: Settings, out_dir: str
             upstream = sorted((s, cols["fa4_upstream"])
                               for (dd, s, c), cols in anchors.ANCHORS[mode].items()
                               if (dd, c) == (d, causal)) if settings.matches_anchors else []
-            # ANCHORS.md has no d96 or d192 rows; an empty zip would plot the format string.
+            # docs/anchors.md has no d96 or d192 rows; an empty zip would plot the format string.
             if upstream:
-                ax.plot(*zip(*upstream), "k--", label="FA4 upstream (ANCHORS.md)")
+                ax.plot(*zip(*upstream), "k--", label="FA4 upstream (docs/anchors.md)")
             ax.set_xscale("log", base=2)
             ax.set_xticks(seqlens, [str(s) for s in seqlens])
             ax.minorticks_off()
@@ -943,15 +879,13 @@ def make_parser(description: str = __doc__.split("\n\n")[0]) -> argparse.Argumen
     p.add_argument("--seqlens", type=int_list, help="e.g. 1024,4096,16384")
     p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     p.add_argument("--modes", type=name_list(MODES), default=MODES, help="fwd,fwd_bwd")
-    p.add_argument("--peers", type=name_list(PEERS),
-                   default=tuple(p for p in PEERS if p not in ABLATION_PEERS),
-                   help="fa4_jax,fa4_jax_det,cudnn,xla,mgpu,upstream (the ablations "
-                        "fa4_jax_full_lengths and fa4_jax_dlse_zeros only when named)")
+    p.add_argument("--peers", type=name_list(PEERS), default=tuple(PEERS),
+                   help="fa4_jax,fa4_jax_det,cudnn,xla,mgpu,upstream")
     p.add_argument("--fa4-tunings", type=lambda text: tuple(text.split(",")), default=(),
-                   help="forward ablation rows: names from fa4_jax.aot.variants.TUNINGS")
+                   help="forward ablation rows: names from benchmarks/ablations.py TUNINGS")
     p.add_argument("--fa4-bwd-tunings", type=lambda text: tuple(text.split(",")), default=(),
                    help="backward ablation rows (fwd_bwd; each default and deterministic): "
-                        "names from fa4_jax.aot.variants.TUNINGS, 'default' for the baseline")
+                        "names from benchmarks/ablations.py TUNINGS, 'default' for the baseline")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
     p.add_argument("--tokens", type=int, help="batch·seqlen (16384)")
     p.add_argument("--hidden", type=int, help="heads·head_dim (2048)")
@@ -968,7 +902,7 @@ def make_parser(description: str = __doc__.split("\n\n")[0]) -> argparse.Argumen
     p.add_argument("--max-xla-seqlen", type=int, help="XLA is skipped above this seqlen (4096)")
     p.add_argument("--fa4-implementation", help='fa4_jax implementation= ("cute")')
     p.add_argument("--ceiling-size", type=int,
-                   help="time a bf16 N³ matmul first, ANCHORS.md's ceiling (8192; 0: skip)")
+                   help="time a bf16 N³ matmul first, docs/anchors.md's ceiling (8192; 0: skip)")
     p.add_argument("--time-budget-s", type=float, default=420.0,
                    help="stop starting new measurements after this; results are still written")
     p.add_argument("--out", default=".bench_out", help="directory for results.json and PNGs")

@@ -6,8 +6,9 @@ KV cache k, v [b, seqlen_k, heads_kv, d]. Peers, in one process, on the same inp
 - fa4_jax: `fa4_jax.attention` (GQA-packed and split-KV where fa4_jax/pack_gqa.py and
   fa4_jax/split_kv.py say so);
 - fa4_jax_fulltile: the same, with the full-height tiles of longer calls instead of the
-  64-row "decode" tiles (the "linear" tuning, compiled at d64/d128/d256 in bf16);
-- fa4_jax_nosplit: the same, split-KV off (`ffi.forward(..., split_kv=1)`);
+  64-row "decode" tiles (the development library's "linear" tuning, compiled at d64/d128/d256
+  in bf16: `python -m benchmarks.ablations build`);
+- fa4_jax_nosplit: the same, split-KV off (`dispatch.forward(..., split_kv=1)`);
 - fa4_jax_unpacked: packing and split-KV off;
 - fa4_jax_ragged: `fa4_jax.attention` with per-entry lengths (every cache 37 keys short of
   the buffer, so each entry's last key block is partial), as a serving batch calls it;
@@ -44,7 +45,7 @@ CASES = {
             (64, 8192, 32, 8, 64)),
     "dry_run": ((2, 64, 4, 2, 16), (1, 96, 4, 1, 16)),
 }
-# fa4_jax's rows: ffi.forward settings (None: fa4_jax.attention itself).
+# fa4_jax's rows: dispatch.forward settings (None: fa4_jax.attention itself).
 FA4_SETTINGS = {"fa4_jax": None, "fa4_jax_fulltile": dict(tuning="linear"),
                 "fa4_jax_nosplit": dict(split_kv=1),
                 "fa4_jax_unpacked": dict(split_kv=1, pack_gqa=False)}
@@ -83,12 +84,17 @@ def attend_fn(peer: str, implementation: str):
     settings = FA4_SETTINGS[peer]
     if settings is None or implementation != "cute":
         return lambda q, k, v: fa4_jax.attention(q, k, v, implementation=implementation)
-    from fa4_jax import ffi
+    from fa4_jax import dispatch
     from fa4_jax.api import attention_params
+
+    if "tuning" in settings:
+        from benchmarks import ablations
+
+        settings = dict(settings, library=ablations.library())
 
     def attend(q, k, v):
         params = attention_params(q, k, v, implementation=implementation)
-        return ffi.forward(q, k, v, params, **settings)[0]
+        return dispatch.forward(q, k, v, params, **settings)[0]
     return attend
 
 
@@ -120,8 +126,8 @@ def main(argv=None) -> int:
         case = DecodeCase(*shape)
         input_sets = inputs(case, seed=len(results))
         for peer in args.peers.split(","):
-            step = jax.jit(attend_fn(peer, implementation))
             try:
+                step = jax.jit(attend_fn(peer, implementation))
                 timing = time_step(step, input_sets, settings)
             except Exception as error:  # noqa: BLE001 - a peer that cannot run is reported
                 print(f"{case.label()}  {peer:17s} error: {type(error).__name__}: "

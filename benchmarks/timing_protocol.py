@@ -1,5 +1,5 @@
 """The same kernels timed two ways: bench_attention's back-to-back loop, and one call at a time
-after an L2 flush and an idle gap, the way FA4 upstream's figures in ANCHORS.md were taken
+after an L2 flush and an idle gap, the way FA4 upstream's figures in docs/anchors.md were taken
 (`triton.testing.do_bench`: a 256 MB write before each call, CUDA events around it).
 
 The H200 runs attention at its power limit (docs/perf-log.md: 620-683 W, SM clock 1650-1740 MHz

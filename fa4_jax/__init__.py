@@ -13,7 +13,17 @@ from fa4_jax.notices import FallbackWarning
 from fa4_jax.sharding import ReshardWarning
 from fa4_jax.varlen import varlen_attention
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+
+# Register the installed library's custom call targets now, so that a program that reaches them
+# without calling fa4_jax first (a deserialized `jax.export` artifact) finds them; calls load it
+# themselves when this finds none.
+from fa4_jax import ffi as _ffi  # noqa: E402
+
+try:
+    _ffi.load()
+except _ffi.LibraryUnavailable:
+    pass
 
 __all__ = [
     "attention",

@@ -69,13 +69,13 @@ CONFIGS = {
 # - the first EARLY_STEPS steps, still tightly coupled, per step: fp32 1e-4 (>100x the measured
 #   2e-7); bf16 2e-2 (bf16 keeps 8 mantissa bits, 2^-8 ~ 4e-3 relative per rounding, and the
 #   implementations round probabilities and accumulate differently; measured 6e-4 on CPU,
-#   2.4e-3 and 3.9e-3 on H200s in session 18);
+#   2.4e-3 and 3.9e-3 on H200s on 2026-11-30);
 # - the whole curve after a SMOOTHING_STEPS moving average, up to a time shift: each run's
 #   smoothed loss at step t must be within SHIFTED_RTOL of the other run's at some step within
 #   shift_steps of t. A tolerance on the loss alone cannot tell chaos from a bug in bf16: the
 #   `gpu` config's runs sit on a plateau near 2.15 nats/char from step ~30, and the step at which
-#   each leaves it (140-200) moves with rounding. In session 18's 2-GPU run (read off
-#   docs/perf/s18_demo_2gpu_loss.png) fa4_jax's smoothed loss crossed 2.1 21 steps after cuDNN's,
+#   each leaves it (140-200) moves with rounding. In a 2-GPU run of 2026-11-30 (read off
+#   its loss plot) fa4_jax's smoothed loss crossed 2.1 21 steps after cuDNN's,
 #   1.8 31 steps after, and ended at 1.70, which cuDNN's had reached 57 steps before the end: the
 #   later run descends under a lower, still decaying learning rate, so the lag grows. Unshifted,
 #   the curves ended 1.2e-1 apart; a shift of up to 33 steps brings them within 8e-2, of up to

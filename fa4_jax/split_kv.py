@@ -10,7 +10,7 @@ lse = log Σ exp(lse_i), out = Σ exp(lse_i − lse) · out_i.
 Only the calls packing may take split (`pack_gqa.decode_sized`: few query rows, and no mask or
 causal with one query row, which sees every key). The partial outputs come back
 in the input dtype, so the combined output carries one more rounding of that dtype than a single
-pass: well inside DESIGN.md's numerics rule, which allows twice the low-precision reference's
+pass: well inside docs/design.md's numerics rule, which allows twice the low-precision reference's
 error (tests/gpu/test_split_kv_gpu.py).
 """
 from __future__ import annotations

@@ -41,8 +41,10 @@ struct Buffers {
   ffi::Result<ffi::Buffer<ffi::S32>> semaphore;
 };
 
+// x is not const: the oldest FFI headers the library builds against give Result only a non-const
+// operator->.
 ffi::Error Execute(const Errors& err, std::string_view tuning, cudaStream_t stream, int32_t device,
-                   const Buffers& x, const Attrs& a, bool deterministic) {
+                   Buffers& x, const Attrs& a, bool deterministic) {
   if (ffi::Error e = CheckAttrs(err, a); e.failure()) return e;
   Fa4Args args;
   Fa4Dtype dtype;
@@ -145,7 +147,8 @@ ffi::Error StableInstantiate(float softmax_scale, bool causal, int32_t window_le
 }
 
 ffi::Error StableExecute(FA4_BWD_PARAMS) {
-  return Execute(kErr, {}, stream, device, FA4_BWD_BUFFERS, FA4_ATTRS, deterministic);
+  Buffers x = FA4_BWD_BUFFERS;
+  return Execute(kErr, {}, stream, device, x, FA4_ATTRS, deterministic);
 }
 
 #ifdef FA4_JAX_TUNING_TARGETS
@@ -158,7 +161,8 @@ ffi::Error DevInstantiate(float softmax_scale, bool causal, int32_t window_left,
 }
 
 ffi::Error DevExecute(FA4_BWD_PARAMS, std::string_view tuning) {
-  return Execute(kDevErr, tuning, stream, device, FA4_BWD_BUFFERS, FA4_ATTRS, deterministic);
+  Buffers x = FA4_BWD_BUFFERS;
+  return Execute(kDevErr, tuning, stream, device, x, FA4_ATTRS, deterministic);
 }
 #endif
 

@@ -2,16 +2,16 @@
 # One call on the H200 machine (built library carried, nothing built there): GPU tier, then the
 # benchmark, logs under $OUT. Usage: bash scripts/device_check.sh [benchmark args...]
 #
-# At most 8 files come back from $OUT (/work/.library/device/README.md): this script writes 5-6
+# At most 8 files come back from $OUT (the device tool's limit): this script writes 5-6
 # (gpu.txt, gpu_tests.log, gpu_tests_summary.txt, bench.log, bench/results.json and a PNG per
 # mode), so a second benchmark in the same call should delete the PNGs, or its results.json is
-# the file left behind (session 12 lost one that way).
+# the file left behind.
 #
 # The GPU tier's time is XLA compiling each test's small programs, so it runs as GPU_SHARDS
 # pytest processes in parallel (`--shard K/N`), each allowed 1/GPU_SHARDS of the GPU memory.
 # With XLA's autotuning off (tests/conftest.py), 8 shards ran the ~380-test tier in 2m13s on the
 # 16-core H200 machine; with autotuning on, 8 shards got through ~140 tests in 500 s. The tier
-# has grown to ~1280 tests: session 18's shards took 270-300 s each, so the per-shard limit
+# has grown past 1,280 tests, whose shards took 270-300 s each, so the per-shard limit
 # (GPU_TESTS_TIMEOUT) defaults to 420 s. At 290 s five of eight shards were cut off.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1

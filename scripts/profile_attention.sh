@@ -4,7 +4,7 @@
 # reasons (sampled per instruction: SourceCounters, which the WarpStateStats section alone does
 # not break down). A case's fourth field 1 profiles the backward's main kernel instead of the
 # forward. ncu reads hardware counters only on the Firecracker runtime
-# (/work/.library/device/KINDS.md); --clock-control none leaves the clocks alone. Reports (text)
+# (the device tool's notes); --clock-control none leaves the clocks alone. Reports (text)
 # go into one file, $OUT/ncu/reports.txt: the device returns only a few files per call.
 #   usage: bash scripts/profile_attention.sh ["d s causal [backward]" ...]
 #   default: "128 16384 0" "128 1024 1"; NCU_PEERS="fa4_jax" profiles ours only, "fa4_jax upstream"

@@ -1,4 +1,4 @@
-"""Numerics helpers shared by the test tiers: DESIGN.md's comparison rule and the oracles."""
+"""Numerics helpers shared by the test tiers: docs/design.md's comparison rule and the oracles."""
 from __future__ import annotations
 
 import jax
@@ -9,7 +9,7 @@ from fa4_jax.reference import attention_reference
 
 
 def assert_close_by_rule(out, ref, ref_lowp, factor=2, name="out"):
-    """DESIGN.md's rule: max|out - ref| <= factor * max|ref_lowp - ref| + 1e-5.
+    """docs/design.md's rule: max|out - ref| <= factor * max|ref_lowp - ref| + 1e-5.
 
     NaN in `out` never passes. Infinite entries of `ref` (lse -inf of fully masked rows) must
     be matched exactly; the bound applies to the finite rest.

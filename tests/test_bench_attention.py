@@ -90,15 +90,32 @@ def test_upstream_rows_say_why_they_are_skipped(tmp_path, monkeypatch):
                 raise AssertionError(f"{mode} d{head_dim} without the library must be skipped")
 
 
-@pytest.mark.parametrize("ablation", ["fa4_jax_full_lengths", "fa4_jax_dlse_zeros"])
-def test_an_ablation_runs_only_when_named(tmp_path, ablation):
-    # An ablation row of fa4_jax's own: absent from the default peers, and a skip that says why
-    # where no kernel serves the call (here: no GPU; the dLSE ablation times fwd_bwd only).
-    assert ablation not in bench_attention.parse_args([]).peers
-    rows = _dry_run_rows(tmp_path, "--peers", ablation)
-    assert {r["mode"] for r in rows} == {"fwd", "fwd_bwd"}
-    for row in rows:
-        assert row["status"] == "skipped" and row["note"], row
+def test_the_ablation_menu_is_apart_from_the_shipping_menu():
+    # The development library's variants are all the ablation tunings' (plus each ablated
+    # problem class's default, the like-for-like baseline), none of them in the wheel's library.
+    from benchmarks import ablations
+    from fa4_jax.aot import menu
+
+    shipped = {v.name for v in menu.MENU}
+    tuned = [v for v in ablations.MENU if v.tuning not in ("default",) + tuple(menu.arch_menu("sm_90a").TUNINGS)]
+    assert tuned and not {v.name for v in tuned} & shipped
+    assert {v.tuning for v in ablations.MENU} <= set(ablations.TUNINGS)
+    assert ablations.ablation_menu().tuning_targets
+
+
+def test_narrowed_ablations_refuse_calls_they_would_cut_short():
+    from benchmarks import ablations
+    from fa4_jax.routing import Call
+
+    tail = Call("fwd", "sm_90a", "bf16", 128, 128, "none", False, 300, 4200)  # 152 keys in the last block
+    assert "seqlen_k=4200" in ablations.narrowing_mismatch("tail48", tail)
+    assert ablations.narrowing_mismatch("tail128", Call("fwd", "sm_90a", "bf16", 128, 128, "none", False,
+                                                        300, 4176)) is None  # 128 keys in the last
+    diagonal = Call("fwd", "sm_90a", "bf16", 96, 96, "causal", False, 1000, 1064)
+    assert "128-key blocks" in ablations.narrowing_mismatch("diag", diagonal)
+    assert ablations.narrowing_mismatch("diag", Call("fwd", "sm_90a", "bf16", 96, 96, "causal", False,
+                                                     1000, 1128)) is None
+    assert ablations.narrowing_mismatch("lpt", diagonal) is None
 
 
 def test_each_peer_keeps_its_colour_in_panels_it_is_absent_from(tmp_path, monkeypatch):

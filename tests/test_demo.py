@@ -34,12 +34,12 @@ def test_demo_tiny_run_agrees_and_writes_plot(tmp_path, capsys):
 
 
 GPU_STEPS = demo.CONFIGS["gpu"].steps
-# Session 18's 2-GPU bf16 run, read off docs/perf/s18_demo_2gpu_loss.png every 10 steps (0-300):
+# A 2-GPU bf16 run of 2026-11-30, read off its loss plot every 10 steps (0-300):
 # cuDNN's run left the 2.15 plateau ~35 steps before fa4_jax's, which never caught up.
-S18_FA4_LOSSES = [3.78, 3.13, 2.43, 2.24, 2.20, 2.17, 2.17, 2.17, 2.16, 2.15, 2.15, 2.15, 2.14,
+LAGGING_FA4_LOSSES = [3.78, 3.13, 2.43, 2.24, 2.20, 2.17, 2.17, 2.17, 2.16, 2.15, 2.15, 2.15, 2.14,
                   2.14, 2.13, 2.11, 2.11, 2.09, 2.07, 2.05, 2.03, 2.00, 1.96, 1.90, 1.84, 1.80,
                   1.77, 1.73, 1.72, 1.71, 1.70]
-S18_CUDNN_LOSSES = [3.78, 3.13, 2.43, 2.24, 2.19, 2.17, 2.15, 2.16, 2.16, 2.14, 2.14, 2.14, 2.12,
+LEADING_CUDNN_LOSSES = [3.78, 3.13, 2.43, 2.24, 2.19, 2.17, 2.15, 2.16, 2.16, 2.14, 2.14, 2.14, 2.12,
                     2.12, 2.11, 2.08, 2.07, 2.04, 2.01, 1.97, 1.93, 1.87, 1.80, 1.75, 1.69, 1.64,
                     1.59, 1.56, 1.54, 1.53, 1.53]
 
@@ -47,7 +47,7 @@ S18_CUDNN_LOSSES = [3.78, 3.13, 2.43, 2.24, 2.19, 2.17, 2.15, 2.16, 2.16, 2.14, 
 def plateau_curve(descent_midpoint: float, steps: int = GPU_STEPS) -> np.ndarray:
     """[steps] float64 losses shaped like the gpu config's: a fall from 3.8 to a 2.15 nats/char
     plateau by step ~30, then a logistic descent of 0.65 centred on descent_midpoint, from 2.1
-    to 1.55 over ~140 steps (as cuDNN's in session 18)."""
+    to 1.55 over ~140 steps (as cuDNN's in that run)."""
     step = np.arange(steps)
     return 2.15 + 1.65 * np.exp(-step / 8) - 0.65 / (1 + np.exp(-(step - descent_midpoint) / 25))
 
@@ -73,7 +73,7 @@ def test_session_18_two_gpu_curves_agree(seed):
     step = np.arange(GPU_STEPS)
     fa4, cudnn = noisy_runs(np.random.default_rng(seed),
                             *(np.interp(step, np.arange(0, GPU_STEPS + 1, 10), losses)
-                              for losses in (S18_FA4_LOSSES, S18_CUDNN_LOSSES)))
+                              for losses in (LAGGING_FA4_LOSSES, LEADING_CUDNN_LOSSES)))
     assert abs(fa4[-20:].mean() / cudnn[-20:].mean() - 1) > demo.SHIFTED_RTOL["bfloat16"]
     assert agree_both_ways(fa4, cudnn)
 

@@ -85,7 +85,7 @@ def test_ring_matches_single_device_attention_fwd_and_grads(next_key, options):
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_ring_bfloat16_meets_the_numerics_rule(next_key, causal):
-    """Partials merge in fp32 and dk, dv travel the ring in fp32: DESIGN.md's bound holds."""
+    """Partials merge in fp32 and dk, dv travel the ring in fp32: docs/design.md's bound holds."""
     mesh = cpu_mesh((1, RING), ("data", "seq"))
     q, k, v, d_out, _ = _inputs(next_key, dtype=jnp.bfloat16, batch=1, seqlen=128, head_dim=32)
     ring = _ring_over_full_sequence(mesh, causal=causal)

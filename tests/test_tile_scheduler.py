@@ -88,7 +88,7 @@ def test_grid_order_is_the_decoded_order(shape, reverse_m):
     visited = [sched.grid_tile((x, y, z), section_heads, num_m, h)
                for z in range(sections) for y in range(num_m) for x in range(section_heads)
                if z * section_heads + x < h * b]
-    order, _ = _order(TileScheduler("lpt_single", 128, reverse_m, kv_bytes_per_key=512), *shape)
+    order, _ = _order(TileScheduler("lpt", 128, reverse_m, kv_bytes_per_key=512), *shape)
     assert visited == order
 
 
@@ -102,6 +102,6 @@ def test_grid_sections_fit_the_l2_budget():
 
 
 def test_unknown_scheduler_is_refused():
-    assert SCHEDULERS == ("linear", "lpt", "lpt_single", "lpt_grid")
+    assert SCHEDULERS == ("linear", "lpt", "lpt_grid")
     with pytest.raises(ValueError):
         TileScheduler("dynamic", 128, False, 512)

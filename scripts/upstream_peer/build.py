@@ -1,7 +1,7 @@
 """Build FA4 upstream's Hopper forward and backward into an XLA FFI library, so that the benchmark
 can time them beside fa4_jax in one process under one timer (bench_attention's "upstream" column).
 
-ANCHORS.md times upstream through PyTorch with CUDA events; fa4_jax is timed as a JAX loop. This
+docs/anchors.md times upstream through PyTorch with CUDA events; fa4_jax is timed as a JAX loop. This
 puts upstream's unchanged kernels (flash-attn-4, exported ahead of time by export_fwd.py and
 export_bwd.py) under the JAX timer, so the two are compared like for like. Nothing of upstream's
 is copied into this repository: the export scripts import it from FLASH_ATTN_SRC.
@@ -14,7 +14,7 @@ is copied into this repository: the export scripts import it from FLASH_ATTN_SRC
 UPSTREAM_VENV: nvidia-cutlass-dsl[cu13] (the version fa4_jax builds with), apache-tvm-ffi, einops
 and quack-kernels installed with --no-deps; no torch (export_fwd.py stubs it). The wheel:
 `pip download --no-deps flash-attn-4==4.0.0b36`, unpacked. bf16, head dims 64, 128 and 256,
-causal and not, no GQA, window, softcap or ragged lengths: the ANCHORS.md grid; the backward in
+causal and not, no GQA, window, softcap or ragged lengths: the docs/anchors.md grid; the backward in
 upstream's default, non-deterministic mode. Each kernel runs at upstream's own tile for its head
 dim and mask. The library holds two FFI targets (HANDLER's header comment gives their buffers):
 `fa4_upstream_fwd`, upstream's FlashAttentionForwardSm90, and `fa4_upstream_bwd`, upstream's

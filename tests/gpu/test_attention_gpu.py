@@ -1,4 +1,4 @@
-"""GPU tier: the CuTe forward kernel against the reference under DESIGN.md's numerics rule.
+"""GPU tier: the CuTe forward kernel against the reference under docs/design.md's numerics rule.
 
 Run with `pytest -m gpu`. A variant the built library does not serve is skipped with the
 library's own reason, so a green run never overstates coverage.

@@ -5,7 +5,7 @@ fallback of `backends.backward`) serves the call, and skips with the library's r
 so a green run never overstates coverage. Gradients are taken of out and lse together (random
 cotangents for both), against the reference's semantics in fp32 and in the input dtype
 (`tests.numerics.dense_attention`, which compiles much faster than the chunked reference) under
-DESIGN.md's numerics rule.
+docs/design.md's numerics rule.
 """
 import functools
 import json

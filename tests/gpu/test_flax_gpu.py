@@ -1,6 +1,6 @@
 """GPU tier: a few Flax Linen training steps on the fa4_jax kernels track Flax's own attention.
 
-DESIGN.md's numerics rule applied to a training run: the bf16 run on the kernels may deviate
+docs/design.md's numerics rule applied to a training run: the bf16 run on the kernels may deviate
 from an fp32 run with Flax's attention by at most twice what Flax's bf16 attention deviates.
 """
 import flax.linen as nn

@@ -1,7 +1,7 @@
 """GPU tier: GQA-packed forward calls (fa4_jax/pack_gqa.py) against the reference.
 
 Each case first pins that the call packs (`pack_gqa.packs`), then compares the kernel's packed
-result, and the same kernel run unpacked, with the fp32 reference under DESIGN.md's rule. Key
+result, and the same kernel run unpacked, with the fp32 reference under docs/design.md's rule. Key
 lengths are odd (a partial last key block) and fresh inputs are drawn per case.
 """
 import jax

@@ -3,7 +3,7 @@
 The kernels read each entry's valid lengths (seq_used_q / seq_used_k operands) and align the
 masks to them; the oracle is the definition, as in tests/test_ragged.py: a dense softmax with each
 entry's own mask (nothing visible past its lengths), in fp32 and in the inputs' dtype for
-DESIGN.md's rule. Every test first confirms that the forward and backward kernels serve the call
+docs/design.md's rule. Every test first confirms that the forward and backward kernels serve the call
 (skipping with the library's reason otherwise). Oracle and kernel run under one cached jax.jit
 per option set, so each test costs a compile of each once.
 """

@@ -1,7 +1,7 @@
 """GPU tier: split-KV forward calls (fa4_jax/split_kv.py) against the reference.
 
 The chunks' partial outputs come back in bf16, so the combined output carries one more bf16
-rounding than a single pass; DESIGN.md's rule (twice the bf16 reference's error) must still hold.
+rounding than a single pass; docs/design.md's rule (twice the bf16 reference's error) must still hold.
 Lengths and chunk boundaries are chosen so chunks end mid-block, entries end mid-chunk, and
 whole chunks see no key.
 """

@@ -24,7 +24,7 @@ the block's exponentials run before it, +2-3%. Where ptxas already placed the wa
 128-key d128 kernel takes the tree (docs/perf-log.md, "The wait for P·V").
 
 A row whose keys are all masked keeps m = −inf; its scale is taken as 0 so no NaN forms, its
-sum stays 0, and finalize reports lse = −inf and an output row of zeros (DESIGN.md).
+sum stays 0, and finalize reports lse = −inf and an output row of zeros (docs/design.md).
 """
 import dataclasses
 import math
