@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import numbers
 from collections.abc import Sequence
@@ -15,7 +14,6 @@ from fa4_jax import cudnn, dispatch, notices
 from fa4_jax.params import AttentionParams
 from fa4_jax.vjp import attention_op
 
-logger = logging.getLogger("fa4_jax")
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -70,8 +68,9 @@ def attention(
         doubles. The default adds dQ in whatever order the GPU reaches it: gradients may then
         differ in their last bits between runs. The forward is deterministic either way.
       return_lse: also return the logsumexp of each row.
-      implementation: None (the kernels when they serve this call, else the reference; the
-        choice and its reason are logged at debug level on the "fa4_jax" logger), "cute" (the
+      implementation: None (the kernels when they serve this call, else cuDNN where its
+        semantics are this call's, else the reference, with a FallbackWarning saying why, once
+        per kind of call; `which_backend` answers without running), "cute" (the
         CuTe-DSL kernels; a ValueError says why when they cannot serve the call) or
         "reference" (pure JAX, chunked, float32 math; any platform).
       query_seq_lengths, key_value_seq_lengths: a ragged (padded) batch. None, or an integer
@@ -151,14 +150,12 @@ def _attention(
         top_left=top_left,
         ragged=ragged,
     )
+    backend, reason = _backend_choice(query, key, value, params, reason, ragged, return_lse)
     if reason is not None:
-        cudnn_reason = cudnn.unsupported_reason(query, key, value, params, ragged, return_lse,
-                                                dispatch.compute_capability())
         shape = notices.shape_class(query, value, params)
-        if cudnn_reason is None:
-            notices.fallback("cuDNN (jax.nn.dot_product_attention)", reason, shape)
+        notices.fallback(_BACKEND_NAMES[backend], reason, shape)
+        if backend == "cudnn":
             return cudnn.attention(query, key, value, params)
-        notices.fallback("the pure-JAX reference (float32 math)", _with_cudnn(reason, cudnn_reason), shape)
     seq_lengths = None
     if ragged:
         seq_lengths = (
@@ -169,11 +166,52 @@ def _attention(
     return (out, lse) if return_lse else out
 
 
-def _with_cudnn(reason, cudnn_reason):
-    """The fallback's reason, and why not cuDNN where a CUDA GPU could have run it."""
-    if dispatch.compute_capability() is None:
-        return reason
-    return f"{reason}; not cuDNN: {cudnn_reason}"
+_BACKEND_NAMES = {"cudnn": "cuDNN (jax.nn.dot_product_attention)",
+                  "reference": "the pure-JAX reference (float32 math)"}
+
+
+def _backend_choice(query, key, value, params, reason, ragged, return_lse):
+    """("cute" | "cudnn" | "reference", why not the kernels or None): cuDNN where the kernels
+    do not serve a call and its semantics are the call's, else the reference."""
+    if reason is None:
+        return params.implementation, None
+    cudnn_reason = cudnn.unsupported_reason(query, key, value, params, ragged, return_lse,
+                                            dispatch.compute_capability())
+    if cudnn_reason is None:
+        return "cudnn", reason
+    if dispatch.compute_capability() is not None:
+        reason = f"{reason}; not cuDNN: {cudnn_reason}"
+    return "reference", reason
+
+
+def which_backend(
+    query,
+    key,
+    value,
+    *,
+    causal=False,
+    softmax_scale=None,
+    window_size=(None, None),
+    softcap=None,
+    deterministic=False,
+    return_lse=False,
+    implementation=None,
+    query_seq_lengths=None,
+    key_value_seq_lengths=None,
+) -> tuple[str, str | None]:
+    """Which backend `attention` with these arguments runs on, and why, without running it.
+
+    Arguments are `attention`'s; query, key and value may be arrays or `jax.ShapeDtypeStruct`s,
+    the lengths anything not None when the call passes them. Returns ("cute", None) for
+    fa4_jax's kernels, ("cudnn", reason) or ("reference", reason) for a fallback (the reason
+    is the FallbackWarning's), and ("reference", None) when implementation="reference". Raises
+    what `attention` raises for the same arguments.
+    """
+    ragged = query_seq_lengths is not None or key_value_seq_lengths is not None
+    params, reason = _params_and_fallback(
+        query, key, value, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+        softcap=softcap, deterministic=deterministic, implementation=implementation, ragged=ragged)
+    return _backend_choice(query, key, value, params, reason, ragged, return_lse)
 
 
 def attention_params(
@@ -544,7 +582,6 @@ def _resolve_backend(query, key, value, params, requested):
         return params, None
     reason = _kernel_unsupported_reason(query, key, value, params)
     if reason is None:
-        logger.debug("fa4_jax: cute backend")
         return dataclasses.replace(params, implementation="cute",
                                    require_kernels=requested == "cute"), None
     if requested == "cute":

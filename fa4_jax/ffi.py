@@ -36,6 +36,19 @@ DEV_BWD_TARGET = "fa4_jax_dev_bwd_v2"
 _LIB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lib")
 
 
+def export_disabled_checks() -> list:
+    """The `disabled_checks` that `jax.export.export` needs for a program with fa4_jax's kernels.
+
+    jax.export refuses custom calls it does not know to be stable; fa4_jax's targets are, by
+    their version suffix (a changed ABI gets a new name):
+
+        jax.export.export(jax.jit(f), disabled_checks=fa4_jax.export_disabled_checks())(*specs)
+    """
+    import jax
+
+    return [jax.export.DisabledSafetyCheck.custom_call(t) for t in (FWD_TARGET, BWD_TARGET)]
+
+
 class LibraryUnavailable(RuntimeError):
     """The kernel library is not built, does not load, or lacks what a call needs."""
 

@@ -42,7 +42,8 @@ def argument_specs():
 
 
 def main(path: str) -> None:
-    exported = jax.export.export(jax.jit(program), platforms=["cuda"])(*argument_specs())
+    exported = jax.export.export(jax.jit(program), platforms=["cuda"],
+                                  disabled_checks=fa4_jax.export_disabled_checks())(*argument_specs())
     text = exported.mlir_module()
     assert "fa4_jax_fwd_v2" in text and "fa4_jax_bwd_v2" in text, "the kernels are not in the program"
     with open(path, "wb") as f:

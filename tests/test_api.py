@@ -274,8 +274,11 @@ def test_public_surface():
         "from_zigzag_layout",
         "ReshardWarning",
         "FallbackWarning",
+        "which_backend",
+        "export_disabled_checks",
         "__version__",
     }
+    assert all(hasattr(fa4_jax, name) for name in fa4_jax.__all__)
     assert isinstance(fa4_jax.__version__, str)
 
 
@@ -460,3 +463,17 @@ def test_dot_product_attention_jax_backends_point_to_jax(next_key, implementatio
     q, k, v = _qkv(next_key)
     with pytest.raises(ValueError, match="jax.nn.dot_product_attention"):
         fa4_jax.dot_product_attention(q, k, v, implementation=implementation)
+
+
+def test_which_backend_says_what_attention_runs_and_warns():
+    # No GPU here: the reference, with the FallbackWarning's own reason; the same errors as a call.
+    q = jax.ShapeDtypeStruct((2, 64, 4, 64), jnp.bfloat16)
+    backend, reason = fa4_jax.which_backend(q, q, q, causal=True)
+    assert backend == "reference" and "not a CUDA GPU" in reason
+    assert fa4_jax.which_backend(q, q, q, implementation="reference") == ("reference", None)
+    f32 = jax.ShapeDtypeStruct((2, 64, 4, 64), jnp.float32)
+    assert "got float32" in fa4_jax.which_backend(f32, f32, f32)[1]
+    with pytest.raises(ValueError, match="window_size"):
+        fa4_jax.which_backend(q, q, q, causal=True, window_size=(4, 3))
+    with pytest.raises(ValueError, match="implementation='cute'"):
+        fa4_jax.which_backend(q, q, q, implementation="cute")

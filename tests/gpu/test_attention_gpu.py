@@ -77,7 +77,7 @@ ROUTED_CALLS = [
     ("causal", 64, 1024, 1024, "short_wg2_diag"),
     ("causal", 64, 1000, 1001, "short_wg2"),
     ("causal", 64, 1025, 1025, "default"),
-    ("causal", 128, 1000, 1128, "short_diag"),
+    ("causal", 128, 896, 1024, "short_diag"),
     ("causal", 128, 999, 1000, "short"),
     ("causal", 128, 2048, 2048, "diag"),
     ("causal", 128, 8064, 8192, "diag"),

@@ -381,8 +381,12 @@ def test_top_left_gradients_on_the_kernels(next_key, head_dim, shape, window):
                             implementation="xla")
     ref = grads(xla, *(x.astype(jnp.float32) for x in (q, k, v)))
     lowp = grads(xla, q, k, v)
+    # Rows past the window's reach see no key, and jax gives them the mean of the values: their
+    # share of dv (a [B, N_kv, D] vector over every key) is added to the kernel's dv in bf16, a
+    # second rounding of dv that jax's one matmul does not make (half an ulp more).
+    keyless = window is not None and seqlen_q > seqlen_k + window[0]
     for name, grad, want, want_lowp in zip(("dq", "dk", "dv"), got, ref, lowp):
-        assert_close_by_rule(grad, want, want_lowp, name=name)
+        assert_close_by_rule(grad, want, want_lowp, name=name, factor=3 if keyless and name == "dv" else 2)
     # The deterministic order over top-left masks: bitwise repeatable, and the default mode's
     # gradients to rounding.
     from fa4_jax.api import _attention
