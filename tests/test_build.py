@@ -272,3 +272,34 @@ def test_the_ffi_headers_come_from_the_pinned_build_jax():
     assert f"jax=={toolchain.BUILD_JAX}" in requires and f"jaxlib=={toolchain.BUILD_JAX}" in requires
     assert any(dep == f"jax>={toolchain.BUILD_JAX.rsplit('.', 1)[0]}"
                for dep in pyproject["project"]["dependencies"])
+
+
+def test_a_worker_keeps_each_jobs_cubin_apart_and_state_free(tmp_path):
+    # Two variants of one kernel signature (their cubins share a file name in the dump dir) on
+    # one worker, after a failed job: each entry holds its own cubin, and the second is the
+    # cubin a fresh worker makes of it.
+    import hashlib
+
+    first, second = (routing.Variant("sm_90a", "bf16", 128, 128, "causal", False, "fwd", tuning)
+                     for tuning in ("short", "short_diag"))
+    shim = build.toolchain.build_runtime_shim(str(build.ROOT / "build" / "aot"))
+
+    def compile_on(worker, variant, where):
+        worker.compile(variant, menu.kernel_class(variant), menu.tuning_kwargs(variant), where)
+        cubins = list(where.glob("*.cubin"))
+        assert len(cubins) == 1, cubins
+        return hashlib.sha256(cubins[0].read_bytes()).hexdigest()
+
+    worker = build._Worker(shim)
+    try:
+        with pytest.raises(build.BuildError, match="NoSuchKernel"):
+            worker.compile(first, "fa4_jax.kernels.sm90.fwd:NoSuchKernel", {}, tmp_path / "broken")
+        digests = [compile_on(worker, v, tmp_path / v.tuning) for v in (first, second)]
+    finally:
+        worker.close()
+    assert digests[0] != digests[1]
+    fresh = build._Worker(shim)
+    try:
+        assert compile_on(fresh, second, tmp_path / "fresh") == digests[1]
+    finally:
+        fresh.close()

@@ -1,6 +1,7 @@
 """Incremental AOT build: `python -m fa4_jax.aot.build [--jobs N] [--arch ARCH ...] [--only REGEX]`.
 
-1. Compile each variant of the menu in a worker process (cute.compile + export_to_c), unless the
+1. Compile each variant of the menu on one of `jobs` worker processes (cute.compile +
+   export_to_c; each worker compiles variant after variant), unless the
    cache already holds it: entries are keyed by a hash of the kernel module and the fa4_jax
    modules it imports, compile.py, the DSL version, the kernel class, the variant and its tuning
    settings, and live outside the tree (FA4_JAX_CACHE_DIR, default ~/.cache/fa4_jax) so clean
@@ -30,11 +31,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Callable
 
 from fa4_jax.aot import codegen, menu, toolchain
+from fa4_jax.aot import compile as compile_worker
 from fa4_jax.routing import Route, Variant
 
 PACKAGE = Path(__file__).resolve().parents[1]
@@ -116,28 +119,72 @@ def entry_dir(variant: Variant, key: str, cache: Path | None = None) -> Path:
     return (cache or cache_dir()) / "variants" / f"{variant.name}-{key}"
 
 
-def _compile_one(variant: Variant, kernel: str, tuning_kwargs: dict, entry: Path, shim: str) -> float:
-    """Compiles into a scratch dir and renames it into place, so a killed build leaves no entry."""
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{variant.name}-", dir=entry.parent))
-    job = {"variant": dataclasses.asdict(variant), "kernel": kernel, "tuning_kwargs": tuning_kwargs,
-           "out_dir": str(scratch)}
-    start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "fa4_jax.aot.compile", json.dumps(job)],
-                          env=toolchain.compile_env(shim, str(scratch)), cwd=ROOT,
-                          capture_output=True, text=True)
-    elapsed = time.monotonic() - start
-    produced = {p.suffix for p in scratch.iterdir()}
-    if proc.returncode != 0 or not {".h", ".o", ".cubin"} <= produced:
-        shutil.rmtree(scratch, ignore_errors=True)
-        log = (proc.stdout + proc.stderr)[-6000:]
-        raise BuildError(f"variant {variant.name} FAILED to compile (exit {proc.returncode}, "
-                         f"outputs {sorted(produced)}):\n{log}")
-    try:
-        scratch.rename(entry)
-    except OSError:  # a concurrent build got there first; its entry is as good as ours
-        shutil.rmtree(scratch, ignore_errors=True)
-    return elapsed
+class _Worker:
+    """One `python -m fa4_jax.aot.compile --serve` process, compiling variant after variant.
+
+    Restarted after RECYCLE_AFTER jobs, which bounds what a long-lived DSL process accumulates.
+    """
+
+    RECYCLE_AFTER = 48
+
+    def __init__(self, shim: str):
+        self.shim = shim
+        self.proc = None
+        self.jobs_done = 0
+
+    def _start(self) -> None:
+        self.dump_dir = tempfile.mkdtemp(prefix="fa4_jax-dump-")
+        self.stderr = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "fa4_jax.aot.compile", "--serve"],
+            env=toolchain.compile_env(self.shim, self.dump_dir), cwd=ROOT, text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr)
+        self.jobs_done = 0
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.stdin.close()
+            self.proc.wait()
+            self.stderr.close()
+            shutil.rmtree(self.dump_dir, ignore_errors=True)
+            self.proc = None
+
+    def _output_tail(self, printed: list[str]) -> str:
+        self.stderr.seek(0)
+        return ("".join(printed) + self.stderr.read())[-6000:]
+
+    def compile(self, variant: Variant, kernel: str, tuning_kwargs: dict, entry: Path) -> float:
+        """Compiles into a scratch dir and renames it into place, so a killed build leaves no
+        entry. Returns the compile's seconds."""
+        if self.proc is None or self.jobs_done >= self.RECYCLE_AFTER:
+            self.close()
+            self._start()
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=f".{variant.name}-", dir=entry.parent))
+        job = {"variant": dataclasses.asdict(variant), "kernel": kernel,
+               "tuning_kwargs": tuning_kwargs, "out_dir": str(scratch)}
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        printed, result = [], None
+        for line in self.proc.stdout:
+            if line.startswith(compile_worker.RESULT):
+                result = json.loads(line[len(compile_worker.RESULT):])
+                break
+            printed.append(line)
+        self.jobs_done += 1
+        produced = {p.suffix for p in scratch.iterdir()}
+        if result is None or "error" in result or not {".h", ".o", ".cubin"} <= produced:
+            shutil.rmtree(scratch, ignore_errors=True)
+            what = ("the worker exited" if result is None else result.get("error")
+                    or f"outputs {sorted(produced)}")
+            output = self._output_tail(printed)
+            self.close()
+            raise BuildError(f"variant {variant.name} FAILED to compile: {what}\n{output}")
+        try:
+            scratch.rename(entry)
+        except OSError:  # a concurrent build got there first; its entry is as good as ours
+            shutil.rmtree(scratch, ignore_errors=True)
+        return result["seconds"]
 
 
 def entries(built: Menu, cache: Path | None = None) -> dict[str, Path]:
@@ -158,19 +205,31 @@ def compile_variants(built: Menu, jobs: int, cache: Path | None = None, log=prin
         return found
     shim = toolchain.build_runtime_shim(str(ROOT / "build" / "aot"))
     start = time.monotonic()
-    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = {pool.submit(_compile_one, v, built.kernel_class(v), built.tuning_kwargs(v),
-                               found[v.name], shim): v for v in todo}
-        try:
-            for fut in concurrent.futures.as_completed(futures):
-                seconds = fut.result()
-                done += 1
-                log(f"[{done:>{width}}/{total}] {futures[fut].name}: compiled in {seconds:.1f} s "
-                    f"({time.monotonic() - start:.0f} s elapsed)")
-        except BaseException:
-            for f in futures:  # stop queued work; running workers finish on their own
-                f.cancel()
-            raise
+    workers, local = [], threading.local()
+
+    def compile_on_this_thread(variant):
+        if not hasattr(local, "worker"):
+            local.worker = _Worker(shim)
+            workers.append(local.worker)
+        return local.worker.compile(variant, built.kernel_class(variant),
+                                    built.tuning_kwargs(variant), found[variant.name])
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+            futures = {pool.submit(compile_on_this_thread, v): v for v in todo}
+            try:
+                for fut in concurrent.futures.as_completed(futures):
+                    seconds = fut.result()
+                    done += 1
+                    log(f"[{done:>{width}}/{total}] {futures[fut].name}: compiled in "
+                        f"{seconds:.1f} s ({time.monotonic() - start:.0f} s elapsed)")
+            except BaseException:
+                for f in futures:  # stop queued work; running jobs finish on their own
+                    f.cancel()
+                raise
+    finally:
+        for worker in workers:
+            worker.close()
     return found
 
 

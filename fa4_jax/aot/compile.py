@@ -2,14 +2,20 @@
 
 `fake_args` is the single description of the kernel's argument types; the C++ dispatch
 (`fa4_jax/aot/codegen.py`) fills the exported structs from the header this produces, so the two
-cannot drift. Run as `python -m fa4_jax.aot.compile JOB_JSON` with the runtime shim preloaded
-(see `toolchain.compile_env`): export_to_c resolves the launcher's runtime symbols in-process.
+cannot drift. Run as `python -m fa4_jax.aot.compile --serve`, a build worker, with the runtime
+shim preloaded (see `toolchain.compile_env`): export_to_c resolves the launcher's runtime symbols
+in-process. A worker compiles job after job (one JSON line each on stdin), so the DSL's import
+and warm-up (about 5 s, more than most variants' own compile) are paid once per worker.
 """
 from __future__ import annotations
 
 import importlib
 import json
+import os
+import shutil
 import sys
+import time
+import traceback
 
 # Base pointers of XLA buffers are at least 16-byte aligned; TMA needs exactly that.
 _ALIGN = 16
@@ -128,12 +134,43 @@ def compile_variant(variant, kernel: str, tuning_kwargs: dict, out_dir: str) -> 
     compiled.export_to_c(out_dir, variant.name, function_prefix=variant.name)
 
 
-def main(argv: list[str]) -> None:
+RESULT = "FA4_JAX_RESULT "  # prefixes the worker's answer lines; the DSL may print others
+
+
+def _collect_cubins(dump_dir: str, out_dir: str) -> None:
+    """Moves what the compile kept (--keep-cubin writes into the dump dir, which the DSL reads
+    once, at import) into the job's out_dir, so the next job starts from an empty dump dir."""
+    for name in os.listdir(dump_dir):
+        shutil.move(os.path.join(dump_dir, name), os.path.join(out_dir, name))
+
+
+def serve(jobs, answer) -> None:
+    """Compiles each job, {"variant": fields, "kernel": "module:Class", "tuning_kwargs": {...},
+    "out_dir": path}, and answers {"seconds": s} or {"error": traceback} for each."""
     from fa4_jax.routing import Variant
 
-    # {"variant": fields, "kernel": "module:Class", "tuning_kwargs": {...}, "out_dir": path}
-    job = json.loads(argv[0])
-    compile_variant(Variant(**job["variant"]), job["kernel"], job["tuning_kwargs"], job["out_dir"])
+    dump_dir = os.environ["CUTE_DSL_DUMP_DIR"]
+    for line in jobs:
+        job = json.loads(line)
+        start = time.monotonic()
+        try:
+            compile_variant(Variant(**job["variant"]), job["kernel"], job["tuning_kwargs"],
+                            job["out_dir"])
+            _collect_cubins(dump_dir, job["out_dir"])
+            result = {"seconds": time.monotonic() - start}
+        except Exception:  # one job's failure is the build's to report, not the worker's end
+            result = {"error": traceback.format_exc()}
+        answer(RESULT + json.dumps(result))
+
+
+def main(argv: list[str]) -> None:
+    if argv != ["--serve"]:
+        raise SystemExit("usage: python -m fa4_jax.aot.compile --serve  (jobs on stdin)")
+
+    def answer(text):
+        print(text, flush=True)
+
+    serve(sys.stdin, answer)
 
 
 if __name__ == "__main__":
