@@ -303,3 +303,18 @@ def test_a_worker_keeps_each_jobs_cubin_apart_and_state_free(tmp_path):
         assert compile_on(fresh, second, tmp_path / "fresh") == digests[1]
     finally:
         fresh.close()
+
+
+def test_exported_sources_are_what_the_library_links(tmp_path):
+    # The Bazel build's inputs (BUILD): every cached kernel object in the archive, each header
+    # inlined into the dispatch table (Bazel sees no per-variant header), the same manifest.
+    shipped = build.shipping_menu()
+    build.export_sources(shipped, tmp_path, jobs=2, log=lambda line: None)
+    members = subprocess.run(["ar", "t", str(tmp_path / "kernels.a")], capture_output=True,
+                             text=True, check=True).stdout.split()
+    assert sorted(members) == sorted(f"{v.name}.o" for v in shipped.variants)
+    source = (tmp_path / "dispatch.cc").read_text()
+    for v in shipped.variants:
+        assert f'#include "{v.name}.h"' not in source and f"_mlir_{v.name}_cuda_init" in source, v.name
+    assert "#pragma once" not in source
+    assert json.loads((tmp_path / "manifest.json").read_text()) == build.manifest(shipped)

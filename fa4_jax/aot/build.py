@@ -1,4 +1,5 @@
-"""Incremental AOT build: `python -m fa4_jax.aot.build [--jobs N] [--arch ARCH ...] [--only REGEX]`.
+"""Incremental AOT build: `python -m fa4_jax.aot.build [--jobs N] [--arch ARCH ...] [--only REGEX]
+[--export-sources DIR]`.
 
 1. Compile each variant of the menu on one of `jobs` worker processes (cute.compile +
    export_to_c; each worker compiles variant after variant), unless the
@@ -193,8 +194,10 @@ def entries(built: Menu, cache: Path | None = None) -> dict[str, Path]:
             for v in built.variants}
 
 
-def compile_variants(built: Menu, jobs: int, cache: Path | None = None, log=print) -> dict[str, Path]:
-    """Compiles what the cache lacks, in `jobs` worker processes. Returns name -> entry dir."""
+def compile_variants(built: Menu, jobs: int, cache: Path | None = None, log=print,
+                     work: Path | None = None) -> dict[str, Path]:
+    """Compiles what the cache lacks, in `jobs` worker processes (their runtime shim built in
+    `work`, default build/aot). Returns name -> entry dir."""
     found = entries(built, cache)
     todo = [v for v in built.variants if not found[v.name].is_dir()]
     total = len(built.variants)
@@ -203,7 +206,7 @@ def compile_variants(built: Menu, jobs: int, cache: Path | None = None, log=prin
     log(f"fa4_jax: {total} variants, {done} cached, {len(todo)} to compile on {jobs} workers")
     if not todo:
         return found
-    shim = toolchain.build_runtime_shim(str(ROOT / "build" / "aot"))
+    shim = toolchain.build_runtime_shim(str(work or ROOT / "build" / "aot"))
     start = time.monotonic()
     workers, local = [], threading.local()
 
@@ -291,6 +294,26 @@ def build(built: Menu, out: Path = LIBRARY, jobs: int | None = None, log=print) 
     log(f"fa4_jax: built {len(built.variants)} variants into {out} in {time.monotonic() - start:.1f} s")
 
 
+def export_sources(built: Menu, out_dir: Path, jobs: int | None = None, log=print) -> None:
+    """What another build system links into the same library (the Bazel build, BUILD):
+    out_dir/dispatch.cc (the generated table, each variant's exported header inlined),
+    out_dir/kernels.a (the variants' objects) and out_dir/manifest.json."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="fa4_jax-export-") as work:
+        found = compile_variants(built, jobs or os.cpu_count() or 1, log=log, work=Path(work))
+    headers = {v.name: (found[v.name] / f"{v.name}.h").read_text() for v in built.variants}
+    source = codegen.dispatch_source(built.variants, headers, built.routes)
+    for name, header in headers.items():  # #pragma once is a warning outside a header
+        source = source.replace(f'#include "{name}.h"\n', header.replace("#pragma once\n", "") + "\n", 1)
+    (out_dir / "dispatch.cc").write_text(source)
+    archive = out_dir / "kernels.a"
+    archive.unlink(missing_ok=True)
+    toolchain.run(["ar", "rcs", str(archive), *(str(found[v.name] / f"{v.name}.o")
+                                              for v in built.variants)])
+    (out_dir / "manifest.json").write_text(json.dumps(manifest(built), indent=1) + "\n")
+    log(f"fa4_jax: exported {len(built.variants)} variants' sources into {out_dir}")
+
+
 def cubins(variants=menu.MENU, built: Menu | None = None) -> dict[str, list[Path]]:
     """The cached cubins of compiled variants (for disassembly checks)."""
     built = built or Menu(tuple(variants))
@@ -326,9 +349,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", metavar="REGEX",
                         help="only the variants whose name matches: a quick library for an "
                              "experiment, which then lacks (and its manifest omits) the rest")
+    parser.add_argument("--export-sources", metavar="DIR", type=Path,
+                        help="instead of linking, write the generated dispatch source, an archive "
+                             "of the kernels and the manifest into DIR (the Bazel build's step)")
     args = parser.parse_args(argv)
     log = _logger()
     try:
+        if args.export_sources:
+            export_sources(shipping_menu(args.arch, args.only), args.export_sources,
+                           jobs=args.jobs, log=log)
+            return 0
         build(shipping_menu(args.arch, args.only), jobs=args.jobs, log=log)
     except (BuildError, toolchain.ToolchainError) as e:
         log(f"fa4_jax BUILD FAILED: {e}")

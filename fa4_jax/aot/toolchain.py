@@ -129,3 +129,18 @@ def compile_env(shim: str, dump_dir: str) -> dict[str, str]:
     env["LD_PRELOAD"] = " ".join(p for p in (shim, env.get("LD_PRELOAD")) if p)
     env["CUTE_DSL_DUMP_DIR"] = dump_dir  # --keep-cubin writes the cubins here
     return env
+
+
+def build_paths() -> dict[str, str]:
+    """Where this environment's build inputs are: what the Bazel build's repository rule
+    (bazel/build_env.bzl) links against, so both builds take them from the same place."""
+    cuda_paths = cuda()
+    return {"xla_ffi_include": jax_ffi_include(), "cuda_include": cuda_paths.include,
+            "cuda_lib": cuda_paths.lib, "dsl_runtime_archive": dsl_runtime_archive()}
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    json.dump(build_paths(), sys.stdout)
