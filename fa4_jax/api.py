@@ -135,22 +135,11 @@ def _attention(
 ):
     """`attention`, with the masks aligned top-left when `top_left` (the drop-in's rule)."""
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
-    _check_bool("return_lse", return_lse)
     ragged = query_seq_lengths is not None or key_value_seq_lengths is not None
-    params, reason = _params_and_fallback(
-        query,
-        key,
-        value,
-        causal=causal,
-        softmax_scale=softmax_scale,
-        window_size=window_size,
-        softcap=softcap,
-        deterministic=deterministic,
-        implementation=implementation,
-        top_left=top_left,
-        ragged=ragged,
-    )
-    backend, reason = _backend_choice(query, key, value, params, reason, ragged, return_lse)
+    params, backend, reason = _plan(
+        query, key, value, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+        softcap=softcap, deterministic=deterministic, return_lse=return_lse,
+        implementation=implementation, ragged=ragged, top_left=top_left)
     if reason is not None:
         shape = notices.shape_class(query, value, params)
         notices.fallback(_BACKEND_NAMES[backend], reason, shape)
@@ -170,18 +159,22 @@ _BACKEND_NAMES = {"cudnn": "cuDNN (jax.nn.dot_product_attention)",
                   "reference": "the pure-JAX reference (float32 math)"}
 
 
-def _backend_choice(query, key, value, params, reason, ragged, return_lse):
-    """("cute" | "cudnn" | "reference", why not the kernels or None): cuDNN where the kernels
-    do not serve a call and its semantics are the call's, else the reference."""
+def _plan(query, key, value, *, return_lse, ragged, **options):
+    """(the validated, canonical params, "cute" | "cudnn" | "reference", why not the kernels or
+    None) of a call: cuDNN where the kernels do not serve it and its semantics are the call's,
+    else the reference. `options`: `_params_and_fallback`'s."""
+    _check_bool("return_lse", return_lse)
+    params, reason = _params_and_fallback(query, key, value, ragged=ragged, **options)
     if reason is None:
-        return params.implementation, None
+        return params, params.implementation, None
+    compute_capability = dispatch.compute_capability()
     cudnn_reason = cudnn.unsupported_reason(query, key, value, params, ragged, return_lse,
-                                            dispatch.compute_capability())
+                                            compute_capability)
     if cudnn_reason is None:
-        return "cudnn", reason
-    if dispatch.compute_capability() is not None:
+        return params, "cudnn", reason
+    if compute_capability is not None:
         reason = f"{reason}; not cuDNN: {cudnn_reason}"
-    return "reference", reason
+    return params, "reference", reason
 
 
 def which_backend(
@@ -207,11 +200,12 @@ def which_backend(
     is the FallbackWarning's), and ("reference", None) when implementation="reference". Raises
     what `attention` raises for the same arguments.
     """
-    ragged = query_seq_lengths is not None or key_value_seq_lengths is not None
-    params, reason = _params_and_fallback(
+    _, backend, reason = _plan(
         query, key, value, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-        softcap=softcap, deterministic=deterministic, implementation=implementation, ragged=ragged)
-    return _backend_choice(query, key, value, params, reason, ragged, return_lse)
+        softcap=softcap, deterministic=deterministic, return_lse=return_lse,
+        implementation=implementation,
+        ragged=query_seq_lengths is not None or key_value_seq_lengths is not None)
+    return backend, reason
 
 
 def attention_params(

@@ -200,5 +200,5 @@ def available() -> bool:
     except ffi.LibraryUnavailable:
         return False
     arch, _ = device_arch()
-    prefix = None if arch is None else f"fwd_{arch.replace('_', '')}_"
-    return prefix is not None and any(name.startswith(prefix) for name in library.compiled)
+    return arch is not None and any(name.startswith(routing.name_prefix("fwd", arch))
+                                    for name in library.compiled)

@@ -6,7 +6,7 @@ library's manifest (fa4_jax/_lib/manifest.json) and into the C++ dispatch table,
 handler evaluates the routes on each call's shapes: the custom call's attributes describe the
 problem and never name a tuning, so a `jax.export`ed program runs whatever kernel the installed
 library picks for it. This module is the same rule in Python, read from the manifest, for
-`fa4_jax.explain` and the tests (which check it against the handler's).
+`fa4_jax.dispatch.explain_variant` and the tests (which check it against the handler's).
 
 Pure Python: imported at run time and by the build, it imports nothing from the package.
 """
@@ -17,6 +17,11 @@ import dataclasses
 DTYPES = ("bf16", "fp16")
 MASKS = ("none", "causal", "local")
 KINDS = ("fwd", "bwd")
+
+
+def name_prefix(kind: str, arch: str) -> str:
+    """How the name of every variant of one kind and arch begins ("fwd_sm90a_")."""
+    return f"{kind}_{arch.replace('_', '')}_"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,11 +50,10 @@ class Variant:
     @property
     def name(self) -> str:
         """A C identifier: the export name, function prefix and dispatch key of this variant."""
-        arch = self.arch.replace("_", "")
         mask = "" if self.mask == "none" else f"_{self.mask}"
         softcap = "_softcap" if self.softcap else ""
         tuning = "" if self.tuning == "default" else f"_t{self.tuning}"
-        return (f"{self.kind}_{arch}_{self.dtype}_d{self.head_dim}_dv{self.head_dim_v}"
+        return (f"{name_prefix(self.kind, self.arch)}{self.dtype}_d{self.head_dim}_dv{self.head_dim_v}"
                 f"{mask}{softcap}{tuning}")
 
     def to_json(self) -> dict:

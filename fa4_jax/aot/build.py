@@ -123,7 +123,9 @@ def entry_dir(variant: Variant, key: str, cache: Path | None = None) -> Path:
 class _Worker:
     """One `python -m fa4_jax.aot.compile --serve` process, compiling variant after variant.
 
-    Restarted after RECYCLE_AFTER jobs, which bounds what a long-lived DSL process accumulates.
+    Restarted after RECYCLE_AFTER jobs: a worker's memory grows with each compile (about 4 MB:
+    475 MB after its first variant, 557 MB after 21, measured on 2026-12-01), which a restart
+    (about 5 s) bounds.
     """
 
     RECYCLE_AFTER = 48
