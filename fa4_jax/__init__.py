@@ -5,11 +5,12 @@ Public surface: `attention` (the full-featured entry point, padded ragged batche
 (a drop-in for `jax.nn.dot_product_attention`), and for multi-device work `ring_attention`
 (context parallelism inside `shard_map`) with the zig-zag layout helpers; `ReshardWarning` (an
 input sharding the op cannot keep, docs/multi_gpu.md) and `FallbackWarning` (a call runs on
-cuDNN or the reference instead of the kernels, and why) with `which_backend` (the same answer
-without running); `export_disabled_checks` (what `jax.export` needs to serialize a program that
+cuDNN or the reference instead of the kernels, and why) with `explain` (the backend, kernels and
+reason of a call, without running it) and `which_backend` (its backend and reason);
+`export_disabled_checks` (what `jax.export` needs to serialize a program that
 calls the kernels).
 """
-from fa4_jax.api import attention, dot_product_attention, which_backend
+from fa4_jax.api import Explanation, attention, dot_product_attention, explain, which_backend
 from fa4_jax.ffi import export_disabled_checks
 from fa4_jax.context_parallel import from_zigzag_layout, ring_attention, to_zigzag_layout
 from fa4_jax.notices import FallbackWarning
@@ -39,5 +40,7 @@ __all__ = [
     "FallbackWarning",
     "export_disabled_checks",
     "which_backend",
+    "explain",
+    "Explanation",
     "__version__",
 ]

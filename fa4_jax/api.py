@@ -1,4 +1,5 @@
-"""The public entry points: validate at trace time, canonicalise, choose a backend, call the op."""
+"""The public entry points: validate at trace time, canonicalise, choose a backend, call the op;
+and `explain`, what a call would run."""
 from __future__ import annotations
 
 import dataclasses
@@ -50,7 +51,9 @@ def attention(
         attends with kv head i // (heads_q // heads_kv).
       value: [batch, seqlen_k, heads_kv, head_dim_v]; head_dim_v may differ from head_dim.
         query, key and value share one dtype: bfloat16 or float16 (kernels or reference), or
-        float32 (reference only). head_dim and head_dim_v are multiples of 8, at most 256.
+        float32 (reference only). head_dim and head_dim_v are multiples of 8, at most 256;
+        the kernels run a dim without a kernel of its own zero-padded to the narrowest wider
+        compiled one (`explain` says which), the scale still 1 / sqrt(the true head_dim).
       causal: query row i sees key j when j <= i + (seqlen_k - seqlen_q), i.e. the mask is
         aligned to the bottom-right corner when seqlen_q != seqlen_k (as in FlashAttention).
         The same as window_size=(None, 0).
@@ -70,7 +73,7 @@ def attention(
       return_lse: also return the logsumexp of each row.
       implementation: None (the kernels when they serve this call, else cuDNN where its
         semantics are this call's, else the reference, with a FallbackWarning saying why, once
-        per kind of call; `which_backend` answers without running), "cute" (the
+        per kind of call; `explain` answers without running), "cute" (the
         CuTe-DSL kernels; a ValueError says why when they cannot serve the call) or
         "reference" (pure JAX, chunked, float32 math; any platform).
       query_seq_lengths, key_value_seq_lengths: a ragged (padded) batch. None, or an integer
@@ -177,7 +180,43 @@ def _plan(query, key, value, *, return_lse, ragged, **options):
     return params, "reference", reason
 
 
-def which_backend(
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+    """What `attention` does with a call, from `explain`.
+
+    backend: "cute" (fa4_jax's kernels), "cudnn" or "reference".
+    reason: why not the kernels (the FallbackWarning's text), None when they run it or when
+      implementation="reference" asked for the reference.
+    forward_variant, backward_variant: the compiled kernels' names, when the kernels run it
+      (the backward's for the call's own shapes; None when it would fall back).
+    head_dims: the (head_dim, head_dim_v) of those kernels: the call's own, or (padded=True)
+      the narrowest wider compiled ones, which run it zero-padded on the head-dim axis.
+    split_kv, pack_gqa: the forward runs the keys as this many chunks, the query heads of each
+      key/value head as one tile's rows (decode-sized calls).
+    """
+
+    backend: str
+    reason: str | None = None
+    forward_variant: str | None = None
+    backward_variant: str | None = None
+    head_dims: tuple[int, int] | None = None
+    padded: bool = False
+    split_kv: int = 1
+    pack_gqa: bool = False
+
+    def __str__(self) -> str:
+        if self.backend != "cute":
+            return f"{self.backend}: {self.reason or 'asked for'}"
+        padded = ""
+        if self.padded:
+            padded = f", zero-padded to head dims {self.head_dims[0]}/{self.head_dims[1]}"
+        chunks = f", keys split in {self.split_kv}" if self.split_kv > 1 else ""
+        packed = ", GQA-packed" if self.pack_gqa else ""
+        backward = self.backward_variant or "the reference backward"
+        return f"cute: {self.forward_variant} (backward {backward}){padded}{chunks}{packed}"
+
+
+def explain(
     query,
     key,
     value,
@@ -191,21 +230,41 @@ def which_backend(
     implementation=None,
     query_seq_lengths=None,
     key_value_seq_lengths=None,
-) -> tuple[str, str | None]:
-    """Which backend `attention` with these arguments runs on, and why, without running it.
+) -> Explanation:
+    """Which backend and kernels `attention` with these arguments runs, and why, without
+    running it.
 
     Arguments are `attention`'s; query, key and value may be arrays or `jax.ShapeDtypeStruct`s,
-    the lengths anything not None when the call passes them. Returns ("cute", None) for
-    fa4_jax's kernels, ("cudnn", reason) or ("reference", reason) for a fallback (the reason
-    is the FallbackWarning's), and ("reference", None) when implementation="reference". Raises
-    what `attention` raises for the same arguments.
+    the lengths anything not None when the call passes them. Raises what `attention` raises for
+    the same arguments.
+
+    Example:
+      >>> q = jax.ShapeDtypeStruct((1, 4096, 16, 88), jnp.bfloat16)
+      >>> print(fa4_jax.explain(q, q, q, causal=True))   # on an H200
+      cute: fwd_sm90a_bf16_d96_dv96_causal (backward bwd_sm90a_bf16_d96_dv96_causal), zero-padded to head dims 96/96
     """
-    _, backend, reason = _plan(
+    ragged = query_seq_lengths is not None or key_value_seq_lengths is not None
+    params, backend, reason = _plan(
         query, key, value, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
         softcap=softcap, deterministic=deterministic, return_lse=return_lse,
-        implementation=implementation,
-        ragged=query_seq_lengths is not None or key_value_seq_lengths is not None)
-    return backend, reason
+        implementation=implementation, ragged=ragged)
+    if backend != "cute":
+        return Explanation(backend, reason)
+    plan = dispatch.explain_forward(query, key, value, params, ragged)
+    backward = None
+    if dispatch.unsupported_reason(query, key, value, params, "bwd") is None:
+        backward = dispatch.explain_variant(query, key, value, params, "bwd", ragged).name
+    padded = plan.head_dims != (query.shape[-1], value.shape[-1])
+    return Explanation("cute", None, plan.variant.name, backward, plan.head_dims, padded,
+                       plan.split_kv, plan.pack_gqa)
+
+
+def which_backend(query, key, value, **options) -> tuple[str, str | None]:
+    """(`explain(...).backend`, `explain(...).reason`): which backend `attention` with these
+    arguments runs on, and why not the kernels ("reference", None when implementation=
+    "reference" asked for it)."""
+    explanation = explain(query, key, value, **options)
+    return explanation.backend, explanation.reason
 
 
 def attention_params(

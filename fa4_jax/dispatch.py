@@ -7,7 +7,13 @@
   split over their keys (`fa4_jax.split_kv`).
 - `backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths)`: the backward kernel call,
   with the dQ workspace's copies from the arch menu's rule (`routing.dq_copies`).
-- `explain_variant(...)`: the variant the handler's routing rule picks (`fa4_jax.routing`).
+- `explain_forward(...)`, `explain_variant(...)`: how `forward` runs a call, and the variant the
+  handler's routing rule picks for it (`fa4_jax.routing`).
+
+Head dims without a compiled kernel of their own run on the narrowest wider one
+(`routing.serving_head_dims`), q, k and v zero-padded on the head-dim axis and the results sliced
+back: one copy of each operand and result, against a kernel whose work grows by the padded
+share (docs/perf-log.md, "Every head dim: served zero-padded").
 
 A ragged batch's padding reaches the kernels (a TMA tile load cannot stop at a per-entry length),
 and a masked P = 0 times a NaN or inf of the padding would still be NaN. The forward kernel makes
@@ -19,6 +25,8 @@ and v (backward) with one elementwise pass over each.
 library (benchmarks/ablations.py) and a `tuning` name.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -72,6 +80,16 @@ def kernel_call(q, k, v, params, kind: str, arch: str, ragged: bool) -> routing.
         top_left=params.top_left)
 
 
+def served_head_dims(q, v, params, kind: str, arch: str, library: ffi.Library) -> tuple[int, int] | None:
+    """The compiled (head_dim, head_dim_v) whose `kind` kernels serve a call with q's and v's
+    head dims (`routing.serving_head_dims`), or None when no compiled pair is wide enough."""
+    call = kernel_call(q, q, v, params, kind, arch, ragged=False)
+    compiled = [pair for pair in library.head_dims.get(arch, ())
+                if dataclasses.replace(call, head_dim=pair[0], head_dim_v=pair[1]).variant().name
+                in library.compiled]
+    return routing.serving_head_dims(call.head_dim, call.head_dim_v, compiled)
+
+
 def unsupported_reason(q, k, v, params, kind: str = "fwd", library: ffi.Library | None = None) -> str | None:
     arch, reason = device_arch()
     if reason is not None:
@@ -86,23 +104,80 @@ def unsupported_reason(q, k, v, params, kind: str = "fwd", library: ffi.Library 
         return f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})"
     if k.shape[-1] != q.shape[-1]:
         return f"head dims of q ({q.shape[-1]}) and k ({k.shape[-1]}) differ"
-    default = kernel_call(q, k, v, params, kind, arch, ragged=False).variant()
-    if default.name not in library.compiled:
-        return (f"no {kind} kernel for {default.arch} {default.dtype} at head dim "
-                f"{default.head_dim} (head dim of v {default.head_dim_v}): {default.name} is not "
-                f"compiled into {library.path}")
+    if served_head_dims(q, v, params, kind, arch, library) is None:
+        default = kernel_call(q, k, v, params, kind, arch, ragged=False).variant()
+        return (f"no {kind} kernel for {default.arch} {default.dtype} {default.mask}"
+                f"{' softcap' if default.softcap else ''} at head dim {default.head_dim} (head "
+                f"dim of v {default.head_dim_v}) or wider is compiled into {library.path}")
     return None
 
 
-def explain_variant(q, k, v, params, kind: str = "fwd", ragged: bool = False,
-                    library: ffi.Library | None = None) -> routing.Variant:
-    """The compiled variant the handler runs for this call (as the kernel sees it: pass the
-    GQA-packed or split shapes that `forward` passes on)."""
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+    """How the kernels run a forward call: the head dims of the compiled kernels (the call's
+    own, or wider ones it runs zero-padded to), the key chunks it is split into (1: none),
+    whether it is GQA-packed, and the variant the handler picks for the resulting call."""
+
+    head_dims: tuple[int, int]
+    split_kv: int
+    pack_gqa: bool
+    variant: routing.Variant
+
+
+def explain_forward(q, k, v, params, ragged: bool = False,
+                    library: ffi.Library | None = None) -> KernelPlan:
+    """The `KernelPlan` that `forward` follows for a call of these shapes (q, k, v: arrays or
+    ShapeDtypeStructs) on the default device; the kernels must serve it."""
     library = library or ffi.load()
     arch, reason = device_arch()
     if reason is not None:
         raise ffi.LibraryUnavailable(reason)
-    return library.choose(kernel_call(q, k, v, params, kind, arch, ragged))
+    import jax
+
+    head_dims = served_head_dims(q, v, params, "fwd", arch, library)
+    q, k, v = (jax.ShapeDtypeStruct(x.shape[:-1] + (width,), x.dtype)
+               for x, width in ((q, head_dims[0]), (k, head_dims[0]), (v, head_dims[1])))
+    sms = sm_count()
+    splits = 1 if sms is None else splitting.num_splits(q.shape, k.shape, params, sms)
+    if splits > 1:
+        q, k, v = jax.eval_shape(lambda *qkv: splitting.split(*qkv, params, None, splits)[:3], q, k, v)
+        params = splitting.chunk_params(params)
+    packed = packing.packs(q.shape, k.shape, params)
+    if packed:
+        q = jax.eval_shape(lambda q, k: packing.pack(q, k, params)[0], q, k)
+        params = packing.packed_params(params)
+    call = kernel_call(q, k, v, params, "fwd", arch, ragged)
+    return KernelPlan(head_dims, splits, packed, library.choose(call))
+
+
+def explain_variant(q, k, v, params, kind: str = "fwd", ragged: bool = False,
+                    library: ffi.Library | None = None) -> routing.Variant:
+    """The compiled variant the handler runs for a call of exactly these shapes (as the kernel
+    sees it: pass the GQA-packed or split shapes that `forward` passes on), head dims widened
+    to the compiled ones that serve them."""
+    library = library or ffi.load()
+    arch, reason = device_arch()
+    if reason is not None:
+        raise ffi.LibraryUnavailable(reason)
+    call = kernel_call(q, k, v, params, kind, arch, ragged)
+    head_dims = served_head_dims(q, v, params, kind, arch, library) or (call.head_dim, call.head_dim_v)
+    return library.choose(dataclasses.replace(call, head_dim=head_dims[0], head_dim_v=head_dims[1]))
+
+
+def _widen(x, width: int):
+    """x zero-padded on its last (head-dim) axis to `width`."""
+    import jax.numpy as jnp
+
+    return x if x.shape[-1] == width else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
+
+
+def _padded_head_dims(q, v, params, kind: str, library: ffi.Library) -> tuple[int, int] | None:
+    """The wider compiled head dims a call runs at, or None when it runs at its own."""
+    arch, reason = device_arch()
+    if reason is not None or str(q.dtype) not in _DTYPE_NAMES:
+        return None
+    served = served_head_dims(q, v, params, kind, arch, library)
+    return None if served in (None, (q.shape[-1], v.shape[-1])) else served
 
 
 def _zero_padding(x, lengths):
@@ -144,6 +219,12 @@ def forward(q, k, v, params, seq_lengths=None, *, library: ffi.Library | None = 
     settings, `library` and `tuning` are the benchmark's.
     """
     library = library or ffi.load()
+    padded = _padded_head_dims(q, v, params, "fwd", library)
+    if padded is not None:
+        out, lse = forward(_widen(q, padded[0]), _widen(k, padded[0]), _widen(v, padded[1]), params,
+                           seq_lengths, library=library, tuning=tuning, pack_gqa=pack_gqa,
+                           split_kv=split_kv)
+        return out[..., :v.shape[-1]], lse
     if split_kv is None:
         sms = sm_count()
         split_kv = 1 if sms is None else splitting.num_splits(q.shape, k.shape, params, sms)
@@ -185,6 +266,13 @@ def backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths=None, *,
     benchmark's measurement of that rule.
     """
     library = library or ffi.load()
+    padded = _padded_head_dims(q, v, params, "bwd", library)
+    if padded is not None:
+        width, width_v = padded
+        dq, dk, dv = backward(_widen(q, width), _widen(k, width), _widen(v, width_v),
+                              _widen(out, width_v), lse, _widen(d_out, width_v), d_lse, params,
+                              seq_lengths, library=library, tuning=tuning, copies=copies)
+        return dq[..., :q.shape[-1]], dk[..., :k.shape[-1]], dv[..., :v.shape[-1]]
     _require(q, k, v, params, "bwd", library)
     d_out = d_out.astype(q.dtype)
     lengths, (q, d_out), (k, v) = _length_operands(seq_lengths, (q, d_out), (k, v))

@@ -64,6 +64,7 @@ class Library:
     routes: tuple  # (arch, routing.Route) pairs, in order
     dq_copies_max_keys: dict  # arch -> {head_dim: keys}
     tuning_targets: bool  # the targets take a `tuning` attribute (a development library)
+    head_dims: dict = dataclasses.field(default_factory=dict)  # arch -> {(head_dim, head_dim_v)}
 
     def routes_for(self, arch: str) -> tuple:
         return tuple(route for route_arch, route in self.routes if route_arch == arch)
@@ -119,7 +120,16 @@ def load(path: str | None = None, tuning_targets: bool = False) -> Library:
         dq_copies_max_keys={arch: {int(d): keys for d, keys in rule.items()}
                             for arch, rule in manifest["dq_copies_max_keys"].items()},
         tuning_targets=tuning_targets,
+        head_dims=_head_dims(manifest["variants"]),
     )
+
+
+def _head_dims(variants) -> dict:
+    """arch -> the (head_dim, head_dim_v) pairs the manifest's variants are built for."""
+    pairs: dict = {}
+    for variant in variants:
+        pairs.setdefault(variant["arch"], set()).add((variant["head_dim"], variant["head_dim_v"]))
+    return {arch: frozenset(arch_pairs) for arch, arch_pairs in pairs.items()}
 
 
 def seq_used(seq_lengths):

@@ -49,7 +49,13 @@ def pack(q, k, params, seq_lengths=None):
     if seq_lengths is not None:
         q_len, kv_len = seq_lengths
         seq_lengths = (q_len * group, kv_len)
-    return packed_q, dataclasses.replace(params, causal=False), seq_lengths
+    return packed_q, packed_params(params), seq_lengths
+
+
+def packed_params(params):
+    """A packed call's params: without the causal flag, vacuous for the one bottom-right row
+    that `decode_sized` lets pack causal, and wrong for its packed rows."""
+    return dataclasses.replace(params, causal=False)
 
 
 def unpack(out, lse, heads_q):

@@ -166,6 +166,15 @@ def choose(call: Call, routes, compiled) -> Variant:
     return call.variant()
 
 
+def serving_head_dims(head_dim: int, head_dim_v: int, compiled_pairs) -> tuple[int, int] | None:
+    """The compiled (head_dim, head_dim_v) that serves a call at these dims, or None: the call's
+    own pair when compiled, else the pair of least work per score (D + DV) with D >= head_dim
+    and DV >= head_dim_v, whose kernels run the call zero-padded on the head-dim axes (a zero
+    column of q and k adds nothing to q·kᵀ; one of v gives a zero column of out, sliced off)."""
+    fits = [(d + dv, d, dv) for d, dv in compiled_pairs if d >= head_dim and dv >= head_dim_v]
+    return min(fits)[1:] if fits else None
+
+
 def dq_copies(max_keys_by_head_dim: dict, head_dim: int, seqlen_k: int, deterministic: bool) -> int:
     """The fp32 dQ accumulators (the backward workspace's leading dim) of a backward call: two
     for deterministic calls at the head dims and key counts the arch's menu names, else one."""

@@ -66,9 +66,14 @@ def split(q, k, v, params, seq_lengths, n: int):
         starts = jnp.arange(n, dtype=kv_len.dtype) * chunk
         kv_len = jnp.clip(kv_len[:, None] - starts[None, :], 0, chunk).reshape(b * n)
         seq_lengths = (q_len.repeat(n), kv_len)
-    # A causal call splits only with one query row, which sees every key of its entry; against
-    # a chunk, "causal" would align to the chunk's last key instead.
-    return q, k, v, dataclasses.replace(params, causal=False), seq_lengths
+    return q, k, v, chunk_params(params), seq_lengths
+
+
+def chunk_params(params):
+    """A split call's params: without the causal flag. A causal call splits only with one query
+    row, which sees every key of its entry; against a chunk, "causal" would align to the
+    chunk's last key instead."""
+    return dataclasses.replace(params, causal=False)
 
 
 def combine(out, lse, n: int):

@@ -275,6 +275,8 @@ def test_public_surface():
         "ReshardWarning",
         "FallbackWarning",
         "which_backend",
+        "explain",
+        "Explanation",
         "export_disabled_checks",
         "__version__",
     }
@@ -477,3 +479,32 @@ def test_which_backend_says_what_attention_runs_and_warns():
         fa4_jax.which_backend(q, q, q, causal=True, window_size=(4, 3))
     with pytest.raises(ValueError, match="implementation='cute'"):
         fa4_jax.which_backend(q, q, q, implementation="cute")
+
+
+def test_explain_names_the_kernels_and_the_padding(monkeypatch):
+    # The shipping menu's Hopper variants, as if on an H200: a d88 call runs d96's kernels.
+    from fa4_jax import dispatch, ffi
+    from fa4_jax.kernels.sm90 import menu as sm90
+
+    library = ffi.Library(path="(menu)", fwd_target="f", bwd_target="b",
+                          compiled=frozenset(v.name for v in sm90.MENU), routes=(),
+                          dq_copies_max_keys={}, tuning_targets=False,
+                          head_dims={sm90.ARCH: frozenset(sm90.HEAD_DIMS)})
+    monkeypatch.setattr(ffi, "load", lambda *args, **kwargs: library)
+    monkeypatch.setattr(dispatch, "device_arch", lambda: (sm90.ARCH, None))
+    monkeypatch.setattr(dispatch, "sm_count", lambda: 132)
+    q = jax.ShapeDtypeStruct((1, 4096, 16, 88), jnp.bfloat16)
+    explanation = fa4_jax.explain(q, q, q, causal=True)
+    assert explanation == fa4_jax.Explanation(
+        "cute", None, "fwd_sm90a_bf16_d96_dv96_causal", "bwd_sm90a_bf16_d96_dv96_causal", (96, 96),
+        True, 1, False)
+    assert "zero-padded to head dims 96/96" in str(explanation)
+    assert fa4_jax.which_backend(q, q, q, causal=True) == ("cute", None)
+    own = fa4_jax.explain(jax.ShapeDtypeStruct((1, 4096, 16, 128), jnp.bfloat16), q.update(shape=(1, 4096, 16, 128)),
+                          q.update(shape=(1, 4096, 16, 128)))
+    assert own.head_dims == (128, 128) and not own.padded
+    # A decode step: keys split, query heads packed, the decode tuning is not routed here (no routes).
+    step = fa4_jax.explain(q.update(shape=(2, 1, 16, 128)), q.update(shape=(2, 8192, 2, 128)),
+                           q.update(shape=(2, 8192, 2, 128)))
+    assert (step.split_kv, step.pack_gqa, step.forward_variant) == (8, True, "fwd_sm90a_bf16_d128_dv128")
+    assert str(fa4_jax.explain(q, q, q, implementation="reference")) == "reference: asked for"

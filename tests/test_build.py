@@ -87,7 +87,7 @@ def test_the_handler_routes_calls_as_fa4_jax_routing_does(library):
             assert _handler_choice(lib, call) == loaded.choose(call).name, call
             calls += 1
     assert calls > 100_000
-    missing = routing.Call("fwd", "sm_90a", "bf16", 80, 80, "none", False, 128, 128)
+    missing = routing.Call("fwd", "sm_90a", "bf16", 88, 88, "none", False, 128, 128)
     assert _handler_choice(lib, missing) == ""
 
 

@@ -15,6 +15,7 @@ import pytest
 
 from fa4_jax import dispatch, ffi
 from fa4_jax.api import attention_params
+from fa4_jax.backends import _reference_backward
 from fa4_jax.backends import _reference_fp32 as _reference
 from fa4_jax.kernels.sm90 import menu as sm90
 
@@ -131,3 +132,81 @@ def test_backward_workspaces_hold_the_dq_copies_of_the_call(monkeypatch, head_di
     assert dq_accum == (copies, b, h, 384, head_dim)
     assert dpsum == (b, h, 384)
     assert semaphore == (copies, b, h, 384 // 64)
+
+
+# ------------------------------------------------- head dims served zero-padded by wider kernels
+
+_MENU_LIBRARY = dataclasses.replace(
+    _LIBRARY, compiled=frozenset(v.name for v in sm90.MENU),
+    head_dims={sm90.ARCH: frozenset(sm90.HEAD_DIMS)})
+
+
+def _as_attributed(params, attrs):
+    """params with the softmax scale the kernel call was given."""
+    return dataclasses.replace(params, softmax_scale=float(attrs["softmax_scale"]))
+
+
+@pytest.mark.parametrize("head_dims,served,served_backward", [
+    ((8, 8), (32, 32), (32, 32)), ((40, 40), (64, 64), (64, 64)), ((64, 32), (64, 64), (64, 64)),
+    ((72, 72), (80, 80), (96, 96)), ((80, 80), (80, 80), (96, 96)),
+    ((128, 64), (128, 128), (128, 128)), ((136, 72), (160, 160), (160, 160)),
+    ((168, 128), (192, 128), (192, 128)), ((192, 192), (256, 256), (256, 256)),
+    ((248, 8), (256, 256), (256, 256)), ((96, 96), (96, 96), (96, 96)),
+])
+def test_every_head_dim_runs_on_the_narrowest_wider_kernel(next_key, monkeypatch, head_dims, served,
+                                                           served_backward):
+    # The fake kernels take only compiled head dims and check that the padding they see is zero,
+    # then compute the fp32 reference: a wrong slice, a padded column that is not zero, or a
+    # softmax scale taken from the padded dim fails against the call's own reference.
+    head_dim, head_dim_v = head_dims
+    seen = []
+
+    def padding_is_zero(x, width):
+        assert not np.asarray(x[..., width:], np.float32).any()
+
+    def fake_forward(library, q, k, v, lengths, attrs, tuning=None):
+        seen.append(("fwd", q.shape[-1], v.shape[-1]))
+        for x, width in ((q, head_dim), (k, head_dim), (v, head_dim_v)):
+            padding_is_zero(x, width)
+        return _reference(q, k, v, _as_attributed(params, attrs), None)
+
+    def fake_backward(library, q, k, v, out, lse, d_out, d_lse, lengths, attrs, deterministic,
+                      dq_copies, tuning=None):
+        seen.append(("bwd", q.shape[-1], v.shape[-1]))
+        for x, width in ((q, head_dim), (k, head_dim), (v, head_dim_v), (out, head_dim_v),
+                         (d_out, head_dim_v)):
+            padding_is_zero(x, width)
+        return _reference_backward(q, k, v, out, lse, d_out, d_lse, _as_attributed(params, attrs), None)
+
+    monkeypatch.setattr(dispatch, "device_arch", lambda: (sm90.ARCH, None))
+    monkeypatch.setattr(dispatch, "sm_count", lambda: 132)
+    monkeypatch.setattr(ffi, "forward_call", fake_forward)
+    monkeypatch.setattr(ffi, "backward_call", fake_backward)
+    q, k = (jax.random.normal(next_key(), (2, 96, 4, head_dim), jnp.bfloat16) for _ in range(2))
+    v = jax.random.normal(next_key(), (2, 96, 4, head_dim_v), jnp.bfloat16)
+    params = attention_params(q, k, v, causal=True, implementation="reference")
+    assert dispatch.unsupported_reason(q, k, v, params, "bwd", _MENU_LIBRARY) is None
+    out, lse = dispatch.forward(q, k, v, params, library=_MENU_LIBRARY)
+    want_out, want_lse = _reference(q, k, v, params, None)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want_out, np.float32),
+                               rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-5, atol=1e-5)
+    d_out = jax.random.normal(next_key(), out.shape, jnp.bfloat16)
+    grads = dispatch.backward(q, k, v, out, lse, d_out, None, params, library=_MENU_LIBRARY)
+    want = _reference_backward(q, k, v, out, lse, d_out, None, params, None)
+    for got, expected, x in zip(grads, want, (q, k, v)):
+        assert got.shape == x.shape and got.dtype == x.dtype
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected, np.float32),
+                                   rtol=2e-2, atol=2e-2)
+    assert seen == [("fwd", *served), ("bwd", *served_backward)]
+    assert dispatch.explain_variant(q, k, v, params, "bwd", library=_MENU_LIBRARY).head_dim == served_backward[0]
+
+
+def test_no_wider_kernel_says_which_dims_are_missing(monkeypatch):
+    monkeypatch.setattr(dispatch, "device_arch", lambda: (sm90.ARCH, None))
+    library = dataclasses.replace(_MENU_LIBRARY, head_dims={sm90.ARCH: frozenset({(64, 64), (128, 128)})})
+    q = jax.ShapeDtypeStruct((1, 64, 2, 136), jnp.bfloat16)
+    params = attention_params(q, q, q, implementation="reference")
+    reason = dispatch.unsupported_reason(q, q, q, params, "fwd", library)
+    assert "head dim 136" in reason and "or wider" in reason
+    assert dispatch.unsupported_reason(q, q, q, params, "fwd", _MENU_LIBRARY) is None

@@ -166,6 +166,8 @@ TILE_CONFIGS = {
     # D at their use ("The same backward order at d64 and d96"), the first add stores ("The
     # first add stores at d64: adopted").
     64: TileConfig(tile_m=128, row_stats_ahead=0, default_stores_first=True),
+    # d64's tiles for small models ("Every head dim: served zero-padded").
+    32: TileConfig(tile_m=128, row_stats_ahead=0, default_stores_first=True),
     # FA4 upstream's GEMM order ("The same backward order at d64 and d96").
     96: TileConfig(),
     # Upstream's order ("d128 backward in FA4 upstream's GEMM order"), LSE read before the Sᵀ
@@ -176,6 +178,9 @@ TILE_CONFIGS = {
     # ahead, during the previous block's dQ hand-over").
     192: TileConfig(tile_n=64, dkv_from_registers=False, dv_during_ds=True, dq_during_dk=False,
                     scores_ahead=True),
+    # d192's shape: 64 keys per warp group would hold 160 fp32 registers of dK and dV alone.
+    160: TileConfig(tile_n=64, dkv_from_registers=False, dv_during_ds=True, dq_during_dk=False,
+                    scores_ahead=True),
     # Single-buffered rings so that sdQ fits ("Backward d256: `dq_tma_1stage` compiled, not yet
     # measured" and its measurement in "Backward v3 measured whole").
     256: TileConfig(tile_n=64, stages=1, dkv_from_registers=False, pds_stages=1, dv_during_ds=True,
@@ -184,7 +189,7 @@ TILE_CONFIGS = {
 # With softcap the one pass over Sᵀ and dPᵀ keeps both in fp32 until the end; on d64's 128 rows
 # that spills (168 bytes of stack), so softcap keeps 64-row tiles there.
 SOFTCAP_TILE_CONFIGS = {
-    64: dataclasses.replace(TILE_CONFIGS[64], tile_m=64, dv_during_ds=True),
+    d: dataclasses.replace(TILE_CONFIGS[d], tile_m=64, dv_during_ds=True) for d in (32, 64)
 }
 
 
@@ -400,9 +405,12 @@ class FlashAttentionBackwardSm90:
         # per warp group would read K twice.
         self.dq_row_groups = self.tile_m // 64
         self.dq_cols = head_dim * self.dq_row_groups // wgs
-        if self.dq_cols % 8:
+        # K is the dQ GEMM's MN-major B operand, each warp group reading dq_cols of it: 40 (d80 on
+        # 64-row tiles) compiled, and gave wrong dQ on the H200; the shipped splits are
+        # multiples of 16.
+        if self.dq_cols % 16:
             raise ValueError(f"{self.config}: {self.dq_cols} columns of dQ per warp group must be a "
-                             "multiple of 8")
+                             "multiple of 16")
         self.preprocess = BackwardPreprocess(dtype, head_dim, head_dim_v, self._default_stores_first())
         self.postprocess = BackwardPostprocess(dtype, head_dim, self.tile_m,
                                                default_stores_first=self._default_stores_first())
@@ -500,11 +508,12 @@ class FlashAttentionBackwardSm90:
 
         mmas = self._tiled_mmas()
 
-        # Q, dO and K are also the MN-major B operands of dK, dV and dQ.
+        # Q, dO and K are also the MN-major B operands of dK, dV and dQ; V's buffer stages dV's
+        # epilogue, each warp group writing its dv_cols.
         sQ_layout = smem_layout(self.dtype, self.tile_m, self.head_dim, self.stages, split=self.dk_cols)
         sdO_layout = smem_layout(self.dtype, self.tile_m, self.head_dim_v, self.stages, split=self.dv_cols)
         sK_layout = smem_layout(self.dtype, self.tile_n, self.head_dim, split=self.dq_cols)
-        sV_layout = smem_layout(self.dtype, self.tile_n, self.head_dim_v)
+        sV_layout = smem_layout(self.dtype, self.tile_n, self.head_dim_v, split=self.dv_cols)
         # Pᵀ and dSᵀ: keys x queries, queries contiguous.
         sPdS_layout = smem_layout(self.dtype, self.tile_n, self.tile_m, self.config.pds_stages)
         sRow_layout = cute.make_layout((self.tile_m, self.stages))

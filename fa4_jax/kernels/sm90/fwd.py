@@ -146,6 +146,10 @@ TILE_CONFIGS = {
     # tunings, measured together"); padded groups skip their GEMMs ("Padded warp groups skip
     # their GEMMs: d64's default now").
     (64, 64): TileConfig(mma_warp_groups=3, kv_stages=3, skip_padded_groups=True),
+    # d64's shape at half the width, for small models ("Every head dim: served zero-padded").
+    (32, 32): TileConfig(mma_warp_groups=3, kv_stages=3, skip_padded_groups=True),
+    # d96's shape for DiTs' and Phi-2's d80 ("Every head dim: served zero-padded").
+    (80, 80): TileConfig(kv_stages=3, pv_wait_in_branch=True),
     # d128's shape with the three-stage ring its 48 KB stage leaves room for ("d96 forward: the
     # table entry measured"); P·V wait pinned ("d96's P·V wait pinned: adopted").
     (96, 96): TileConfig(kv_stages=3, pv_wait_in_branch=True),
@@ -157,6 +161,9 @@ TILE_CONFIGS = {
     # d128's registers on an 80 KB K/V stage; P·V wait pinned without a mask only ("d192's
     # tile-table entry measured: the default holds").
     (192, 128): TileConfig(pv_wait_in_branch=True, masked_pv_wait_in_branch=False),
+    # d192/dv128's shape on a 80 KB stage for U-Nets' and DiTs' d160, which d256's kernel
+    # serves only at 0.73-0.90x cuDNN's forward ("Every head dim: served zero-padded").
+    (160, 160): TileConfig(pv_wait_in_branch=True, masked_pv_wait_in_branch=False),
     # 64-key blocks, ping-pong off without a mask (on under one, the masked default),
     # FlashAttention-3's choice ("d256 forward: ping-pong and 80-key blocks, now that both fit").
     (256, 256): TileConfig(tile_n=64, pingpong=False),

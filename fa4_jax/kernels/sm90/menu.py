@@ -17,9 +17,17 @@ KERNELS = {
     "fwd": "fa4_jax.kernels.sm90.fwd:FlashAttentionForwardSm90",
     "bwd": "fa4_jax.kernels.sm90.bwd:FlashAttentionBackwardSm90",
 }
-# (head_dim, head_dim_v) of both kinds; (192, 128) is DeepSeek's shape. Each needs an entry in
-# both kernels' tile tables.
-HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
+# (head_dim, head_dim_v) of the forward kernels, each with an entry in fwd.TILE_CONFIGS.
+# (192, 128) is DeepSeek's shape; 32, 80 and 160 are where serving the dim zero-padded on the
+# next one cost more than a kernel of its own (docs/perf-log.md, "Every head dim: served
+# zero-padded"). Other dims run zero-padded on the narrowest wider pair
+# (routing.serving_head_dims).
+HEAD_DIMS = ((32, 32), (64, 64), (80, 80), (96, 96), (128, 128), (160, 160), (192, 128), (256, 256))
+# Those of the backward kernels (bwd.TILE_CONFIGS, keyed by head_dim). d80's backward runs on
+# d96's: its 64-row tiles would split dQ's 80 columns into two 40-column WGMMAs, which computed
+# wrong dQ on the H200 (bwd.py's _check_config refuses them).
+BACKWARD_HEAD_DIMS = tuple(dims for dims in HEAD_DIMS if dims != (80, 80))
+_HEAD_DIMS_BY_KIND = {"fwd": HEAD_DIMS, "bwd": BACKWARD_HEAD_DIMS}
 
 # Persistent CTAs in LPT order, O staged apart from Q (so the next tile's Q loads during this
 # tile's epilogue), 128-key blocks: the short causal calls' kernels.
@@ -87,5 +95,6 @@ def _route_variants():
 MENU: tuple[Variant, ...] = tuple(
     Variant(ARCH, dtype, d, dv, mask, softcap, kind)
     for kind in KINDS
-    for dtype, (d, dv), mask, softcap in itertools.product(DTYPES, HEAD_DIMS, MASKS, (False, True))
+    for dtype, (d, dv), mask, softcap in itertools.product(DTYPES, _HEAD_DIMS_BY_KIND[kind], MASKS,
+                                                           (False, True))
 ) + tuple(_route_variants())
