@@ -13,6 +13,7 @@ import numpy as np
 
 from fa4_jax import cudnn, dispatch, notices
 from fa4_jax.params import AttentionParams
+from fa4_jax.reference import attention_reference
 from fa4_jax.vjp import attention_op
 
 
@@ -37,6 +38,8 @@ def attention(
     implementation=None,
     query_seq_lengths=None,
     key_value_seq_lengths=None,
+    query_segment_ids=None,
+    kv_segment_ids=None,
 ):
     """FlashAttention: `softmax(mask(softcap(scale · q kᵀ))) v`, without materialising `q kᵀ`.
 
@@ -87,6 +90,14 @@ def attention(
         serve ragged calls (they read each entry's lengths); the padding may hold anything,
         NaN included: it is zeroed before the kernels see it, one extra pass over q, k, v (and
         d_out in the backward). For packed sequences see `varlen_attention`.
+      query_segment_ids, kv_segment_ids: None, or integer arrays [batch, seqlen_q] and
+        [batch, seqlen_k] (both or neither; traced values are fine): documents packed into
+        one row, as MaxText and Levanter pack them. Query row i sees key j only when their ids
+        are equal, on top of every other mask (causal and windows keep their alignment to the
+        whole row). Segments need not be contiguous. Padding is a segment that matches nothing:
+        give padding queries and keys ids no real token has (e.g. -1 and -2); a row that sees
+        no key has out 0 and lse -inf. Until the kernels read segment ids, such calls run on
+        the pure-JAX reference (a FallbackWarning says so; implementation="cute" raises).
 
     Returns:
       out: [batch, seqlen_q, heads_q, head_dim_v] in the input dtype; and, when return_lse,
@@ -117,7 +128,61 @@ def attention(
         implementation=implementation,
         query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths,
+        score_arrays=_score_arrays(query, key, None, None, query_segment_ids, kv_segment_ids),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _ScoreArrays:
+    """The caller's per-score operands, validated: a bool mask and an additive bias, each
+    [batch | 1, heads_q | 1, seqlen_q | 1, seqlen_k | 1], and segment ids [batch, seqlen]."""
+
+    mask: object = None
+    bias: object = None
+    query_segment_ids: object = None
+    kv_segment_ids: object = None
+
+    def names(self) -> str:
+        given = [name for name, x in (("a mask array", self.mask), ("a bias array", self.bias),
+                                      ("segment ids", self.query_segment_ids)) if x is not None]
+        return " and ".join(given)
+
+
+def _score_arrays(query, key, mask, bias, query_segment_ids, kv_segment_ids):
+    """A validated `_ScoreArrays`, or None when the call passes none of them."""
+    if mask is None and bias is None and query_segment_ids is None and kv_segment_ids is None:
+        return None
+    query, key = jnp.asarray(query), jnp.asarray(key)
+    if query.ndim != 4 or key.ndim != 4:
+        return None  # `_check_arrays` names the rank error
+    batch, seqlen_q, heads_q, _ = query.shape
+    seqlen_k = key.shape[1]
+    full = (batch, heads_q, seqlen_q, seqlen_k)
+    for name, x, dtype_ok, kind in (
+            ("mask", mask, lambda d: d == jnp.bool_, "bool"),
+            ("bias", bias, lambda d: jnp.issubdtype(d, jnp.floating), "a floating dtype")):
+        if x is None:
+            continue
+        x = jnp.asarray(x)
+        if x.ndim != 4 or any(n not in (1, m) for n, m in zip(x.shape, full)):
+            raise ValueError(f"{name} must be broadcastable to [batch, heads_q, seqlen_q, seqlen_k] "
+                             f"= {full} (each axis that size or 1), got shape {x.shape}")
+        if not dtype_ok(x.dtype):
+            raise TypeError(f"{name} must be {kind}, got dtype {x.dtype}")
+    if (query_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("give both query_segment_ids and kv_segment_ids, or neither")
+    for name, ids, shape in (("query_segment_ids", query_segment_ids, (batch, seqlen_q)),
+                             ("kv_segment_ids", kv_segment_ids, (batch, seqlen_k))):
+        if ids is None:
+            continue
+        ids = jnp.asarray(ids)
+        if ids.shape != shape:
+            raise ValueError(f"{name} must have shape [batch, seq] = {shape}, got {ids.shape}")
+        if not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise TypeError(f"{name} must be an integer array (int32), got dtype {ids.dtype}")
+    as_array = lambda x: None if x is None else jnp.asarray(x)
+    return _ScoreArrays(as_array(mask), as_array(bias), as_array(query_segment_ids),
+                        as_array(kv_segment_ids))
 
 
 def _attention(
@@ -135,14 +200,24 @@ def _attention(
     query_seq_lengths,
     key_value_seq_lengths,
     top_left=False,
+    score_arrays=None,
 ):
-    """`attention`, with the masks aligned top-left when `top_left` (the drop-in's rule)."""
+    """`attention`, with the masks aligned top-left when `top_left` (the drop-in's rule) and
+    the caller's mask, bias or segment ids (`_ScoreArrays`) when given."""
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
     ragged = query_seq_lengths is not None or key_value_seq_lengths is not None
     params, backend, reason = _plan(
         query, key, value, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
         softcap=softcap, deterministic=deterministic, return_lse=return_lse,
-        implementation=implementation, ragged=ragged, top_left=top_left)
+        implementation=implementation, ragged=ragged, top_left=top_left,
+        score_arrays=score_arrays)
+    if score_arrays is not None:
+        if reason is not None:
+            notices.fallback(_BACKEND_NAMES["reference"], reason,
+                             notices.shape_class(query, value, params))
+        out, lse = _reference_with_score_arrays(query, key, value, params, score_arrays,
+                                                query_seq_lengths, key_value_seq_lengths)
+        return (out, lse) if return_lse else out
     if reason is not None:
         shape = notices.shape_class(query, value, params)
         notices.fallback(_BACKEND_NAMES[backend], reason, shape)
@@ -162,11 +237,40 @@ _BACKEND_NAMES = {"cudnn": "cuDNN (jax.nn.dot_product_attention)",
                   "reference": "the pure-JAX reference (float32 math)"}
 
 
-def _plan(query, key, value, *, return_lse, ragged, **options):
+def _reference_with_score_arrays(query, key, value, params, score_arrays, query_seq_lengths,
+                                 key_value_seq_lengths):
+    """(out, lse) of a call with a mask, bias or segment ids, on the chunked reference in
+    float32, differentiated as it is (it never holds more than one score tile per chunk)."""
+    lengths = {}
+    if query_seq_lengths is not None or key_value_seq_lengths is not None:
+        lengths = dict(
+            query_seq_lengths=_canonical_lengths("query_seq_lengths", query_seq_lengths, query.shape[:2]),
+            key_value_seq_lengths=_canonical_lengths("key_value_seq_lengths", key_value_seq_lengths,
+                                                     key.shape[:2]))
+    return attention_reference(
+        query, key, value, softmax_scale=params.softmax_scale, causal=params.causal,
+        window_left=params.window_left, window_right=params.window_right, softcap=params.softcap,
+        top_left=params.top_left, mask=score_arrays.mask, bias=score_arrays.bias,
+        query_segment_ids=score_arrays.query_segment_ids,
+        kv_segment_ids=score_arrays.kv_segment_ids, compute_dtype=jnp.float32, **lengths)
+
+
+def _plan(query, key, value, *, return_lse, ragged, score_arrays=None, **options):
     """(the validated, canonical params, "cute" | "cudnn" | "reference", why not the kernels or
     None) of a call: cuDNN where the kernels do not serve it and its semantics are the call's,
-    else the reference. `options`: `_params_and_fallback`'s."""
+    else the reference. A call with score arrays (`_ScoreArrays`) runs on the reference.
+    `options`: `_params_and_fallback`'s."""
     _check_bool("return_lse", return_lse)
+    if score_arrays is not None:
+        implementation = options.pop("implementation")
+        if implementation not in _IMPLEMENTATIONS:
+            raise ValueError(f"implementation must be one of {_IMPLEMENTATIONS}, got {implementation!r}")
+        params, _ = _params_and_fallback(query, key, value, ragged=ragged,
+                                         implementation="reference", **options)
+        why = f"the kernels do not read {score_arrays.names()} yet"
+        if implementation == "cute":
+            raise ValueError(f"implementation='cute' cannot serve this call: {why}")
+        return params, "reference", None if implementation == "reference" else why
     params, reason = _params_and_fallback(query, key, value, ragged=ragged, **options)
     if reason is None:
         return params, params.implementation, None
@@ -230,6 +334,8 @@ def explain(
     implementation=None,
     query_seq_lengths=None,
     key_value_seq_lengths=None,
+    query_segment_ids=None,
+    kv_segment_ids=None,
 ) -> Explanation:
     """Which backend and kernels `attention` with these arguments runs, and why, without
     running it.
@@ -244,10 +350,13 @@ def explain(
       cute: fwd_sm90a_bf16_d96_dv96_causal (backward bwd_sm90a_bf16_d96_dv96_causal), zero-padded to head dims 96/96
     """
     ragged = query_seq_lengths is not None or key_value_seq_lengths is not None
+    score_arrays = None
+    if query_segment_ids is not None or kv_segment_ids is not None:
+        score_arrays = _ScoreArrays(query_segment_ids=query_segment_ids, kv_segment_ids=kv_segment_ids)
     params, backend, reason = _plan(
         query, key, value, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
         softcap=softcap, deterministic=deterministic, return_lse=return_lse,
-        implementation=implementation, ragged=ragged)
+        implementation=implementation, ragged=ragged, score_arrays=score_arrays)
     if backend != "cute":
         return Explanation(backend, reason)
     plan = dispatch.explain_forward(query, key, value, params, ragged)
@@ -370,9 +479,13 @@ def dot_product_attention(
     `log(S) - 0.7 * float32_max` in key's dtype, as jax's. Runs on the kernels like
     `fa4_jax.attention`, gradients included.
 
+    `mask` (bool) and `bias` (added to the scaled scores, differentiable) broadcast to
+    [B, N, T, S] as jax's do, a row the mask hides entirely getting the mean of the values as
+    in jax; until the kernels read them, calls with either run on the pure-JAX reference
+    (chunked: no [T, S] buffer beyond what the caller passed; a FallbackWarning says so).
+
     Differences from jax:
-      - bias and mask are not supported yet and raise NotImplementedError; so do negative
-        local_window_size bounds.
+      - negative local_window_size bounds raise NotImplementedError.
       - implementation is None, "cute" or "reference" (see `fa4_jax.attention`); "xla" and
         "cudnn" are jax's own backends: call `jax.nn.dot_product_attention` for them.
       - scale must be a static Python number (jax also takes a traced one).
@@ -380,12 +493,6 @@ def dot_product_attention(
         multiplies masked keys' values by a probability of zero, so a NaN or inf in the padding
         of V reaches every output row there; its cuDNN path, like fa4_jax, ignores it.
     """
-    for name, argument in (("bias", bias), ("mask", mask)):
-        if argument is not None:
-            raise NotImplementedError(
-                f"fa4_jax.dot_product_attention does not support {name} yet; pass {name}=None "
-                f"or use jax.nn.dot_product_attention"
-            )
     if implementation in ("xla", "cudnn"):
         raise ValueError(
             f"implementation={implementation!r} is a backend of jax.nn.dot_product_attention, "
@@ -405,6 +512,11 @@ def dot_product_attention(
             )
         query, key, value = query[None], key[None], value[None]
     _check_like_jax(query, key, value)
+    # jax prepends axes to a mask or bias of rank < 4, then broadcasts it to [B, N, T, S].
+    mask, bias = (None if x is None else _ensure_rank_4(jnp.asarray(x)) for x in (mask, bias))
+    if mask is not None and mask.dtype != jnp.bool_:
+        raise ValueError(f"mask dtype should be bool (as in jax.nn.dot_product_attention), got "
+                         f"{mask.dtype}; pass an additive mask as bias")
     batch = key.shape[0]
     query_seq_lengths, key_value_seq_lengths = (
         None if lengths is None else _jax_lengths(name, lengths, batch)
@@ -418,7 +530,7 @@ def dot_product_attention(
     # jax gives a valid row that sees no key a uniform softmax over all S keys (masked scores
     # are a finite large negative number there), so its output is the mean of the head's
     # values. Rows see no key only when an entry has no keys, or a window ends before them.
-    keyless_rows = seqlen_k > 0 and (key_value_seq_lengths is not None
+    keyless_rows = seqlen_k > 0 and (key_value_seq_lengths is not None or mask is not None
                                      or (left is not None and seqlen_q > seqlen_k + left))
     result = _attention(
         query,
@@ -434,16 +546,11 @@ def dot_product_attention(
         query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths,
         top_left=True,
+        score_arrays=_score_arrays(query, key, mask, bias, None, None),
     )
     out, lse = result if keyless_rows or return_residual else (result, None)
     if keyless_rows:
-        rows_valid = jnp.ones((batch, seqlen_q), bool)
-        if query_seq_lengths is not None:
-            rows_valid = jnp.arange(seqlen_q)[None, :] < query_seq_lengths[:, None]
-        keyless = jnp.isneginf(jnp.swapaxes(lse, 1, 2)) & rows_valid[:, :, None]
-        groups = query.shape[2] // key.shape[2]
-        value_mean = jnp.repeat(jnp.mean(value.astype(jnp.float32), axis=1), groups, axis=1)
-        out = jnp.where(keyless[..., None], value_mean[:, None].astype(out.dtype), out)
+        out = keyless_rows_see_every_key(out, lse, value, query_seq_lengths)
     if unbatched:
         out = out[0]
         lse = None if lse is None else lse[0]
@@ -457,6 +564,25 @@ def dot_product_attention(
         keyless_residual = jnp.float32(large_negative) + jnp.log(jnp.float32(seqlen_k))
         residual = jnp.where(jnp.isneginf(residual), keyless_residual, residual)
     return out, jax.lax.stop_gradient(residual.astype(key.dtype))
+
+
+def keyless_rows_see_every_key(out, lse, value, query_seq_lengths=None):
+    """out with each valid row that saw no key (lse -inf) replaced by the mean of its head's
+    values: what jax's and Flax's dense attention give such a row, whose masked scores are all
+    one large negative number, so its softmax is uniform over every key. Rows past
+    query_seq_lengths stay as they are (0)."""
+    batch, seqlen_q, heads_q, _ = out.shape
+    rows_valid = jnp.ones((batch, seqlen_q), bool)
+    if query_seq_lengths is not None:
+        rows_valid = jnp.arange(seqlen_q)[None, :] < query_seq_lengths[:, None]
+    keyless = jnp.isneginf(jnp.swapaxes(lse, 1, 2)) & rows_valid[:, :, None]
+    groups = heads_q // value.shape[2]
+    value_mean = jnp.repeat(jnp.mean(value.astype(jnp.float32), axis=1), groups, axis=1)
+    return jnp.where(keyless[..., None], value_mean[:, None].astype(out.dtype), out)
+
+
+def _ensure_rank_4(x):
+    return x.reshape((1,) * (4 - x.ndim) + x.shape) if x.ndim < 4 else x
 
 
 def _check_like_jax(query, key, value):

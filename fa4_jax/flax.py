@@ -14,13 +14,16 @@ One callable serves both Flax APIs:
                                    attention_fn=causal_attention, rngs=nnx.Rngs(0))
     y = layer(x)  # or: attention_fn=attention_fn and layer(x, is_causal=True)
 
-Why a factory instead of masks: Flax describes masking with a dense boolean array
-`[batch..., heads, q_len, kv_len]`. Under `jit` that array is a tracer, so its intent (causal?
-a window?) cannot be read back, and materialising it is what FlashAttention exists to avoid. The
-mask pattern is therefore chosen when the function is made, and the adapters refuse a `mask=`
-array (NotImplementedError) rather than ignore it. Likewise they refuse what the kernels cannot
-honour - attention bias, dropout while training, sowing the attention weights, quantised einsum
-overrides - naming the argument, so nothing is silently computed differently from Flax.
+Masks: Flax describes masking with a dense boolean array `[batch..., heads, q_len, kv_len]`
+(`nn.make_causal_mask`, `nn.make_attention_mask`), and an additive `bias=` likewise. The adapters
+take both with Flax's semantics (a row its mask hides entirely gets the mean of the values, as
+Flax's uniform softmax over the dtype's minimum gives it); until the kernels read such arrays,
+those calls run on the pure-JAX reference, chunked, with a FallbackWarning. Under `jit` the
+array is a tracer whose intent (causal? a window?) cannot be read back, so for the kernels'
+speed choose the pattern when the function is made: `make_attention_fn(causal=True)` instead of
+`nn.make_causal_mask`, or `make_attention_fn(window_size=(left, right))`. The adapters refuse
+what they cannot honour - dropout while training, sowing the attention weights, quantised
+einsum overrides - naming the argument, so nothing is silently computed differently from Flax.
 
 The adapters themselves import nothing from Flax: they are plain JAX functions with Flax's
 `dot_product_attention` calling convention. Linen passes only the keywords this function's
@@ -34,7 +37,7 @@ from typing import Callable
 
 import jax.numpy as jnp
 
-from fa4_jax.api import _attention
+from fa4_jax.api import _attention, _score_arrays, keyless_rows_see_every_key
 
 
 def make_attention_fn(
@@ -83,7 +86,8 @@ def make_attention_fn(
     ):
         """Flax `dot_product_attention` contract, computed by `fa4_jax.attention`.
 
-        Honoured: query/key/value, `dtype` (inputs are cast to it; default: their common
+        Honoured: query/key/value, `mask` and `bias` (broadcast as Flax does; on the
+        reference), `dtype` (inputs are cast to it; default: their common
         dtype), `dropout_rate` with `deterministic=True` (no dropout is applied), NNX's
         `is_causal` (Flax's top-left causal mask, tril over [q_len, kv_len]). Accepted and not
         forwarded: `precision`
@@ -92,8 +96,6 @@ def make_attention_fn(
         and there is no dropout). Everything else raises NotImplementedError.
         """
         _reject_unsupported(
-            bias=bias,
-            mask=mask,
             dropout_rate=dropout_rate,
             deterministic=deterministic,
             module=module,
@@ -116,21 +118,31 @@ def make_attention_fn(
         query, key, value = (x.astype(compute_dtype) for x in (query, key, value))
 
         batch_dims = query.shape[:-3]
-        out = _attention(
+        folded_value = _fold_batch_dims(value)
+        # Flax's masks are float by default (nn.make_causal_mask), read as nonzero = visible.
+        mask = None if mask is None else jnp.asarray(mask) != 0
+        score_arrays = _score_arrays(_fold_batch_dims(query), _fold_batch_dims(key),
+                                     *(_fold_score_array(x, batch_dims) for x in (mask, bias)),
+                                     None, None)
+        result = _attention(
             _fold_batch_dims(query),
             _fold_batch_dims(key),
-            _fold_batch_dims(value),
+            folded_value,
             causal=causal or is_causal,
             softmax_scale=None,
             window_size=window_size,
             softcap=softcap,
             deterministic=False,
-            return_lse=False,
+            return_lse=score_arrays is not None,
             implementation=implementation,
             query_seq_lengths=None,
             key_value_seq_lengths=None,
             top_left=is_causal and not factory_masked,
+            score_arrays=score_arrays,
         )
+        # Flax fills masked scores with the dtype's minimum: a row its mask hides entirely
+        # gets a uniform softmax over every key.
+        out = result if score_arrays is None else keyless_rows_see_every_key(*result, folded_value)
         return out.reshape(batch_dims + out.shape[1:])
 
     return fa4_attention_fn
@@ -140,22 +152,8 @@ attention_fn = make_attention_fn()
 """Non-causal, unwindowed fa4_jax attention with Flax's `attention_fn` contract."""
 
 
-def _reject_unsupported(*, bias, mask, dropout_rate, deterministic, module, einsum_overrides,
-                        input_positions):
+def _reject_unsupported(*, dropout_rate, deterministic, module, einsum_overrides, input_positions):
     """Raises NotImplementedError for Flax options the fa4_jax kernels cannot honour."""
-    if bias is not None:
-        raise NotImplementedError(
-            "bias: fa4_jax attention has no additive attention bias; use softcap/window "
-            "options of make_attention_fn, or flax's dot_product_attention."
-        )
-    if mask is not None:
-        raise NotImplementedError(
-            "mask: fa4_jax cannot read the pattern of a dense mask array (it is a tracer under "
-            "jit). Pass mask=None and choose the pattern when making the function, e.g. "
-            "make_attention_fn(causal=True) instead of nn.make_causal_mask, or "
-            "make_attention_fn(window_size=(left, right)). (NNX decode=True builds such a mask "
-            "for its KV cache and is unsupported for the same reason.)"
-        )
     if dropout_rate > 0.0 and not deterministic:
         raise NotImplementedError(
             f"dropout_rate={dropout_rate} with deterministic=False: fa4_jax attention has no "
@@ -191,6 +189,19 @@ def _check_same_batch_dims(query, key, value):
             "query, key and value must have the same leading batch dims, got "
             f"{query.shape[:-3]}, {key.shape[:-3]} and {value.shape[:-3]}"
         )
+
+
+def _fold_score_array(x, batch_dims):
+    """A Flax mask or bias [batch... | 1, heads | 1, q_len, kv_len] (leading dims broadcast, as
+    Flax's do) as [prod(batch...) | 1, heads | 1, q_len, kv_len]."""
+    if x is None:
+        return None
+    x = jnp.asarray(x)
+    x = x.reshape((1,) * max(0, len(batch_dims) + 3 - x.ndim) + x.shape)
+    lead = x.shape[:-3]
+    if all(n == 1 for n in lead):
+        return x.reshape((1,) + x.shape[-3:])
+    return jnp.broadcast_to(x, batch_dims + x.shape[-3:]).reshape((-1,) + x.shape[-3:])
 
 
 def _fold_batch_dims(x):

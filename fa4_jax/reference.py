@@ -33,6 +33,10 @@ def attention_reference(
     top_left=False,
     query_seq_lengths=None,
     key_value_seq_lengths=None,
+    mask=None,
+    bias=None,
+    query_segment_ids=None,
+    kv_segment_ids=None,
     compute_dtype=jnp.float32,
     chunk_size=DEFAULT_CHUNK_SIZE,
 ):
@@ -55,6 +59,14 @@ def attention_reference(
         top-left (offset 0). Rows
         past the length have out 0, lse -inf; keys past it get zero gradient. What the padding
         holds (even inf or NaN) does not matter.
+      mask: None, or a bool array broadcastable to [batch, heads_q, seqlen_q, seqlen_k] (each
+        axis its full size or 1; rank 4): False hides the key from the row, on top of the
+        masks above.
+      bias: None, or a float array broadcastable like mask, added to the scores after the
+        scale and softcap (differentiable).
+      query_segment_ids, kv_segment_ids: None, or integer arrays [batch, seqlen_q] and
+        [batch, seqlen_k] (both or neither): a row sees only the keys of its own segment id.
+        Segments need not be contiguous.
       compute_dtype: dtype of the matmul inputs and outputs, the scale/softcap arithmetic and
         the probabilities fed to the second matmul. float32 gives the oracle `ref`; the input
         dtype gives FlashAttention's `ref_lowp`. The running max, row sum and output
@@ -85,6 +97,10 @@ def attention_reference(
         query = _zero_padding(query, query_seq_lengths)
         key = _zero_padding(key, key_value_seq_lengths)
         value = _zero_padding(value, key_value_seq_lengths)
+    if (query_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("give both query_segment_ids and kv_segment_ids, or neither")
+    score_tiles = _ScoreTiles.of(mask, bias, query_segment_ids, kv_segment_ids, heads_kv,
+                                 q_chunk, kv_chunk)
     mask = _MaskSpec(valid_q, valid_k, causal, window_left, window_right, top_left)
 
     q_tiles = _tile_queries(query.astype(compute_dtype), q_chunk, heads_kv)
@@ -96,6 +112,7 @@ def attention_reference(
         k_tiles=k_tiles,
         v_tiles=v_tiles,
         mask=mask,
+        score_tiles=score_tiles,
         softmax_scale=softmax_scale,
         softcap=softcap,
         compute_dtype=compute_dtype,
@@ -152,6 +169,60 @@ class _MaskSpec:
         return visible
 
 
+class _ScoreTiles:
+    """The caller's per-score arrays (a bool mask, an additive bias, segment ids), cut into the
+    [batch, heads_kv, groups, q_chunk, kv_chunk] score tiles one at a time, so no buffer of the
+    full [seqlen_q, seqlen_k] is made beyond what the caller passed. An axis of size 1 stays 1
+    and broadcasts."""
+
+    def __init__(self, mask, bias, query_segment_ids, kv_segment_ids):
+        self.mask, self.bias = mask, bias
+        self.query_segment_ids, self.kv_segment_ids = query_segment_ids, kv_segment_ids
+
+    @classmethod
+    def of(cls, mask, bias, query_segment_ids, kv_segment_ids, heads_kv, q_chunk, kv_chunk):
+        def grouped(x, fill):
+            # [b, heads, sq, sk] -> [b, heads_kv | 1, groups | 1, sq padded, sk padded].
+            b, heads, sq, sk = x.shape
+            x = x.reshape(b, 1, 1, sq, sk) if heads == 1 else x.reshape(b, heads_kv, heads // heads_kv, sq, sk)
+            widths = [(0, 0)] * 3 + [(0, 0 if n == 1 else -n % chunk) for n, chunk in ((sq, q_chunk), (sk, kv_chunk))]
+            return jnp.pad(x, widths, constant_values=fill)
+
+        def padded_ids(ids, chunk, fill):
+            ids = jnp.asarray(ids, jnp.int32)
+            return jnp.pad(ids, [(0, 0), (0, -ids.shape[1] % chunk)], constant_values=fill)
+
+        return cls(
+            None if mask is None else grouped(jnp.asarray(mask, bool), False),
+            None if bias is None else grouped(jnp.asarray(bias), 0),
+            None if query_segment_ids is None else padded_ids(query_segment_ids, q_chunk, -1),
+            None if kv_segment_ids is None else padded_ids(kv_segment_ids, kv_chunk, -1),
+        )
+
+    @staticmethod
+    def _tile(x, q_start, k_start, q_chunk, kv_chunk):
+        starts = (0, 0, 0, q_start if x.shape[3] > 1 else 0, k_start if x.shape[4] > 1 else 0)
+        sizes = x.shape[:3] + (q_chunk if x.shape[3] > 1 else 1, kv_chunk if x.shape[4] > 1 else 1)
+        return lax.dynamic_slice(x, starts, sizes)
+
+    def visible(self, q_start, k_start, q_chunk, kv_chunk):
+        """Bool, broadcastable to the score tile at (q_start, k_start), or True."""
+        visible = True
+        if self.mask is not None:
+            visible = self._tile(self.mask, q_start, k_start, q_chunk, kv_chunk)
+        if self.query_segment_ids is not None:
+            rows = lax.dynamic_slice_in_dim(self.query_segment_ids, q_start, q_chunk, axis=1)
+            keys = lax.dynamic_slice_in_dim(self.kv_segment_ids, k_start, kv_chunk, axis=1)
+            visible = visible & (rows[:, None, None, :, None] == keys[:, None, None, None, :])
+        return visible
+
+    def biased(self, scores, q_start, k_start):
+        if self.bias is None:
+            return scores
+        q_chunk, kv_chunk = scores.shape[-2:]
+        return scores + self._tile(self.bias, q_start, k_start, q_chunk, kv_chunk).astype(scores.dtype)
+
+
 def _zero_padding(x, lengths):
     """x [batch, seq, ...] with the rows past each entry's length zeroed.
 
@@ -200,7 +271,7 @@ def _matmul(spec, a, b, compute_dtype):
 
 
 def _attend_query_tile(
-    q_start_and_tile, *, k_tiles, v_tiles, mask, softmax_scale, softcap, compute_dtype
+    q_start_and_tile, *, k_tiles, v_tiles, mask, score_tiles, softmax_scale, softcap, compute_dtype
 ):
     """Online softmax of one query tile over all key tiles.
 
@@ -232,7 +303,9 @@ def _attend_query_tile(
         if softcap is not None:
             cap = jnp.asarray(softcap, compute_dtype)
             scores = cap * jnp.tanh(scores / cap)
-        visible = mask.visible(q_index, k_start + jnp.arange(kv_chunk))
+        scores = score_tiles.biased(scores, q_start, k_start)
+        visible = (mask.visible(q_index, k_start + jnp.arange(kv_chunk))
+                   & score_tiles.visible(q_start, k_start, q_chunk, kv_chunk))
         scores = jnp.where(visible, scores.astype(jnp.float32), -jnp.inf)
 
         # The result does not depend on the max (it cancels), so no gradient flows through it.

@@ -1,6 +1,7 @@
 """fa4_jax.attention / dot_product_attention: validation, defaults, backend choice, jax parity."""
 import functools
 import itertools
+import warnings
 import math
 
 import jax
@@ -426,15 +427,98 @@ def test_dot_product_attention_accepts_unbatched_inputs(next_key):
     np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("name", ["bias", "mask"])
-def test_dot_product_attention_unsupported_arguments(next_key, name):
+# jax's own mask modes (its tests/nn_test.py): a custom bool mask of each broadcast rank, a bias,
+# and each with is_causal, padding lengths and a sliding window.
+DROP_IN_SCORE_ARRAYS = {
+    "mask_bnts": dict(mask=(3, 8, 12, 20)),
+    "mask_b1ts": dict(mask=(3, 1, 12, 20)),
+    "mask_nts_rank3": dict(mask=(8, 12, 20)),
+    "mask_ts_rank2": dict(mask=(12, 20)),
+    "mask_11_1s": dict(mask=(1, 1, 1, 20)),
+    "bias": dict(bias=(1, 8, 12, 20)),
+    "bias_and_mask": dict(bias=(3, 1, 12, 20), mask=(3, 8, 12, 20)),
+    "mask_causal": dict(mask=(3, 1, 12, 20), is_causal=True),
+    "mask_padding": dict(mask=(3, 8, 12, 20), lengths=True),
+    "mask_causal_padding": dict(mask=(1, 8, 12, 20), is_causal=True, lengths=True),
+    "bias_window": dict(bias=(3, 8, 12, 20), local_window_size=(3, 2)),
+    "mask_everything_hidden": dict(mask=(3, 8, 12, 20), hidden=True),
+}
+
+
+@pytest.mark.parametrize("case", DROP_IN_SCORE_ARRAYS.values(), ids=DROP_IN_SCORE_ARRAYS.keys())
+def test_dot_product_attention_masks_and_bias_match_jax_xla(next_key, case):
+    q, k, v = _qkv(next_key, batch=3, seqlen_q=12, seqlen_k=20, heads_q=8, heads_kv=2)
+    kwargs = {name: case[name] for name in ("is_causal", "local_window_size") if name in case}
+    if "mask" in case:
+        mask = jax.random.bernoulli(next_key(), 0.5, case["mask"])
+        # Some rows the mask hides entirely: jax gives them the mean of the values.
+        kwargs["mask"] = jnp.zeros_like(mask) if case.get("hidden") else mask.at[..., 3, :].set(False)
+    if "bias" in case:
+        kwargs["bias"] = jax.random.normal(next_key(), case["bias"], jnp.float32)
+    if case.get("lengths"):
+        kwargs["query_seq_lengths"] = jnp.asarray([12, 5, 0], jnp.int32)
+        kwargs["key_value_seq_lengths"] = jnp.asarray([20, 7, 3], jnp.int32)
+    _assert_matches_jax(q, k, v, **kwargs)
+    # Gradients, the bias's included, against jax's.
+    d_out = jax.random.normal(next_key(), q.shape, jnp.float32)
+    static = {name: kwargs.pop(name) for name in ("is_causal", "local_window_size") if name in kwargs}
+    names = ["q", "k", "v"] + (["bias"] if "bias" in kwargs else [])
+
+    def loss(fn, *diff):
+        named = dict(zip(names, diff))
+        rest = {key: value for key, value in kwargs.items() if key not in named}
+        out = fn(named["q"], named["k"], named["v"], **static, **rest,
+                 **({"bias": named["bias"]} if "bias" in named else {}))
+        return jnp.sum(out * d_out)
+
+    args = (q, k, v) + ((kwargs["bias"],) if "bias" in kwargs else ())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fa4_jax.FallbackWarning)
+        ours = jax.grad(lambda *a: loss(fa4_jax.dot_product_attention, *a), argnums=tuple(range(len(args))))(*args)
+    theirs = jax.grad(lambda *a: loss(functools.partial(jax.nn.dot_product_attention, implementation="xla"), *a),
+                      argnums=tuple(range(len(args))))(*args)
+    for name, got, want in zip(names, ours, theirs):
+        np.testing.assert_allclose(got, want, atol=5e-5, rtol=5e-5, err_msg=name)
+
+
+def test_a_mask_runs_on_the_reference_and_says_so(next_key, monkeypatch):
+    from fa4_jax import notices
+
+    monkeypatch.setattr(notices, "_SAID", set())
     q, k, v = _qkv(next_key)
-    arrays = {
-        "bias": jnp.ones((2, 4, 16, 16)),
-        "mask": jnp.ones((2, 4, 16, 16), bool),
-    }
-    with pytest.raises(NotImplementedError, match=name):
-        fa4_jax.dot_product_attention(q, k, v, **{name: arrays[name]})
+    mask = jnp.ones((2, 1, 16, 16), bool)
+    with pytest.warns(fa4_jax.FallbackWarning, match="do not read a mask array"):
+        fa4_jax.dot_product_attention(q, k, v, mask=mask)
+    with pytest.raises(ValueError, match="implementation='cute' cannot serve this call: the kernels do not read a mask"):
+        fa4_jax.dot_product_attention(q, k, v, mask=mask, implementation="cute")
+    with pytest.raises(ValueError, match="mask dtype should be bool"):
+        fa4_jax.dot_product_attention(q, k, v, mask=mask.astype(jnp.float32))
+    with pytest.raises(ValueError, match="mask must be broadcastable"):
+        fa4_jax.dot_product_attention(q, k, v, mask=jnp.ones((2, 3, 16, 16), bool))
+
+
+def test_segment_ids_attend_within_their_segment(next_key):
+    # Two documents packed in each row, and padding (-1 / -2 match nothing): the same as
+    # attending each document on its own.
+    q, k, v = _qkv(next_key, batch=2, seqlen_q=16, seqlen_k=16, heads_q=4, heads_kv=2)
+    ids = np.r_[np.zeros(6), np.ones(7), np.full(3, -1)].astype(np.int32)
+    q_ids = jnp.asarray(np.stack([ids, ids]))
+    kv_ids = jnp.asarray(np.stack([np.where(ids < 0, -2, ids)] * 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fa4_jax.FallbackWarning)
+        out, lse = fa4_jax.attention(q, k, v, causal=True, return_lse=True,
+                                     query_segment_ids=q_ids, kv_segment_ids=kv_ids)
+    for start, stop in ((0, 6), (6, 13)):
+        want = fa4_jax.attention(q[:, start:stop], k[:, start:stop], v[:, start:stop], causal=True,
+                                 implementation="reference")
+        np.testing.assert_allclose(out[:, start:stop], want, atol=2e-5, rtol=2e-5)
+    assert np.all(np.asarray(out[:, 13:]) == 0.0) and np.all(np.isneginf(np.asarray(lse[:, :, 13:])))
+    with pytest.raises(ValueError, match="both query_segment_ids and kv_segment_ids"):
+        fa4_jax.attention(q, k, v, query_segment_ids=q_ids)
+    with pytest.raises(ValueError, match=r"kv_segment_ids must have shape \[batch, seq\] = \(2, 16\)"):
+        fa4_jax.attention(q, k, v, query_segment_ids=q_ids, kv_segment_ids=kv_ids[:, :8])
+    assert fa4_jax.explain(q, k, v, query_segment_ids=q_ids, kv_segment_ids=kv_ids).reason == (
+        "the kernels do not read segment ids yet")
 
 
 DROP_IN_ERRORS = {

@@ -6,6 +6,7 @@ compares the module driven by fa4_jax's attention_fn against the same module, wi
 parameters, driven by Flax's own dot_product_attention.
 """
 import inspect
+import warnings
 
 import flax.linen as nn
 import jax
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from fa4_jax import FallbackWarning
 from fa4_jax.flax import attention_fn, make_attention_fn
 
 NUM_HEADS = 4
@@ -154,8 +156,6 @@ def small_qkv(seed, q_len=8, kv_len=8, batch_dims=(2,)):
 @pytest.mark.parametrize(
     "kwargs, named",
     [
-        (dict(bias=jnp.zeros((2, NUM_HEADS, 8, 8))), "bias"),
-        (dict(mask=jnp.ones((2, 1, 8, 8), bool)), "mask"),
         (dict(dropout_rate=0.1, deterministic=False), "dropout_rate"),
         (dict(module=object()), "module"),
         (dict(qk_attn_weights_einsum=jnp.einsum), "qk_attn_weights_einsum"),
@@ -192,11 +192,54 @@ def test_mismatched_batch_dims_raise_value_error(seed):
         attention_fn(q, k, v)
 
 
-def test_linen_causal_mask_array_points_to_make_attention_fn(seed):
-    x = random_inputs(seed, (2, 16, FEATURES))
-    module = nn.MultiHeadDotProductAttention(num_heads=NUM_HEADS, attention_fn=attention_fn)
-    with pytest.raises(NotImplementedError, match=r"make_attention_fn\(causal=True\)"):
-        module.init(jax.random.key(0), x, mask=nn.make_causal_mask(jnp.ones(x.shape[:-1])))
+@pytest.fixture
+def fresh_notices(monkeypatch):
+    """FallbackWarnings said again (they are said once per process and shape class)."""
+    from fa4_jax import notices
+
+    monkeypatch.setattr(notices, "_SAID", set())
+
+
+def _padding_mask(seed, batch_dims, length):
+    """Flax's padding mask of random valid lengths, one entry with no valid token at all."""
+    lengths = np.random.default_rng(seed).integers(1, length + 1, batch_dims)
+    lengths.reshape(-1)[0] = 0
+    valid = jnp.asarray(np.arange(length) < lengths[..., None])
+    return nn.make_attention_mask(valid, valid)
+
+
+@pytest.mark.parametrize("masks", ["causal", "padding", "causal_and_padding"])
+@pytest.mark.parametrize("batch_dims", [(3,), (2, 2)], ids=["batch", "extra_batch_dims"])
+def test_linen_with_flaxs_mask_arrays_gives_flaxs_result(masks, batch_dims, seed, fresh_notices):
+    # Existing model code: the module called with nn.make_causal_mask / make_attention_mask
+    # runs unchanged with fa4_jax's attention_fn, outputs and gradients,
+    # fully masked rows (the entry with no valid token) included.
+    x = random_inputs(seed, batch_dims + (24, FEATURES))
+    cotangent = random_inputs(seed + 1, x.shape)
+    flax_module = nn.MultiHeadDotProductAttention(num_heads=NUM_HEADS)
+    fa4_module = nn.MultiHeadDotProductAttention(num_heads=NUM_HEADS, attention_fn=attention_fn)
+    params = flax_module.init(jax.random.key(seed + 2), x)["params"]
+    causal = nn.make_causal_mask(jnp.ones(x.shape[:-1]))
+    padding = _padding_mask(seed + 3, batch_dims, 24)
+    mask = {"causal": causal, "padding": padding,
+            "causal_and_padding": nn.combine_masks(causal, padding)}[masks]
+    expected = linen_outputs_and_grads(flax_module, params, x, mask, cotangent)
+    with pytest.warns(FallbackWarning, match="do not read a mask array"):
+        actual = linen_outputs_and_grads(fa4_module, params, x, mask, cotangent)
+    assert_trees_close(actual, expected, seed, **FP32_TOL)
+
+
+def test_a_bias_is_added_to_the_scores_as_flax_adds_it(seed, fresh_notices):
+    q, k, v = small_qkv(seed, q_len=8, kv_len=16)
+    bias = random_inputs(seed + 5, (2, NUM_HEADS, 8, 16))
+    mask = random_inputs(seed + 6, (2, 1, 8, 16)) > 0
+    want = nn.dot_product_attention(q, k, v, bias=bias, mask=mask)
+    with pytest.warns(FallbackWarning):
+        got = attention_fn(q, k, v, bias=bias, mask=mask)
+    np.testing.assert_allclose(got, want, **FP32_TOL)
+    grad = jax.grad(lambda b: jnp.sum(attention_fn(q, k, v, bias=b) ** 2))(bias)
+    want_grad = jax.grad(lambda b: jnp.sum(nn.dot_product_attention(q, k, v, bias=b) ** 2))(bias)
+    np.testing.assert_allclose(grad, want_grad, **FP32_TOL)
 
 
 def test_linen_dropout_while_training_raises(seed):
@@ -215,9 +258,19 @@ def test_linen_sow_weights_raises(seed):
         module.init(jax.random.key(0), x, sow_weights=True)
 
 
-def test_nnx_decode_raises_on_its_cache_mask(seed):
-    x = random_inputs(seed, (2, 1, FEATURES))
-    module = nnx_attention(0, attention_fn)
-    module.init_cache((2, 16, FEATURES))
-    with pytest.raises(NotImplementedError, match="decode"):
-        module(x, decode=True)
+def test_nnx_decode_with_its_cache_mask_gives_flaxs_steps(seed, fresh_notices):
+    # NNX's decode mode attends each new token to its KV cache through a mask of the filled
+    # positions: the same steps as Flax's own attention.
+    steps = random_inputs(seed, (2, 5, FEATURES))
+    modules = []
+    for attention in (None, attention_fn):
+        module = nnx_attention(seed + 1, attention)
+        module.init_cache((2, 16, FEATURES))
+        modules.append(module)
+    for t in range(steps.shape[1]):
+        x = steps[:, t:t + 1]
+        want = modules[0](x, decode=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FallbackWarning)
+            got = modules[1](x, decode=True)
+        np.testing.assert_allclose(got, want, err_msg=f"step {t}, seed {seed}", **FP32_TOL)

@@ -169,3 +169,80 @@ def test_long_sequence_never_materialises_the_score_matrix():
     # And what XLA actually allocates for the backward (the fp32 score matrix is 4 GiB).
     compiled = jax.jit(backward).lower(spec, spec, spec).compile()
     assert compiled.memory_analysis().temp_size_in_bytes < 64 * 2**20
+
+
+# ------------------------------------------------ masks, bias and segment ids (the caller's arrays)
+
+def _naive_masked(q, k, v, visible, bias=None):
+    """float64 dense attention with a bool `visible` [b, h|1, sq, sk] and an additive bias."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    groups = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, groups, axis=2), np.repeat(v, groups, axis=2)
+    scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    if bias is not None:
+        scores = scores + np.asarray(bias, np.float64)
+    scores = np.where(visible, scores, -np.inf)
+    row_max = scores.max(axis=-1, keepdims=True)
+    row_max = np.where(np.isinf(row_max), 0.0, row_max)
+    weights = np.exp(scores - row_max)
+    total = weights.sum(axis=-1, keepdims=True)
+    empty = total == 0
+    out = np.einsum("bhqk,bkhd->bqhd", weights / np.where(empty, 1.0, total), v)
+    lse = np.where(empty, -np.inf, row_max + np.log(np.where(empty, 1.0, total)))[..., 0]
+    return out, lse
+
+
+@pytest.mark.parametrize("mask_shape", [(2, 4, 37, 45), (2, 1, 37, 45), (1, 4, 37, 45), (1, 1, 37, 45),
+                                        (2, 1, 1, 45), (1, 4, 37, 1)])
+def test_a_mask_of_every_broadcast_shape(next_key, mask_shape):
+    q = jax.random.normal(next_key(), (2, 37, 4, 16), jnp.float32)
+    k, v = (jax.random.normal(next_key(), (2, 45, 2, 16), jnp.float32) for _ in range(2))
+    mask = jax.random.bernoulli(next_key(), 0.6, mask_shape)
+    bias = jax.random.normal(next_key(), (1, 4, 37, 45), jnp.float32)
+    out, lse = attention_reference(q, k, v, mask=mask, bias=bias, chunk_size=16)
+    visible = np.broadcast_to(np.asarray(mask), (2, 4, 37, 45))
+    want_out, want_lse = _naive_masked(q, k, v, visible, bias)
+    np.testing.assert_allclose(np.asarray(out), want_out, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=2e-5, atol=2e-5)
+    # Rows the mask hides entirely: out 0, lse -inf.
+    empty = ~visible.any(-1)
+    assert np.all(np.isneginf(np.asarray(lse)[empty]))
+
+
+def test_segment_ids_with_padding_and_non_contiguous_segments(next_key):
+    q, k, v = (jax.random.normal(next_key(), (2, 50, 2, 8), jnp.float32) for _ in range(3))
+    # Entry 0: three packed documents and padding (-1 on queries, -2 on keys: matches nothing);
+    # entry 1: segment 7 split in two runs around segment 3.
+    ids0 = np.r_[np.zeros(10), np.ones(25), np.full(5, 2), np.full(10, -1)].astype(np.int32)
+    ids1 = np.r_[np.full(20, 7), np.full(10, 3), np.full(20, 7)].astype(np.int32)
+    q_ids = jnp.asarray(np.stack([ids0, ids1]))
+    kv_ids = jnp.asarray(np.stack([np.where(ids0 < 0, -2, ids0), ids1]))
+    out, lse = attention_reference(q, k, v, causal=True, query_segment_ids=q_ids,
+                                   kv_segment_ids=kv_ids, chunk_size=16)
+    causal = np.tril(np.ones((50, 50), bool))
+    visible = (np.asarray(q_ids)[:, None, :, None] == np.asarray(kv_ids)[:, None, None, :]) & causal
+    want_out, want_lse = _naive_masked(q, k, v, visible)
+    np.testing.assert_allclose(np.asarray(out), want_out, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=2e-5, atol=2e-5)
+    assert np.all(np.asarray(out)[0, 40:] == 0.0)
+
+
+def test_gradients_through_a_mask_and_a_bias(next_key):
+    q, k, v = (jax.random.normal(next_key(), (1, 33, 2, 8), jnp.float32) for _ in range(3))
+    mask = jax.random.bernoulli(next_key(), 0.7, (1, 1, 33, 33))
+    bias = jax.random.normal(next_key(), (1, 2, 33, 33), jnp.float32)
+    d_out = jax.random.normal(next_key(), q.shape, jnp.float32)
+
+    def chunked(q, k, v, bias):
+        return jnp.sum(attention_reference(q, k, v, mask=mask, bias=bias, chunk_size=8)[0] * d_out)
+
+    def dense(q, k, v, bias):
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") / np.sqrt(8) + bias
+        scores = jnp.where(mask, scores, -jnp.inf)
+        weights = jnp.nan_to_num(jax.nn.softmax(scores, axis=-1))
+        out = jnp.einsum("bhqk,bkhd->bqhd", weights, v, precision="highest")
+        return jnp.sum(out * d_out)
+
+    for got, want in zip(jax.grad(chunked, argnums=(0, 1, 2, 3))(q, k, v, bias),
+                         jax.grad(dense, argnums=(0, 1, 2, 3))(q, k, v, bias)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
