@@ -1,0 +1,239 @@
+"""Check every kernel of the installed library on this GPU against the reference, and print a
+report to paste into an issue.
+
+    python -m fa4_jax.selftest                 # every compiled variant for this GPU's arch
+    python -m fa4_jax.selftest --only d128     # the variants whose names match a regex
+    python -m fa4_jax.selftest --json out.json # the report as JSON too
+
+For each problem class of the library (dtype, head dims, mask kind, softcap) it runs a few
+small calls of fixed shapes and seeds, chosen so that together they reach every compiled variant
+through the router (`fa4_jax.explain` says which each call runs), forward and backward, and
+compares out, lse and the gradients with dense attention written out from `fa4_jax.attention`'s
+docstring, in float32 and in the input dtype, under docs/design.md's numerics rule
+(max error at most twice the low-precision reference's, three times with softcap), with a floor
+of one rounding step of the input dtype at the largest magnitude, so a correct kernel never
+fails on one unlucky element. Exit status 0 when every check passes, 1 when one fails, 2 when
+there is nothing to check (no CUDA GPU, no library, no kernels for this arch).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import re
+import sys
+import time
+
+# (seqlen_q, seqlen_k) probes, in the order tried: a generic odd shape first, then the shapes
+# the routes key on (decode rows, short calls, block-aligned diagonals, short last key blocks).
+PROBE_LENGTHS = ((200, 333), (1, 777), (64, 64), (256, 256), (1024, 1024), (1152, 1152),
+                 (1206, 1206), (2048, 2048), (4096, 4096), (4096, 4272), (4096, 4320),
+                 (4096, 4352))
+HEADS_Q, HEADS_KV = 4, 2
+# The options of each mask kind (causal folds into a window's right bound).
+MASK_OPTIONS = {"none": {}, "causal": {"causal": True}, "local": {"window_size": (64, 16)}}
+SOFTCAP = 20.0
+
+
+@dataclasses.dataclass
+class Check:
+    """One call checked: what it ran and how far it was from the reference."""
+
+    problem: str
+    seqlen_q: int
+    seqlen_k: int
+    forward_variant: str
+    backward_variant: str | None
+    errors: dict  # name -> (max error, bound)
+    seconds: float
+
+    @property
+    def passed(self) -> bool:
+        return all(error <= bound for error, bound in self.errors.values())
+
+    def line(self) -> str:
+        worst = max(self.errors, key=lambda n: self.errors[n][0] / self.errors[n][1])
+        error, bound = self.errors[worst]
+        status = "PASS" if self.passed else "FAIL"
+        return (f"{status}  {self.problem:28s} sq={self.seqlen_q:<5d} sk={self.seqlen_k:<5d} "
+                f"{self.forward_variant} / {self.backward_variant or '-'}  worst {worst}: "
+                f"{error:.3g} <= {bound:.3g}" + ("" if self.passed else "  <-- exceeds"))
+
+
+def _bound_by_rule(out, ref, lowp, factor, dtype):
+    import numpy as np
+
+    out, ref, lowp = (np.asarray(x, np.float64) for x in (out, ref, lowp))
+    finite = np.isfinite(ref)
+    if (np.isinf(ref) != np.isinf(out)).any() or np.isnan(out).any():
+        return float("inf"), 0.0
+    error = float(np.abs(out[finite] - ref[finite]).max(initial=0.0))
+    step = float(np.finfo(dtype).eps) * float(np.abs(ref[finite]).max(initial=0.0))
+    bound = max(factor * float(np.abs(lowp[finite] - ref[finite]).max(initial=0.0)), step) + 1e-5
+    return error, bound
+
+
+def _dense_attention(q, k, v, compute_dtype, causal, window_left, window_right, softcap):
+    """(out in compute_dtype, lse) written out densely from `fa4_jax.attention`'s docstring: masks
+    aligned bottom-right, matmuls and scale in compute_dtype, softmax statistics in float32,
+    probabilities rounded to compute_dtype (FlashAttention's low-precision reference), rows
+    that see no key out 0 and lse -inf. Small shapes only: it holds every score."""
+    import jax
+    import jax.numpy as jnp
+
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    groups = q.shape[2] // k.shape[2]
+    q, k, v = (x.astype(compute_dtype) for x in (q, k, v))
+    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest",
+                        preferred_element_type=compute_dtype)
+    scores = scores * jnp.asarray(q.shape[-1] ** -0.5, compute_dtype)
+    if softcap is not None:
+        cap = jnp.asarray(softcap, compute_dtype)
+        scores = cap * jnp.tanh(scores / cap)
+    diagonal = jnp.arange(seqlen_q)[:, None] + (seqlen_k - seqlen_q)
+    key = jnp.arange(seqlen_k)[None, :]
+    visible = jnp.ones((seqlen_q, seqlen_k), bool)
+    if causal:
+        visible &= key <= diagonal
+    if window_left is not None:
+        visible &= key >= diagonal - window_left
+    if window_right is not None:
+        visible &= key <= diagonal + window_right
+    scores = jnp.where(visible, scores.astype(jnp.float32), -jnp.inf)
+    empty = ~visible.any(axis=-1, keepdims=True)
+    safe = jnp.where(empty, 0.0, scores)
+    lse = jax.nn.logsumexp(safe, axis=-1, keepdims=True)
+    probs = jnp.where(empty, 0.0, jnp.exp(safe - lse)).astype(compute_dtype)
+    out = jnp.einsum("bhqk,bkhd->bqhd", probs, v, precision="highest",
+                     preferred_element_type=compute_dtype)
+    return out, jnp.where(empty[..., 0], -jnp.inf, lse[..., 0])
+
+
+def _check_call(problem, dtype, head_dim, head_dim_v, options, seqlen_q, seqlen_k, seed,
+                implementation="cute") -> Check:
+    import jax
+    import jax.numpy as jnp
+
+    import fa4_jax
+
+    keys = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(keys[0], (1, seqlen_q, HEADS_Q, head_dim), dtype)
+    k = jax.random.normal(keys[1], (1, seqlen_k, HEADS_KV, head_dim), dtype)
+    v = jax.random.normal(keys[2], (1, seqlen_k, HEADS_KV, head_dim_v), dtype)
+    d_out = jax.random.normal(keys[3], (1, seqlen_q, HEADS_Q, head_dim_v), dtype)
+    explanation = fa4_jax.explain(q, k, v, return_lse=True, implementation=implementation, **options)
+    start = time.perf_counter()
+
+    def kernels(q, k, v):
+        return fa4_jax.attention(q, k, v, return_lse=True, implementation=implementation, **options)
+
+    window_left, window_right = options.get("window_size", (None, None))
+
+    def reference(compute_dtype):
+        def attend(q, k, v):
+            return _dense_attention(q, k, v, compute_dtype, options.get("causal", False),
+                                    window_left, window_right, options.get("softcap"))
+        return attend
+
+    def forward_and_grads(attend):
+        (out, lse), vjp = jax.vjp(attend, q, k, v)
+        # d_lse 0: the gradient of out alone, what training takes.
+        return (out, lse) + vjp((d_out.astype(out.dtype), jnp.zeros_like(lse)))
+
+    ours = jax.jit(lambda: forward_and_grads(kernels))()
+    ref = jax.jit(lambda: forward_and_grads(reference(jnp.float32)))()
+    lowp = jax.jit(lambda: forward_and_grads(reference(dtype)))()
+    jax.block_until_ready((ours, ref, lowp))
+    factor = 3 if options.get("softcap") else 2
+    errors = {name: _bound_by_rule(a, b, c, factor, dtype)
+              for name, a, b, c in zip(("out", "lse", "dq", "dk", "dv"), ours, ref, lowp)}
+    return Check(problem, seqlen_q, seqlen_k, explanation.forward_variant,
+                 explanation.backward_variant, errors, time.perf_counter() - start)
+
+
+def _problem_classes(names, arch):
+    """(dtype, head_dim, head_dim_v, mask, softcap) of the compiled default forward variants."""
+    from fa4_jax import routing
+
+    prefix = routing.name_prefix("fwd", arch)
+    pattern = re.compile(re.escape(prefix) + r"(bf16|fp16)_d(\d+)_dv(\d+)(_causal|_local)?(_softcap)?$")
+    for name in sorted(names):
+        match = pattern.match(name)
+        if match:
+            dtype, d, dv, mask, softcap = match.groups()
+            yield dtype, int(d), int(dv), (mask or "_none")[1:], softcap is not None
+
+
+def run(only: str | None = None, out=sys.stdout) -> dict:
+    """Runs the checks and prints the report to `out`; returns it as a dict."""
+    import jax
+    import jax.numpy as jnp
+
+    import fa4_jax
+    from fa4_jax import dispatch, ffi
+
+    report = dict(fa4_jax=fa4_jax.__version__, jax=jax.__version__, python=platform.python_version(),
+                  checks=[], unreached=[], status="nothing to check")
+    arch, reason = dispatch.device_arch()
+    try:
+        library = ffi.load()
+    except ffi.LibraryUnavailable as error:
+        reason = reason or str(error)
+    if reason is not None:
+        report["reason"] = reason
+        print(f"fa4_jax selftest: nothing to check: {reason}", file=out)
+        return report
+    device = jax.devices()[0]
+    report.update(device=device.device_kind, arch=arch, library=library.path)
+    print(f"fa4_jax {fa4_jax.__version__} selftest on {device.device_kind} ({arch}), jax "
+          f"{jax.__version__}, library {library.path}", file=out)
+    arch_variants = {n for n in library.compiled if n.split("_")[1] == arch.replace("_", "")}
+    wanted = {n for n in arch_variants if only is None or re.search(only, n)}
+    if not wanted:
+        report["reason"] = f"no compiled variant for {arch}" + (f" matches {only!r}" if only else "")
+        print(f"fa4_jax selftest: nothing to check: {report['reason']}", file=out)
+        return report
+    dtypes = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
+    reached = set()
+    for seed, (dtype, d, dv, mask, softcap) in enumerate(_problem_classes(arch_variants, arch)):
+        options = dict(MASK_OPTIONS[mask], **({"softcap": SOFTCAP} if softcap else {}))
+        problem = f"{dtype} d{d}/dv{dv} {mask}{' softcap' if softcap else ''}"
+        for seqlen_q, seqlen_k in PROBE_LENGTHS:
+            q = jax.ShapeDtypeStruct((1, seqlen_q, HEADS_Q, d), dtypes[dtype])
+            kv = jax.ShapeDtypeStruct((1, seqlen_k, HEADS_KV, dv), dtypes[dtype])
+            k = kv.update(shape=(1, seqlen_k, HEADS_KV, d))
+            explanation = fa4_jax.explain(q, k, kv, return_lse=True, **options)
+            variants = {explanation.forward_variant, explanation.backward_variant} - {None}
+            if explanation.backend != "cute" or not variants & (wanted - reached):
+                continue
+            check = _check_call(problem, dtypes[dtype], d, dv, options, seqlen_q, seqlen_k, seed)
+            reached |= variants
+            report["checks"].append(dataclasses.asdict(check) | {"passed": check.passed})
+            print(check.line(), file=out, flush=True)
+    report["unreached"] = sorted(wanted - reached)
+    failed = sum(not c["passed"] for c in report["checks"])
+    report["status"] = "fail" if failed else "pass"
+    print(f"fa4_jax selftest: {len(report['checks']) - failed} passed, {failed} failed; "
+          f"{len(reached & wanted)} of {len(wanted)} variants reached"
+          + (f", not reached: {', '.join(report['unreached'])}" if report["unreached"] else ""),
+          file=out)
+    return report
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fa4_jax.selftest", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", metavar="REGEX", help="check the variants whose names match")
+    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    args = parser.parse_args(argv)
+    report = run(args.only)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return {"pass": 0, "fail": 1}.get(report["status"], 2)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""CPU tier: `python -m fa4_jax.selftest`'s probes reach every shipped variant, its rule can
+fail, and without a GPU it says there is nothing to check."""
+import io
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fa4_jax import dispatch, ffi, selftest
+from fa4_jax.aot import menu
+from fa4_jax.kernels.sm90 import menu as sm90
+
+
+def test_without_a_gpu_there_is_nothing_to_check():
+    out = io.StringIO()
+    report = selftest.run(out=out)
+    assert report["status"] == "nothing to check" and "not a CUDA GPU" in out.getvalue()
+    assert selftest.main([]) == 2
+
+
+def test_the_probes_reach_every_shipped_variant(monkeypatch):
+    # The router and the menu as on an H200; the checks themselves replaced by a record of the
+    # call, so this is the probe selection alone.
+    library = ffi.Library(path="(menu)", fwd_target="f", bwd_target="b",
+                          compiled=frozenset(v.name for v in menu.MENU), routes=tuple(
+                              (sm90.ARCH, route) for route in sm90.ROUTES),
+                          dq_copies_max_keys={sm90.ARCH: dict(sm90.DQ_COPIES_MAX_KEYS)},
+                          tuning_targets=False, head_dims={sm90.ARCH: frozenset(sm90.HEAD_DIMS)})
+    monkeypatch.setattr(ffi, "load", lambda *args, **kwargs: library)
+    monkeypatch.setattr(dispatch, "device_arch", lambda: (sm90.ARCH, None))
+    monkeypatch.setattr(dispatch, "sm_count", lambda: 132)
+
+    def fake_check(problem, dtype, d, dv, options, seqlen_q, seqlen_k, seed):
+        import fa4_jax
+
+        q = np.zeros((1, seqlen_q, selftest.HEADS_Q, d), dtype)
+        k = np.zeros((1, seqlen_k, selftest.HEADS_KV, d), dtype)
+        v = np.zeros((1, seqlen_k, selftest.HEADS_KV, dv), dtype)
+        explanation = fa4_jax.explain(q, k, v, implementation="cute", **options)
+        return selftest.Check(problem, seqlen_q, seqlen_k, explanation.forward_variant,
+                              explanation.backward_variant, {"out": (0.0, 1.0)}, 0.0)
+
+    monkeypatch.setattr(selftest, "_check_call", fake_check)
+    report = selftest.run(out=io.StringIO())
+    assert report["status"] == "pass" and report["unreached"] == []
+    # Each check reaches something new: no call is made twice for one variant pair.
+    assert len(report["checks"]) < len(menu.MENU)
+    only = selftest.run(only=r"_d160_", out=io.StringIO())
+    assert {c["forward_variant"] for c in only["checks"]} <= {v.name for v in menu.MENU if "_d160_" in v.name}
+
+
+def test_the_rule_fails_a_wrong_answer_and_passes_one_rounding_step():
+    ref = np.linspace(-4.0, 4.0, 101)
+    lowp = ref + 1e-4
+    assert selftest._bound_by_rule(ref + 0.01, ref, lowp, 2, jnp.bfloat16)[0] <= \
+        selftest._bound_by_rule(ref + 0.01, ref, lowp, 2, jnp.bfloat16)[1]  # within a bf16 step at 4
+    error, bound = selftest._bound_by_rule(ref + 0.1, ref, lowp, 2, jnp.bfloat16)
+    assert error > bound
+    error, bound = selftest._bound_by_rule(np.where(ref > 0, np.nan, ref), ref, lowp, 2, jnp.bfloat16)
+    assert error > bound
+
+
+@pytest.mark.parametrize("options", [{}, {"causal": True}, {"window_size": (64, 16), "softcap": 20.0}],
+                         ids=["none", "causal", "window_softcap"])
+def test_a_check_compares_the_call_with_the_dense_oracle(options):
+    # The whole comparison path, with the reference standing in for the kernels: it passes,
+    # and a corrupted result fails.
+    check = selftest._check_call("bf16 d32", jnp.bfloat16, 32, 32, options, 40, 70, seed=0,
+                                 implementation="reference")
+    assert check.passed and set(check.errors) == {"out", "lse", "dq", "dk", "dv"}, check.line()
+    assert check.forward_variant is None and "PASS" in check.line()
+    wrong = dict(check.errors, dv=(1.0, check.errors["dv"][1]))
+    assert not selftest.Check(**{**check.__dict__, "errors": wrong}).passed
