@@ -83,7 +83,7 @@ def kernel_call(q, k, v, params, kind: str, arch: str, ragged: bool) -> routing.
 def served_head_dims(q, v, params, kind: str, arch: str, library: ffi.Library) -> tuple[int, int] | None:
     """The compiled (head_dim, head_dim_v) whose `kind` kernels serve a call with q's and v's
     head dims (`routing.serving_head_dims`), or None when no compiled pair is wide enough."""
-    call = kernel_call(q, q, v, params, kind, arch, ragged=False)
+    call = kernel_call(q, q, v, params, kind, arch, ragged=False)  # k's head dim is q's
     compiled = [pair for pair in library.head_dims.get(arch, ())
                 if dataclasses.replace(call, head_dim=pair[0], head_dim_v=pair[1]).variant().name
                 in library.compiled]
@@ -128,12 +128,12 @@ def explain_forward(q, k, v, params, ragged: bool = False,
                     library: ffi.Library | None = None) -> KernelPlan:
     """The `KernelPlan` that `forward` follows for a call of these shapes (q, k, v: arrays or
     ShapeDtypeStructs) on the default device; the kernels must serve it."""
+    import jax
+
     library = library or ffi.load()
     arch, reason = device_arch()
     if reason is not None:
         raise ffi.LibraryUnavailable(reason)
-    import jax
-
     head_dims = served_head_dims(q, v, params, "fwd", arch, library)
     q, k, v = (jax.ShapeDtypeStruct(x.shape[:-1] + (width,), x.dtype)
                for x, width in ((q, head_dims[0]), (k, head_dims[0]), (v, head_dims[1])))
