@@ -9,8 +9,8 @@ batch, sequence length and heads:
   or slice);
 - cudnn: `jax.nn.dot_product_attention(implementation="cudnn")` at d.
 
-TF/s count every row's work at the true dim d: forward 4·b·h·s²·d, halved when causal, and
-3.5× that forward+backward (bench_attention's rule). The padded row's time over the served
+TF/s count every row's work at the true dim d (bench_attention's `Case.flops`: forward
+4·b·h·s²·d, halved when causal, 3.5× that forward+backward). The padded row's time over the served
 row's is the cost of serving d with D's kernel plus the pad and slice copies.
 
 On the GPU machine:  python -m benchmarks.bench_head_dims --out .bench_head_dims
@@ -27,7 +27,7 @@ import sys
 import jax
 
 import fa4_jax
-from benchmarks.bench_attention import (DTYPES, FWD_BWD_FLOP_FACTOR, MODES, Settings, make_step,
+from benchmarks.bench_attention import (DTYPES, MODES, Case, Settings, make_input_sets, make_step,
                                         time_step)
 from fa4_jax.kernels.sm90 import menu as sm90
 from fa4_jax.routing import serving_head_dims
@@ -39,31 +39,16 @@ HEADS = {"gpu": 16, "dry_run": 2}
 PEERS = ("fa4_jax", "fa4_jax_served", "cudnn")
 
 
-@dataclasses.dataclass(frozen=True)
-class Case:
-    mode: str
-    head_dim: int
-    seqlen: int
-    causal: bool
-    batch: int
-    heads: int
+def served_head_dim(case: Case) -> int:
+    """The compiled head dim whose kernel serves the case's (square) head dim."""
+    served = serving_head_dims(case.head_dim, case.head_dim, sm90.HEAD_DIMS)
+    if served is None or served[0] != served[1]:
+        raise ValueError(f"no square compiled head dim serves d{case.head_dim}")
+    return served[0]
 
-    @property
-    def served_head_dim(self) -> int:
-        served = serving_head_dims(self.head_dim, self.head_dim, sm90.HEAD_DIMS)
-        if served is None or served[0] != served[1]:
-            raise ValueError(f"no square compiled head dim serves d{self.head_dim}")
-        return served[0]
 
-    @property
-    def flops(self) -> float:
-        forward = 4 * self.batch * self.heads * self.seqlen ** 2 * self.head_dim
-        forward /= 2 if self.causal else 1
-        return forward * (FWD_BWD_FLOP_FACTOR if self.mode == "fwd_bwd" else 1)
-
-    def label(self) -> str:
-        return (f"{self.mode:7s} d={self.head_dim:<3d} (served d{self.served_head_dim}) "
-                f"s={self.seqlen:<5d} {'causal' if self.causal else 'full  '}")
+def _label(case: Case) -> str:
+    return f"{case.label()} (served d{served_head_dim(case)})"
 
 
 def attend_fn(peer: str, case: Case, implementation: str):
@@ -72,14 +57,6 @@ def attend_fn(peer: str, case: Case, implementation: str):
                                                             implementation="cudnn")
     return lambda q, k, v: fa4_jax.attention(q, k, v, causal=case.causal,
                                              implementation=implementation)
-
-
-def input_sets(case: Case, head_dim: int, seed: int) -> list[tuple]:
-    shape = (case.batch, case.seqlen, case.heads, head_dim)
-    keys = jax.random.split(jax.random.key(seed), 8)
-    tensors = [jax.random.normal(key, shape, DTYPES["bf16"]) for key in keys]
-    jax.block_until_ready(tensors)
-    return [tuple(tensors[0:4]), tuple(tensors[4:8])]
 
 
 def main(argv=None) -> int:
@@ -114,24 +91,25 @@ def main(argv=None) -> int:
 def _time_case(case: Case, peers, implementation: str, settings: Settings, seed: int) -> list[dict]:
     rows = []
     for peer in peers:
-        head_dim = case.served_head_dim if peer == "fa4_jax_served" else case.head_dim
+        head_dim = served_head_dim(case) if peer == "fa4_jax_served" else case.head_dim
         row = dict(case=dataclasses.asdict(case), peer=peer, timed_head_dim=head_dim)
         try:
             step = make_step(attend_fn(peer, case, implementation), case.mode)
-            timing = time_step(step, input_sets(case, head_dim, seed), settings)
+            inputs = make_input_sets(dataclasses.replace(case, head_dim=head_dim), DTYPES["bf16"], seed)
+            timing = time_step(step, inputs, settings)
         except Exception as error:  # noqa: BLE001 - a peer that cannot run is reported
-            print(f"{case.label()}  {peer:15s} error: {type(error).__name__}: "
+            print(f"{_label(case)}  {peer:15s} error: {type(error).__name__}: "
                   f"{str(error).splitlines()[0][:160]}", flush=True)
             rows.append(dict(row, status="error", error=str(error)[:500]))
             continue
         tflops = case.flops / (timing.ms * 1e-3) / 1e12
         rows.append(dict(row, status="ok", ms=timing.ms, tflops=tflops, samples_ms=timing.samples_ms))
-        print(f"{case.label()}  {peer:15s} {timing.ms:8.3f} ms  {tflops:6.1f} TF/s", flush=True)
+        print(f"{_label(case)}  {peer:15s} {timing.ms:8.3f} ms  {tflops:6.1f} TF/s", flush=True)
     ok = {row["peer"]: row["ms"] for row in rows if row["status"] == "ok"}
     if "fa4_jax" in ok:
         ratios = [f"{name} {ok[name] / ok['fa4_jax']:.3f}x" for name in ("fa4_jax_served", "cudnn")
                   if name in ok]
-        print(f"{case.label()}  fa4_jax's time against: {', '.join(ratios)}", flush=True)
+        print(f"{_label(case)}  fa4_jax's time against: {', '.join(ratios)}", flush=True)
     return rows
 
 

@@ -3,6 +3,7 @@ and `explain`, what a call would run."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import numbers
 from collections.abc import Sequence
@@ -152,8 +153,7 @@ def _score_arrays(query, key, mask, bias, query_segment_ids, kv_segment_ids):
     """A validated `_ScoreArrays`, or None when the call passes none of them."""
     if mask is None and bias is None and query_segment_ids is None and kv_segment_ids is None:
         return None
-    query, key = jnp.asarray(query), jnp.asarray(key)
-    if query.ndim != 4 or key.ndim != 4:
+    if len(query.shape) != 4 or len(key.shape) != 4:
         return None  # `_check_arrays` names the rank error
     batch, seqlen_q, heads_q, _ = query.shape
     seqlen_k = key.shape[1]
@@ -163,7 +163,7 @@ def _score_arrays(query, key, mask, bias, query_segment_ids, kv_segment_ids):
             ("bias", bias, lambda d: jnp.issubdtype(d, jnp.floating), "a floating dtype")):
         if x is None:
             continue
-        x = jnp.asarray(x)
+        x = _shaped(x)
         if x.ndim != 4 or any(n not in (1, m) for n, m in zip(x.shape, full)):
             raise ValueError(f"{name} must be broadcastable to [batch, heads_q, seqlen_q, seqlen_k] "
                              f"= {full} (each axis that size or 1), got shape {x.shape}")
@@ -175,14 +175,18 @@ def _score_arrays(query, key, mask, bias, query_segment_ids, kv_segment_ids):
                              ("kv_segment_ids", kv_segment_ids, (batch, seqlen_k))):
         if ids is None:
             continue
-        ids = jnp.asarray(ids)
+        ids = _shaped(ids)
         if ids.shape != shape:
             raise ValueError(f"{name} must have shape [batch, seq] = {shape}, got {ids.shape}")
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise TypeError(f"{name} must be an integer array (int32), got dtype {ids.dtype}")
-    as_array = lambda x: None if x is None else jnp.asarray(x)
-    return _ScoreArrays(as_array(mask), as_array(bias), as_array(query_segment_ids),
-                        as_array(kv_segment_ids))
+    return _ScoreArrays(*(None if x is None else _shaped(x)
+                          for x in (mask, bias, query_segment_ids, kv_segment_ids)))
+
+
+def _shaped(x):
+    """x as an array, unless it already has a shape and dtype (an array, a ShapeDtypeStruct)."""
+    return x if hasattr(x, "shape") and hasattr(x, "dtype") else jnp.asarray(x)
 
 
 def _attention(
@@ -258,22 +262,13 @@ def _reference_with_score_arrays(query, key, value, params, score_arrays, query_
 def _plan(query, key, value, *, return_lse, ragged, score_arrays=None, **options):
     """(the validated, canonical params, "cute" | "cudnn" | "reference", why not the kernels or
     None) of a call: cuDNN where the kernels do not serve it and its semantics are the call's,
-    else the reference. A call with score arrays (`_ScoreArrays`) runs on the reference.
+    else the reference (always, for a call with score arrays, `_ScoreArrays`).
     `options`: `_params_and_fallback`'s."""
     _check_bool("return_lse", return_lse)
-    if score_arrays is not None:
-        implementation = options.pop("implementation")
-        if implementation not in _IMPLEMENTATIONS:
-            raise ValueError(f"implementation must be one of {_IMPLEMENTATIONS}, got {implementation!r}")
-        params, _ = _params_and_fallback(query, key, value, ragged=ragged,
-                                         implementation="reference", **options)
-        why = f"the kernels do not read {score_arrays.names()} yet"
-        if implementation == "cute":
-            raise ValueError(f"implementation='cute' cannot serve this call: {why}")
-        return params, "reference", None if implementation == "reference" else why
-    params, reason = _params_and_fallback(query, key, value, ragged=ragged, **options)
-    if reason is None:
-        return params, params.implementation, None
+    params, reason = _params_and_fallback(query, key, value, ragged=ragged,
+                                          score_arrays=score_arrays, **options)
+    if reason is None or score_arrays is not None:
+        return params, params.implementation, reason
     compute_capability = dispatch.compute_capability()
     cudnn_reason = cudnn.unsupported_reason(query, key, value, params, ragged, return_lse,
                                             compute_capability)
@@ -320,45 +315,30 @@ class Explanation:
         return f"cute: {self.forward_variant} (backward {backward}){padded}{chunks}{packed}"
 
 
-def explain(
-    query,
-    key,
-    value,
-    *,
-    causal=False,
-    softmax_scale=None,
-    window_size=(None, None),
-    softcap=None,
-    deterministic=False,
-    return_lse=False,
-    implementation=None,
-    query_seq_lengths=None,
-    key_value_seq_lengths=None,
-    query_segment_ids=None,
-    kv_segment_ids=None,
-) -> Explanation:
+def explain(query, key, value, **options) -> Explanation:
     """Which backend and kernels `attention` with these arguments runs, and why, without
     running it.
 
-    Arguments are `attention`'s; query, key and value may be arrays or `jax.ShapeDtypeStruct`s,
-    the lengths anything not None when the call passes them. Raises what `attention` raises for
-    the same arguments.
+    Arguments are `attention`'s (a TypeError names one it does not take); query, key and value
+    may be arrays or `jax.ShapeDtypeStruct`s, and so may the lengths and segment ids. Raises what
+    `attention` raises for the same arguments.
 
     Example:
       >>> q = jax.ShapeDtypeStruct((1, 4096, 16, 88), jnp.bfloat16)
       >>> print(fa4_jax.explain(q, q, q, causal=True))   # on an H200
       cute: fwd_sm90a_bf16_d96_dv96_causal (backward bwd_sm90a_bf16_d96_dv96_causal), zero-padded to head dims 96/96
     """
-    ragged = query_seq_lengths is not None or key_value_seq_lengths is not None
-    score_arrays = None
-    if query_segment_ids is not None or kv_segment_ids is not None:
-        score_arrays = _ScoreArrays(query_segment_ids=query_segment_ids, kv_segment_ids=kv_segment_ids)
+    call = _ATTENTION_SIGNATURE.bind(query, key, value, **options)
+    call.apply_defaults()
+    arguments = dict(call.arguments)
+    lengths = [arguments.pop(n) for n in ("query_seq_lengths", "key_value_seq_lengths")]
+    segment_ids = [arguments.pop(n) for n in ("query_segment_ids", "kv_segment_ids")]
     params, backend, reason = _plan(
-        query, key, value, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-        softcap=softcap, deterministic=deterministic, return_lse=return_lse,
-        implementation=implementation, ragged=ragged, score_arrays=score_arrays)
+        ragged=any(x is not None for x in lengths),
+        score_arrays=_score_arrays(query, key, None, None, *segment_ids), **arguments)
     if backend != "cute":
         return Explanation(backend, reason)
+    ragged = any(x is not None for x in lengths)
     plan = dispatch.explain_forward(query, key, value, params, ragged)
     backward = None
     if dispatch.unsupported_reason(query, key, value, params, "bwd") is None:
@@ -366,6 +346,9 @@ def explain(
     padded = plan.head_dims != (query.shape[-1], value.shape[-1])
     return Explanation("cute", None, plan.variant.name, backward, plan.head_dims, padded,
                        plan.split_kv, plan.pack_gqa)
+
+
+_ATTENTION_SIGNATURE = inspect.signature(attention)
 
 
 def which_backend(query, key, value, **options) -> tuple[str, str | None]:
@@ -417,6 +400,7 @@ def _params_and_fallback(
     implementation,
     top_left=False,
     ragged=False,
+    score_arrays=None,
 ):
     """(the validated, canonical params, why the kernels do not serve the call or None)."""
     _check_arrays(query, key, value)
@@ -447,7 +431,7 @@ def _params_and_fallback(
         top_left=top_left,
         deterministic=bool(deterministic),
     )
-    return _resolve_backend(query, key, value, params, implementation)
+    return _resolve_backend(query, key, value, params, implementation, score_arrays)
 
 
 def dot_product_attention(
@@ -550,7 +534,7 @@ def dot_product_attention(
     )
     out, lse = result if keyless_rows or return_residual else (result, None)
     if keyless_rows:
-        out = keyless_rows_see_every_key(out, lse, value, query_seq_lengths)
+        out = _keyless_rows_see_every_key(out, lse, value, query_seq_lengths)
     if unbatched:
         out = out[0]
         lse = None if lse is None else lse[0]
@@ -566,7 +550,7 @@ def dot_product_attention(
     return out, jax.lax.stop_gradient(residual.astype(key.dtype))
 
 
-def keyless_rows_see_every_key(out, lse, value, query_seq_lengths=None):
+def _keyless_rows_see_every_key(out, lse, value, query_seq_lengths=None):
     """out with each valid row that saw no key (lse -inf) replaced by the mean of its head's
     values: what jax's and Flax's dense attention give such a row, whose masked scores are all
     one large negative number, so its softmax is uniform over every key. Rows past
@@ -752,14 +736,17 @@ def _canonical_softcap(softcap):
     return None if softcap is None else _static_positive("softcap", softcap)
 
 
-def _resolve_backend(query, key, value, params, requested):
+def _resolve_backend(query, key, value, params, requested, score_arrays=None):
     """(params on the backend that runs the call, why not the kernels or None).
 
     "reference" when asked for; the kernels when they serve the call; else ValueError for
     implementation="cute", and the reference for None (the caller may prefer cuDNN)."""
     if requested == "reference":
         return params, None
-    reason = _kernel_unsupported_reason(query, key, value, params)
+    if score_arrays is not None:
+        reason = f"the kernels do not read {score_arrays.names()} yet"
+    else:
+        reason = _kernel_unsupported_reason(query, key, value, params)
     if reason is None:
         return dataclasses.replace(params, implementation="cute",
                                    require_kernels=requested == "cute"), None

@@ -37,7 +37,7 @@ from typing import Callable
 
 import jax.numpy as jnp
 
-from fa4_jax.api import _attention, _score_arrays, keyless_rows_see_every_key
+from fa4_jax.api import _attention, _score_arrays, _keyless_rows_see_every_key
 
 
 def make_attention_fn(
@@ -142,7 +142,7 @@ def make_attention_fn(
         )
         # Flax fills masked scores with the dtype's minimum: a row its mask hides entirely
         # gets a uniform softmax over every key.
-        out = result if score_arrays is None else keyless_rows_see_every_key(*result, folded_value)
+        out = result if score_arrays is None else _keyless_rows_see_every_key(*result, folded_value)
         return out.reshape(batch_dims + out.shape[1:])
 
     return fa4_attention_fn

@@ -131,6 +131,40 @@ def attention_reference(
     return out.astype(query.dtype), lse
 
 
+def dense_attention(q, k, v, *, compute_dtype, softmax_scale=None, softcap=None, causal=False,
+                    window_left=None, window_right=None):
+    """`attention_reference`'s (out, lse) with the same compute_dtype semantics, unchunked.
+
+    The score matrix is materialised ([batch, heads, seqlen_q, seqlen_k] float32), so it is for
+    small shapes only (the GPU tier's oracle, `python -m fa4_jax.selftest`'s); in exchange XLA
+    compiles it and its VJP in a fraction of the chunked scan's time. Matmul inputs and outputs,
+    the scale and the softcap are in compute_dtype, the softmax statistics in float32, and the
+    probabilities are rounded to compute_dtype before the second matmul, as in the reference.
+    out comes back in compute_dtype.
+    """
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    softmax_scale = 1 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    groups = q.shape[2] // k.shape[2]
+    q, k, v = (x.astype(compute_dtype) for x in (q, k, v))
+    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest",
+                        preferred_element_type=compute_dtype)
+    scores = scores * jnp.asarray(softmax_scale, compute_dtype)
+    if softcap is not None:
+        cap = jnp.asarray(softcap, compute_dtype)
+        scores = cap * jnp.tanh(scores / cap)
+    visible = _MaskSpec(seqlen_q, seqlen_k, causal, window_left, window_right).visible(
+        jnp.arange(seqlen_q), jnp.arange(seqlen_k))
+    scores = jnp.where(visible, scores.astype(jnp.float32), -jnp.inf)
+    empty = ~visible.any(axis=-1, keepdims=True)
+    safe_scores = jnp.where(empty, 0.0, scores)
+    lse = jax.nn.logsumexp(safe_scores, axis=-1, keepdims=True)
+    probs = jnp.where(empty, 0.0, jnp.exp(safe_scores - lse)).astype(compute_dtype)
+    out = jnp.einsum("bhqk,bkhd->bqhd", probs, v, precision="highest",
+                     preferred_element_type=compute_dtype)
+    return out, jnp.where(empty[..., 0], -jnp.inf, lse[..., 0])
+
+
 class _MaskSpec:
     """Mask description; `visible` evaluates it on one tile of indices.
 

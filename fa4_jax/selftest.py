@@ -8,8 +8,8 @@ report to paste into an issue.
 For each problem class of the library (dtype, head dims, mask kind, softcap) it runs a few
 small calls of fixed shapes and seeds, chosen so that together they reach every compiled variant
 through the router (`fa4_jax.explain` says which each call runs), forward and backward, and
-compares out, lse and the gradients with dense attention written out from `fa4_jax.attention`'s
-docstring, in float32 and in the input dtype, under docs/design.md's numerics rule
+compares out, lse and the gradients with `fa4_jax.reference.dense_attention` (the reference's
+semantics, unchunked), in float32 and in the input dtype, under docs/design.md's numerics rule
 (max error at most twice the low-precision reference's, three times with softcap), with a floor
 of one rounding step of the input dtype at the largest magnitude, so a correct kernel never
 fails on one unlucky element. Exit status 0 when every check passes, 1 when one fails, 2 when
@@ -19,11 +19,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import itertools
 import json
 import platform
 import re
 import sys
 import time
+
+from fa4_jax import routing
 
 # (seqlen_q, seqlen_k) probes, in the order tried: a generic odd shape first, then the shapes
 # the routes key on (decode rows, short calls, block-aligned diagonals, short last key blocks).
@@ -74,49 +78,13 @@ def _bound_by_rule(out, ref, lowp, factor, dtype):
     return error, bound
 
 
-def _dense_attention(q, k, v, compute_dtype, causal, window_left, window_right, softcap):
-    """(out in compute_dtype, lse) written out densely from `fa4_jax.attention`'s docstring: masks
-    aligned bottom-right, matmuls and scale in compute_dtype, softmax statistics in float32,
-    probabilities rounded to compute_dtype (FlashAttention's low-precision reference), rows
-    that see no key out 0 and lse -inf. Small shapes only: it holds every score."""
-    import jax
-    import jax.numpy as jnp
-
-    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
-    groups = q.shape[2] // k.shape[2]
-    q, k, v = (x.astype(compute_dtype) for x in (q, k, v))
-    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest",
-                        preferred_element_type=compute_dtype)
-    scores = scores * jnp.asarray(q.shape[-1] ** -0.5, compute_dtype)
-    if softcap is not None:
-        cap = jnp.asarray(softcap, compute_dtype)
-        scores = cap * jnp.tanh(scores / cap)
-    diagonal = jnp.arange(seqlen_q)[:, None] + (seqlen_k - seqlen_q)
-    key = jnp.arange(seqlen_k)[None, :]
-    visible = jnp.ones((seqlen_q, seqlen_k), bool)
-    if causal:
-        visible &= key <= diagonal
-    if window_left is not None:
-        visible &= key >= diagonal - window_left
-    if window_right is not None:
-        visible &= key <= diagonal + window_right
-    scores = jnp.where(visible, scores.astype(jnp.float32), -jnp.inf)
-    empty = ~visible.any(axis=-1, keepdims=True)
-    safe = jnp.where(empty, 0.0, scores)
-    lse = jax.nn.logsumexp(safe, axis=-1, keepdims=True)
-    probs = jnp.where(empty, 0.0, jnp.exp(safe - lse)).astype(compute_dtype)
-    out = jnp.einsum("bhqk,bkhd->bqhd", probs, v, precision="highest",
-                     preferred_element_type=compute_dtype)
-    return out, jnp.where(empty[..., 0], -jnp.inf, lse[..., 0])
-
-
 def _check_call(problem, dtype, head_dim, head_dim_v, options, seqlen_q, seqlen_k, seed,
                 implementation="cute") -> Check:
     import jax
     import jax.numpy as jnp
 
     import fa4_jax
+    from fa4_jax.reference import dense_attention
 
     keys = jax.random.split(jax.random.key(seed), 5)
     q = jax.random.normal(keys[0], (1, seqlen_q, HEADS_Q, head_dim), dtype)
@@ -132,10 +100,9 @@ def _check_call(problem, dtype, head_dim, head_dim_v, options, seqlen_q, seqlen_
     window_left, window_right = options.get("window_size", (None, None))
 
     def reference(compute_dtype):
-        def attend(q, k, v):
-            return _dense_attention(q, k, v, compute_dtype, options.get("causal", False),
-                                    window_left, window_right, options.get("softcap"))
-        return attend
+        return functools.partial(dense_attention, compute_dtype=compute_dtype,
+                                 causal=options.get("causal", False), window_left=window_left,
+                                 window_right=window_right, softcap=options.get("softcap"))
 
     def forward_and_grads(attend):
         (out, lse), vjp = jax.vjp(attend, q, k, v)
@@ -153,17 +120,12 @@ def _check_call(problem, dtype, head_dim, head_dim_v, options, seqlen_q, seqlen_
                  explanation.backward_variant, errors, time.perf_counter() - start)
 
 
-def _problem_classes(names, arch):
-    """(dtype, head_dim, head_dim_v, mask, softcap) of the compiled default forward variants."""
-    from fa4_jax import routing
-
-    prefix = routing.name_prefix("fwd", arch)
-    pattern = re.compile(re.escape(prefix) + r"(bf16|fp16)_d(\d+)_dv(\d+)(_causal|_local)?(_softcap)?$")
-    for name in sorted(names):
-        match = pattern.match(name)
-        if match:
-            dtype, d, dv, mask, softcap = match.groups()
-            yield dtype, int(d), int(dv), (mask or "_none")[1:], softcap is not None
+def _problem_classes(library, arch):
+    """(dtype, head_dim, head_dim_v, mask, softcap) of each compiled default forward variant."""
+    for (d, dv), dtype, mask, softcap in itertools.product(
+            sorted(library.head_dims.get(arch, ())), routing.DTYPES, routing.MASKS, (False, True)):
+        if routing.Variant(arch, dtype, d, dv, mask, softcap).name in library.compiled:
+            yield dtype, d, dv, mask, softcap
 
 
 def run(only: str | None = None, out=sys.stdout) -> dict:
@@ -189,7 +151,8 @@ def run(only: str | None = None, out=sys.stdout) -> dict:
     report.update(device=device.device_kind, arch=arch, library=library.path)
     print(f"fa4_jax {fa4_jax.__version__} selftest on {device.device_kind} ({arch}), jax "
           f"{jax.__version__}, library {library.path}", file=out)
-    arch_variants = {n for n in library.compiled if n.split("_")[1] == arch.replace("_", "")}
+    arch_variants = {n for n in library.compiled
+                     if any(n.startswith(routing.name_prefix(kind, arch)) for kind in routing.KINDS)}
     wanted = {n for n in arch_variants if only is None or re.search(only, n)}
     if not wanted:
         report["reason"] = f"no compiled variant for {arch}" + (f" matches {only!r}" if only else "")
@@ -197,7 +160,7 @@ def run(only: str | None = None, out=sys.stdout) -> dict:
         return report
     dtypes = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
     reached = set()
-    for seed, (dtype, d, dv, mask, softcap) in enumerate(_problem_classes(arch_variants, arch)):
+    for seed, (dtype, d, dv, mask, softcap) in enumerate(_problem_classes(library, arch)):
         options = dict(MASK_OPTIONS[mask], **({"softcap": SOFTCAP} if softcap else {}))
         problem = f"{dtype} d{d}/dv{dv} {mask}{' softcap' if softcap else ''}"
         for seqlen_q, seqlen_k in PROBE_LENGTHS:

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fa4_jax.reference import attention_reference
+from fa4_jax.reference import attention_reference, dense_attention  # noqa: F401 (the tests' oracle)
 
 
 def assert_close_by_rule(out, ref, ref_lowp, factor=2, name="out"):
@@ -63,15 +63,21 @@ def visible_mask(seqlen_q, seqlen_k, causal=False, window_left=None, window_righ
     return visible
 
 
-def naive_attention_fp64(q, k, v, *, softmax_scale, softcap=None, **mask_options):
-    """Dense softmax attention in float64 numpy: (out [b, sq, hq, dv], lse [b, hq, sq])."""
+def naive_attention_fp64(q, k, v, *, softmax_scale, softcap=None, visible=None, bias=None,
+                         **mask_options):
+    """Dense softmax attention in float64 numpy: (out [b, sq, hq, dv], lse [b, hq, sq]).
+    visible: a bool mask broadcasting to [b, hq, sq, sk] instead of the one of mask_options;
+    bias: added to the scores after the scale and softcap."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     groups = q.shape[2] // k.shape[2]
     k, v = np.repeat(k, groups, axis=2), np.repeat(v, groups, axis=2)
     scores = np.einsum("bqhd,bkhd->bhqk", q, k) * softmax_scale
     if softcap is not None:
         scores = softcap * np.tanh(scores / softcap)
-    visible = visible_mask(q.shape[1], k.shape[1], **mask_options)
+    if bias is not None:
+        scores = scores + np.asarray(bias, np.float64)
+    if visible is None:
+        visible = visible_mask(q.shape[1], k.shape[1], **mask_options)
     scores = np.where(visible, scores, -np.inf)
     row_max = scores.max(axis=-1, keepdims=True)
     row_max = np.where(np.isinf(row_max), 0.0, row_max)
@@ -102,35 +108,3 @@ def naive_attention_jax(q, k, v, *, softmax_scale, softcap=None, visible=None, *
     out = jnp.einsum("bhqk,bkhd->bqhd", probs, v, precision="highest")
     lse = jnp.where(empty[..., 0], -jnp.inf, lse[..., 0])
     return out.astype(q.dtype), lse
-
-
-def dense_attention(q, k, v, *, compute_dtype, softmax_scale=None, softcap=None, causal=False,
-                    window_left=None, window_right=None):
-    """`attention_reference`'s (out, lse) with the same compute_dtype semantics, unchunked.
-
-    The score matrix is materialised ([batch, heads, seqlen_q, seqlen_k] float32), so it is for
-    test shapes only; in exchange XLA compiles its VJP in a fraction of the chunked scan's time,
-    which dominates the GPU tier's backward tests. Matmul inputs and outputs, the scale and the
-    softcap are in compute_dtype, the softmax statistics in float32, and the probabilities are
-    rounded to compute_dtype before the second matmul, as in the reference.
-    """
-    softmax_scale = 1 / np.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
-    groups = q.shape[2] // k.shape[2]
-    q, k, v = (x.astype(compute_dtype) for x in (q, k, v))
-    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest",
-                        preferred_element_type=compute_dtype)
-    scores = scores * jnp.asarray(softmax_scale, compute_dtype)
-    if softcap is not None:
-        cap = jnp.asarray(softcap, compute_dtype)
-        scores = cap * jnp.tanh(scores / cap)
-    visible = visible_mask(q.shape[1], k.shape[1], causal=causal, window_left=window_left,
-                           window_right=window_right)
-    scores = jnp.where(visible, scores.astype(jnp.float32), -jnp.inf)
-    empty = ~visible.any(axis=-1, keepdims=True)
-    safe_scores = jnp.where(empty, 0.0, scores)
-    lse = jax.nn.logsumexp(safe_scores, axis=-1, keepdims=True)
-    probs = jnp.where(empty, 0.0, jnp.exp(safe_scores - lse)).astype(compute_dtype)
-    out = jnp.einsum("bhqk,bkhd->bqhd", probs, v, precision="highest",
-                     preferred_element_type=compute_dtype)
-    return out, jnp.where(empty[..., 0], -jnp.inf, lse[..., 0])

@@ -175,21 +175,8 @@ def test_long_sequence_never_materialises_the_score_matrix():
 
 def _naive_masked(q, k, v, visible, bias=None):
     """float64 dense attention with a bool `visible` [b, h|1, sq, sk] and an additive bias."""
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    groups = q.shape[2] // k.shape[2]
-    k, v = np.repeat(k, groups, axis=2), np.repeat(v, groups, axis=2)
-    scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
-    if bias is not None:
-        scores = scores + np.asarray(bias, np.float64)
-    scores = np.where(visible, scores, -np.inf)
-    row_max = scores.max(axis=-1, keepdims=True)
-    row_max = np.where(np.isinf(row_max), 0.0, row_max)
-    weights = np.exp(scores - row_max)
-    total = weights.sum(axis=-1, keepdims=True)
-    empty = total == 0
-    out = np.einsum("bhqk,bkhd->bqhd", weights / np.where(empty, 1.0, total), v)
-    lse = np.where(empty, -np.inf, row_max + np.log(np.where(empty, 1.0, total)))[..., 0]
-    return out, lse
+    return naive_attention_fp64(q, k, v, softmax_scale=1 / np.sqrt(q.shape[-1]), visible=visible,
+                                bias=bias)
 
 
 @pytest.mark.parametrize("mask_shape", [(2, 4, 37, 45), (2, 1, 37, 45), (1, 4, 37, 45), (1, 1, 37, 45),
