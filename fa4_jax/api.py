@@ -97,8 +97,10 @@ def attention(
         are equal, on top of every other mask (causal and windows keep their alignment to the
         whole row). Segments need not be contiguous. Padding is a segment that matches nothing:
         give padding queries and keys ids no real token has (e.g. -1 and -2); a row that sees
-        no key has out 0 and lse -inf. Until the kernels read segment ids, such calls run on
-        the pure-JAX reference (a FallbackWarning says so; implementation="cute" raises).
+        no key has out 0 and lse -inf. The kernels read the ids (forward and backward): key
+        blocks that share no segment with a query tile are skipped, and only the blocks at
+        segment boundaries compare ids. The skipping assumes each id's keys (and queries) form
+        one run, as packing gives them; non-contiguous segments are correct, and slower.
 
     Returns:
       out: [batch, seqlen_q, heads_q, head_dim_v] in the input dtype; and, when return_lse,
@@ -147,6 +149,18 @@ class _ScoreArrays:
         given = [name for name, x in (("a mask array", self.mask), ("a bias array", self.bias),
                                       ("segment ids", self.query_segment_ids)) if x is not None]
         return " and ".join(given)
+
+    @property
+    def kernels_read(self) -> bool:
+        """The kernels read these arrays: segment ids alone (not yet a mask or a bias)."""
+        return self.mask is None and self.bias is None
+
+    def segment_ids(self):
+        """(query ids, kv ids) as int32, or None."""
+        if self.query_segment_ids is None:
+            return None
+        return tuple(jnp.asarray(ids).astype(jnp.int32)
+                     for ids in (self.query_segment_ids, self.kv_segment_ids))
 
 
 def _score_arrays(query, key, mask, bias, query_segment_ids, kv_segment_ids):
@@ -215,7 +229,7 @@ def _attention(
         softcap=softcap, deterministic=deterministic, return_lse=return_lse,
         implementation=implementation, ragged=ragged, top_left=top_left,
         score_arrays=score_arrays)
-    if score_arrays is not None:
+    if score_arrays is not None and not (backend == "cute" and score_arrays.kernels_read):
         if reason is not None:
             notices.fallback(_BACKEND_NAMES["reference"], reason,
                              notices.shape_class(query, value, params))
@@ -233,7 +247,8 @@ def _attention(
             _canonical_lengths("query_seq_lengths", query_seq_lengths, query.shape[:2]),
             _canonical_lengths("key_value_seq_lengths", key_value_seq_lengths, key.shape[:2]),
         )
-    out, lse = attention_op(query, key, value, params, seq_lengths)
+    segment_ids = None if score_arrays is None else score_arrays.segment_ids()
+    out, lse = attention_op(query, key, value, params, seq_lengths, segment_ids)
     return (out, lse) if return_lse else out
 
 
@@ -339,10 +354,12 @@ def explain(query, key, value, **options) -> Explanation:
     if backend != "cute":
         return Explanation(backend, reason)
     ragged = any(x is not None for x in lengths)
-    plan = dispatch.explain_forward(query, key, value, params, ragged)
+    segmented = segment_ids[0] is not None
+    plan = dispatch.explain_forward(query, key, value, params, ragged, segments=segmented)
     backward = None
-    if dispatch.unsupported_reason(query, key, value, params, "bwd") is None:
-        backward = dispatch.explain_variant(query, key, value, params, "bwd", ragged).name
+    if dispatch.unsupported_reason(query, key, value, params, "bwd", segments=segmented) is None:
+        backward = dispatch.explain_variant(query, key, value, params, "bwd", ragged,
+                                            segments=segmented).name
     padded = plan.head_dims != (query.shape[-1], value.shape[-1])
     return Explanation("cute", None, plan.variant.name, backward, plan.head_dims, padded,
                        plan.split_kv, plan.pack_gqa)
@@ -743,10 +760,10 @@ def _resolve_backend(query, key, value, params, requested, score_arrays=None):
     implementation="cute", and the reference for None (the caller may prefer cuDNN)."""
     if requested == "reference":
         return params, None
-    if score_arrays is not None:
+    if score_arrays is not None and not score_arrays.kernels_read:
         reason = f"the kernels do not read {score_arrays.names()} yet"
     else:
-        reason = _kernel_unsupported_reason(query, key, value, params)
+        reason = _kernel_unsupported_reason(query, key, value, params, segments=score_arrays is not None)
     if reason is None:
         return dataclasses.replace(params, implementation="cute",
                                    require_kernels=requested == "cute"), None
@@ -755,7 +772,7 @@ def _resolve_backend(query, key, value, params, requested, score_arrays=None):
     return dataclasses.replace(params, implementation="reference"), reason
 
 
-def _kernel_unsupported_reason(query, key, value, params):
+def _kernel_unsupported_reason(query, key, value, params, segments=False):
     if query.dtype not in _KERNEL_DTYPES:
         return f"the kernels take bfloat16 or float16, got {query.dtype}"
-    return dispatch.unsupported_reason(query, key, value, params)
+    return dispatch.unsupported_reason(query, key, value, params, segments=segments)

@@ -9,7 +9,9 @@ attribute; the reference is deterministic anyway (no atomics).
 
 `seq_lengths` is None, or (q_len, kv_len): int32 [batch] valid lengths of a ragged batch
 (semantics in `AttentionParams`). Both backends take them: the kernels through their
-seq_used_q / seq_used_k operands, the reference through its masks.
+seq_used_q / seq_used_k operands, the reference through its masks. `segment_ids` is None, or
+(q_ids [batch, seqlen_q], kv_ids [batch, seqlen_k]) integer: a row sees only the keys of its
+own id; the kernels read them (the segments variants), the reference masks with them.
 """
 from __future__ import annotations
 
@@ -21,19 +23,20 @@ from fa4_jax.params import AttentionParams
 from fa4_jax.reference import attention_reference
 
 
-def forward(q, k, v, params: AttentionParams, seq_lengths=None):
+def forward(q, k, v, params: AttentionParams, seq_lengths=None, segment_ids=None):
     """(out, lse) of one device's inputs; shapes as `vjp.attention_op`."""
     if params.implementation == "cute":
-        return dispatch.forward(q, k, v, params, seq_lengths)
-    return _reference_fp32(q, k, v, params, seq_lengths)
+        return dispatch.forward(q, k, v, params, seq_lengths, segment_ids)
+    return _reference_fp32(q, k, v, params, seq_lengths, segment_ids)
 
 
-def backward_unsupported_reason(q, k, v, params: AttentionParams) -> str | None:
+def backward_unsupported_reason(q, k, v, params: AttentionParams, segments: bool = False) -> str | None:
     """Why a call whose forward runs on the kernels would have to take the reference backward:
-    raised for implementation="cute", said once otherwise; None when the kernels serve it."""
+    raised for implementation="cute", said once otherwise; None when the kernels serve it.
+    segments: the call has segment ids."""
     if params.implementation != "cute":
         return None
-    reason = dispatch.unsupported_reason(q, k, v, params, "bwd")
+    reason = dispatch.unsupported_reason(q, k, v, params, "bwd", segments=segments)
     if reason is None:
         return None
     if params.require_kernels:
@@ -42,7 +45,8 @@ def backward_unsupported_reason(q, k, v, params: AttentionParams) -> str | None:
     return reason
 
 
-def backward(q, k, v, out, lse, d_out, d_lse, params: AttentionParams, seq_lengths=None):
+def backward(q, k, v, out, lse, d_out, d_lse, params: AttentionParams, seq_lengths=None,
+             segment_ids=None):
     """(dq, dk, dv) of one device's inputs, each in its input's dtype.
 
     FlashAttention's backward contract: `out` and `lse` are the softmax statistics the
@@ -58,20 +62,23 @@ def backward(q, k, v, out, lse, d_out, d_lse, params: AttentionParams, seq_lengt
         when lse is not differentiated (zero).
       seq_lengths: None or (q_len, kv_len), as for the forward; the ring contract holds per
         entry (rows past q_len have block lse -inf, so weight 0 and zero gradient).
+      segment_ids: None or (q_ids, kv_ids), as for the forward.
     """
-    if params.implementation == "cute" and dispatch.unsupported_reason(q, k, v, params, "bwd") is None:
-        return dispatch.backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths)
-    return _reference_backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths)
+    segmented = segment_ids is not None
+    if (params.implementation == "cute"
+            and dispatch.unsupported_reason(q, k, v, params, "bwd", segments=segmented) is None):
+        return dispatch.backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths, segment_ids)
+    return _reference_backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths, segment_ids)
 
 
-def _reference_backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths):
+def _reference_backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths, segment_ids):
     # The VJP of the fp32 reference on this block, whose own
     # (block_out, block_lse) enter the given statistics as out = Σ_blocks w · block_out,
     # lse = log Σ_blocks exp(block_lse), with w = exp(block_lse - lse). The chain rule maps
     # the cotangents onto the block: w · d_out, and w · (d_lse + <d_out, block_out - out>).
     # For the op's own statistics w = 1 and the inner product is 0.
     (block_out, block_lse), reference_vjp = jax.vjp(
-        lambda q, k, v: _reference_fp32(q, k, v, params, seq_lengths), q, k, v
+        lambda q, k, v: _reference_fp32(q, k, v, params, seq_lengths, segment_ids), q, k, v
     )
     weight = jnp.where(block_lse == -jnp.inf, 0.0, jnp.exp(block_lse - lse))
     weight_by_row = jnp.swapaxes(weight, 1, 2)[..., None]  # out's layout
@@ -83,8 +90,9 @@ def _reference_backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths):
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-def _reference_fp32(q, k, v, params, seq_lengths):
+def _reference_fp32(q, k, v, params, seq_lengths, segment_ids=None):
     q_len, kv_len = (None, None) if seq_lengths is None else seq_lengths
+    q_ids, kv_ids = (None, None) if segment_ids is None else segment_ids
     return attention_reference(
         q,
         k,
@@ -97,5 +105,7 @@ def _reference_fp32(q, k, v, params, seq_lengths):
         top_left=params.top_left,
         query_seq_lengths=q_len,
         key_value_seq_lengths=kv_len,
+        query_segment_ids=q_ids,
+        kv_segment_ids=kv_ids,
         compute_dtype=jnp.float32,
     )

@@ -2,11 +2,12 @@
 
 - `unsupported_reason(q, k, v, params, kind)`: None when the installed library has a kernel of
   `kind` for this call on the default device, else a sentence saying why not.
-- `forward(q, k, v, params, seq_lengths)`: the forward kernel call, with grouped-query calls of
-  few query rows GQA-packed (`fa4_jax.pack_gqa`) and calls with too few tiles to fill the GPU
-  split over their keys (`fa4_jax.split_kv`).
-- `backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths)`: the backward kernel call,
-  with the dQ workspace's copies from the arch menu's rule (`routing.dq_copies`).
+- `forward(q, k, v, params, seq_lengths, segment_ids)`: the forward kernel call, with
+  grouped-query calls of few query rows GQA-packed (`fa4_jax.pack_gqa`) and calls with too few
+  tiles to fill the GPU split over their keys (`fa4_jax.split_kv`). Calls with segment ids run
+  the segments kernels, unpacked and unsplit, with the ids' span tables (`fa4_jax.segments`).
+- `backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths, segment_ids)`: the backward
+  kernel call, with the dQ workspace's copies from the arch menu's rule (`routing.dq_copies`).
 - `explain_forward(...)`, `explain_variant(...)`: how `forward` runs a call, and the variant the
   handler's routing rule picks for it (`fa4_jax.routing`).
 
@@ -32,6 +33,7 @@ import numpy as np
 
 from fa4_jax import ffi, routing
 from fa4_jax import pack_gqa as packing
+from fa4_jax import segments as segment_tables
 from fa4_jax import split_kv as splitting
 
 _DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16"}
@@ -71,26 +73,29 @@ def sm_count() -> int | None:
     return getattr(jax.devices()[0], "core_count", None) or None
 
 
-def kernel_call(q, k, v, params, kind: str, arch: str, ragged: bool) -> routing.Call:
+def kernel_call(q, k, v, params, kind: str, arch: str, ragged: bool, segments: bool = False) -> routing.Call:
     return routing.Call(
         kind=kind, arch=arch, dtype=_DTYPE_NAMES[str(q.dtype)], head_dim=q.shape[-1],
         head_dim_v=v.shape[-1],
         mask=routing.mask_kind(params.causal, params.window_left, params.window_right),
         softcap=params.softcap is not None, seqlen_q=q.shape[1], seqlen_k=k.shape[1], ragged=ragged,
-        top_left=params.top_left)
+        top_left=params.top_left, segments=segments)
 
 
-def served_head_dims(q, v, params, kind: str, arch: str, library: ffi.Library) -> tuple[int, int] | None:
-    """The compiled (head_dim, head_dim_v) whose `kind` kernels serve a call with q's and v's
-    head dims (`routing.serving_head_dims`), or None when no compiled pair is wide enough."""
-    call = kernel_call(q, q, v, params, kind, arch, ragged=False)  # k's head dim is q's
+def served_head_dims(q, v, params, kind: str, arch: str, library: ffi.Library,
+                     segments: bool = False) -> tuple[int, int] | None:
+    """The compiled (head_dim, head_dim_v) whose `kind` kernels (with segment ids or not) serve a
+    call with q's and v's head dims (`routing.serving_head_dims`), or None when no compiled pair
+    is wide enough."""
+    call = kernel_call(q, q, v, params, kind, arch, ragged=False, segments=segments)  # k's head dim is q's
     compiled = [pair for pair in library.head_dims.get(arch, ())
                 if dataclasses.replace(call, head_dim=pair[0], head_dim_v=pair[1]).variant().name
                 in library.compiled]
     return routing.serving_head_dims(call.head_dim, call.head_dim_v, compiled)
 
 
-def unsupported_reason(q, k, v, params, kind: str = "fwd", library: ffi.Library | None = None) -> str | None:
+def unsupported_reason(q, k, v, params, kind: str = "fwd", library: ffi.Library | None = None,
+                       segments: bool = False) -> str | None:
     arch, reason = device_arch()
     if reason is not None:
         return reason
@@ -104,11 +109,14 @@ def unsupported_reason(q, k, v, params, kind: str = "fwd", library: ffi.Library 
         return f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})"
     if k.shape[-1] != q.shape[-1]:
         return f"head dims of q ({q.shape[-1]}) and k ({k.shape[-1]}) differ"
-    if served_head_dims(q, v, params, kind, arch, library) is None:
-        default = kernel_call(q, k, v, params, kind, arch, ragged=False).variant()
+    if segments and library.fwd_segments_target is None:
+        return f"{library.path} has no custom calls for segment ids"
+    if served_head_dims(q, v, params, kind, arch, library, segments) is None:
+        default = kernel_call(q, k, v, params, kind, arch, ragged=False, segments=segments).variant()
         return (f"no {kind} kernel for {default.arch} {default.dtype} {default.mask}"
-                f"{' softcap' if default.softcap else ''} at head dim {default.head_dim} (head "
-                f"dim of v {default.head_dim_v}) or wider is compiled into {library.path}")
+                f"{' softcap' if default.softcap else ''}{' with segment ids' if segments else ''} "
+                f"at head dim {default.head_dim} (head dim of v {default.head_dim_v}) or wider is "
+                f"compiled into {library.path}")
     return None
 
 
@@ -125,33 +133,34 @@ class KernelPlan:
 
 
 def explain_forward(q, k, v, params, ragged: bool = False,
-                    library: ffi.Library | None = None) -> KernelPlan:
+                    library: ffi.Library | None = None, segments: bool = False) -> KernelPlan:
     """The `KernelPlan` that `forward` follows for a call of these shapes (q, k, v: arrays or
-    ShapeDtypeStructs) on the default device; the kernels must serve it."""
+    ShapeDtypeStructs) on the default device, with segment ids or not; the kernels must serve
+    it."""
     import jax
 
     library = library or ffi.load()
     arch, reason = device_arch()
     if reason is not None:
         raise ffi.LibraryUnavailable(reason)
-    head_dims = served_head_dims(q, v, params, "fwd", arch, library)
+    head_dims = served_head_dims(q, v, params, "fwd", arch, library, segments)
     q, k, v = (jax.ShapeDtypeStruct(x.shape[:-1] + (width,), x.dtype)
                for x, width in ((q, head_dims[0]), (k, head_dims[0]), (v, head_dims[1])))
     sms = sm_count()
-    splits = 1 if sms is None else splitting.num_splits(q.shape, k.shape, params, sms)
+    splits = 1 if sms is None or segments else splitting.num_splits(q.shape, k.shape, params, sms)
     if splits > 1:
         q, k, v = jax.eval_shape(lambda *qkv: splitting.split(*qkv, params, None, splits)[:3], q, k, v)
         params = splitting.chunk_params(params)
-    packed = packing.packs(q.shape, k.shape, params)
+    packed = not segments and packing.packs(q.shape, k.shape, params)
     if packed:
         q = jax.eval_shape(lambda q, k: packing.pack(q, k, params)[0], q, k)
         params = packing.packed_params(params)
-    call = kernel_call(q, k, v, params, "fwd", arch, ragged)
+    call = kernel_call(q, k, v, params, "fwd", arch, ragged, segments)
     return KernelPlan(head_dims, splits, packed, library.choose(call))
 
 
 def explain_variant(q, k, v, params, kind: str = "fwd", ragged: bool = False,
-                    library: ffi.Library | None = None) -> routing.Variant:
+                    library: ffi.Library | None = None, segments: bool = False) -> routing.Variant:
     """The compiled variant the handler runs for a call of exactly these shapes (as the kernel
     sees it: pass the GQA-packed or split shapes that `forward` passes on), head dims widened
     to the compiled ones that serve them."""
@@ -159,8 +168,8 @@ def explain_variant(q, k, v, params, kind: str = "fwd", ragged: bool = False,
     arch, reason = device_arch()
     if reason is not None:
         raise ffi.LibraryUnavailable(reason)
-    call = kernel_call(q, k, v, params, kind, arch, ragged)
-    head_dims = served_head_dims(q, v, params, kind, arch, library) or (call.head_dim, call.head_dim_v)
+    call = kernel_call(q, k, v, params, kind, arch, ragged, segments)
+    head_dims = served_head_dims(q, v, params, kind, arch, library, segments) or (call.head_dim, call.head_dim_v)
     return library.choose(dataclasses.replace(call, head_dim=head_dims[0], head_dim_v=head_dims[1]))
 
 
@@ -171,12 +180,13 @@ def _widen(x, width: int):
     return x if x.shape[-1] == width else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
 
 
-def _padded_head_dims(q, v, params, kind: str, library: ffi.Library) -> tuple[int, int] | None:
+def _padded_head_dims(q, v, params, kind: str, library: ffi.Library,
+                      segments: bool = False) -> tuple[int, int] | None:
     """The wider compiled head dims a call runs at, or None when it runs at its own."""
     arch, reason = device_arch()
     if reason is not None or str(q.dtype) not in _DTYPE_NAMES:
         return None
-    served = served_head_dims(q, v, params, kind, arch, library)
+    served = served_head_dims(q, v, params, kind, arch, library, segments)
     return None if served in (None, (q.shape[-1], v.shape[-1])) else served
 
 
@@ -201,30 +211,38 @@ def _length_operands(seq_lengths, by_query, by_key):
     return (seq_used_q, seq_used_k), by_query, by_key
 
 
-def _require(q, k, v, params, kind: str, library: ffi.Library) -> None:
-    reason = unsupported_reason(q, k, v, params, kind, library)
+def _require(q, k, v, params, kind: str, library: ffi.Library, segments: bool = False) -> None:
+    reason = unsupported_reason(q, k, v, params, kind, library, segments)
     if reason is not None:
         raise RuntimeError(f"fa4_jax {kind} kernel unavailable: {reason}")
 
 
-def forward(q, k, v, params, seq_lengths=None, *, library: ffi.Library | None = None,
+def forward(q, k, v, params, seq_lengths=None, segment_ids=None, *, library: ffi.Library | None = None,
             tuning: str | None = None, pack_gqa: bool | None = None, split_kv: int | None = None):
     """(out [b, sq, h, dv] in q's dtype, lse [b, h, sq] float32) from the forward kernel.
 
     seq_lengths: None, or (q_len, kv_len) of a ragged batch, int32 [batch] each, clamped to
-    [0, seqlen]. `pack_gqa`: run the query heads of each key/value head as one tile's rows;
+    [0, seqlen]. segment_ids: None, or (q_ids [b, sq], kv_ids [b, sk]) integer: a row sees only
+    keys of its own id (never packed or split). `pack_gqa`: run the query heads of each
+    key/value head as one tile's rows;
     None packs where `pack_gqa.packs` says it pays, False never. `split_kv`: run the keys as this
     many chunks and combine them (it must divide seqlen_k); None splits where
     `split_kv.num_splits` says the call has too few tiles for the GPU, 1 never. The explicit
     settings, `library` and `tuning` are the benchmark's.
     """
     library = library or ffi.load()
-    padded = _padded_head_dims(q, v, params, "fwd", library)
+    segmented = segment_ids is not None
+    padded = _padded_head_dims(q, v, params, "fwd", library, segmented)
     if padded is not None:
         out, lse = forward(_widen(q, padded[0]), _widen(k, padded[0]), _widen(v, padded[1]), params,
-                           seq_lengths, library=library, tuning=tuning, pack_gqa=pack_gqa,
+                           seq_lengths, segment_ids, library=library, tuning=tuning, pack_gqa=pack_gqa,
                            split_kv=split_kv)
         return out[..., :v.shape[-1]], lse
+    if segmented:
+        _require(q, k, v, params, "fwd", library, segments=True)
+        lengths, (q,), () = _length_operands(seq_lengths, (q,), ())
+        return ffi.forward_call(library, q, k, v, lengths, ffi.attributes(params), tuning,
+                                segments=segment_tables.operands(segment_ids, seq_lengths))
     if split_kv is None:
         sms = sm_count()
         split_kv = 1 if sms is None else splitting.num_splits(q.shape, k.shape, params, sms)
@@ -253,7 +271,7 @@ def dq_copies(q, k, params, library: ffi.Library) -> int:
                              params.deterministic)
 
 
-def backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths=None, *,
+def backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths=None, segment_ids=None, *,
              library: ffi.Library | None = None, tuning: str | None = None,
              copies: int | None = None):
     """(dq, dk, dv), each in its input's shape and dtype, from the backward kernels.
@@ -262,23 +280,25 @@ def backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths=None, *,
     the cotangent of lse, or None when lse is not differentiated (docs/perf-log.md, "The dLSE
     cotangent as a symbolic zero"). `params.deterministic` selects the fixed-order dQ
     accumulation. seq_lengths: as for `forward`; rows of dq past q_len and of dk, dv past kv_len
-    come out zero. `copies` overrides the dQ accumulators' count (`dq_copies`), for the
-    benchmark's measurement of that rule.
+    come out zero. segment_ids: as for `forward`. `copies` overrides the dQ accumulators' count
+    (`dq_copies`), for the benchmark's measurement of that rule.
     """
     library = library or ffi.load()
-    padded = _padded_head_dims(q, v, params, "bwd", library)
+    segmented = segment_ids is not None
+    padded = _padded_head_dims(q, v, params, "bwd", library, segmented)
     if padded is not None:
         width, width_v = padded
         dq, dk, dv = backward(_widen(q, width), _widen(k, width), _widen(v, width_v),
                               _widen(out, width_v), lse, _widen(d_out, width_v), d_lse, params,
-                              seq_lengths, library=library, tuning=tuning, copies=copies)
+                              seq_lengths, segment_ids, library=library, tuning=tuning, copies=copies)
         return dq[..., :q.shape[-1]], dk[..., :k.shape[-1]], dv[..., :v.shape[-1]]
-    _require(q, k, v, params, "bwd", library)
+    _require(q, k, v, params, "bwd", library, segmented)
     d_out = d_out.astype(q.dtype)
     lengths, (q, d_out), (k, v) = _length_operands(seq_lengths, (q, d_out), (k, v))
     copies = copies or dq_copies(q, k, params, library)
+    segments = segment_tables.operands(segment_ids, seq_lengths) if segmented else None
     return ffi.backward_call(library, q, k, v, out, lse, d_out, d_lse, lengths, ffi.attributes(params),
-                             params.deterministic, copies, tuning)
+                             params.deterministic, copies, tuning, segments=segments)
 
 
 def available() -> bool:

@@ -6,9 +6,11 @@ serves a call is the handler's routing rule (`fa4_jax.routing`).
 
 The library is fa4_jax/_lib/libfa4_jax.so (FA4_JAX_LIBRARY overrides), built by
 `python -m fa4_jax.aot.build`, beside its manifest.json (the compiled variants and their routes).
-Its custom call targets carry a version: `fa4_jax_fwd_v2` and `fa4_jax_bwd_v2`. Their attributes
-describe the problem (softmax scale, mask, window, softcap, alignment, deterministic) and never
-a tuning, so a `jax.export`ed program keeps working after a retune. A development library
+Its custom call targets carry a version: `fa4_jax_fwd_v2` and `fa4_jax_bwd_v2`, and for calls
+with segment ids `fa4_jax_fwd_segments_v1` and `fa4_jax_bwd_segments_v1` (the same operands
+and four more: the ids and their span tables, `fa4_jax.segments`). Their attributes describe
+the problem (softmax scale, mask, window, softcap, alignment, deterministic) and never a tuning,
+so a `jax.export`ed program keeps working after a retune. A development library
 (benchmarks/ablations.py) also has `fa4_jax_dev_fwd_v2` / `fa4_jax_dev_bwd_v2`, which take a
 `tuning` attribute.
 
@@ -31,6 +33,8 @@ from fa4_jax.bwd_workspace import BWD_SEMAPHORE_ROWS, BWD_SEQ_PAD
 
 FWD_TARGET = "fa4_jax_fwd_v2"
 BWD_TARGET = "fa4_jax_bwd_v2"
+FWD_SEGMENTS_TARGET = "fa4_jax_fwd_segments_v1"
+BWD_SEGMENTS_TARGET = "fa4_jax_bwd_segments_v1"
 DEV_FWD_TARGET = "fa4_jax_dev_fwd_v2"
 DEV_BWD_TARGET = "fa4_jax_dev_bwd_v2"
 _LIB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lib")
@@ -46,7 +50,8 @@ def export_disabled_checks() -> list:
     """
     import jax
 
-    return [jax.export.DisabledSafetyCheck.custom_call(t) for t in (FWD_TARGET, BWD_TARGET)]
+    return [jax.export.DisabledSafetyCheck.custom_call(t)
+            for t in (FWD_TARGET, BWD_TARGET, FWD_SEGMENTS_TARGET, BWD_SEGMENTS_TARGET)]
 
 
 class LibraryUnavailable(RuntimeError):
@@ -65,6 +70,9 @@ class Library:
     dq_copies_max_keys: dict  # arch -> {head_dim: keys}
     tuning_targets: bool  # the targets take a `tuning` attribute (a development library)
     head_dims: dict = dataclasses.field(default_factory=dict)  # arch -> {(head_dim, head_dim_v)}
+    # The segments targets (None in a development library, which has no segments variants).
+    fwd_segments_target: str | None = None
+    bwd_segments_target: str | None = None
 
     def routes_for(self, arch: str) -> tuple:
         return tuple(route for route_arch, route in self.routes if route_arch == arch)
@@ -106,7 +114,8 @@ def load(path: str | None = None, tuning_targets: bool = False) -> Library:
         if tuning_targets:
             targets = ((DEV_FWD_TARGET, "Fa4DevFwd"), (DEV_BWD_TARGET, "Fa4DevBwd"))
         else:
-            targets = ((FWD_TARGET, "Fa4Fwd"), (BWD_TARGET, "Fa4Bwd"))
+            targets = ((FWD_TARGET, "Fa4Fwd"), (BWD_TARGET, "Fa4Bwd"),
+                       (FWD_SEGMENTS_TARGET, "Fa4FwdSegments"), (BWD_SEGMENTS_TARGET, "Fa4BwdSegments"))
         _register(lib, targets)
     except Exception as e:  # noqa: BLE001 - any failure means "not available", with the reason
         raise LibraryUnavailable(f"the fa4_jax kernel library at {path} does not load: {e}") from e
@@ -121,6 +130,8 @@ def load(path: str | None = None, tuning_targets: bool = False) -> Library:
                             for arch, rule in manifest["dq_copies_max_keys"].items()},
         tuning_targets=tuning_targets,
         head_dims=_head_dims(manifest["variants"]),
+        fwd_segments_target=None if tuning_targets else FWD_SEGMENTS_TARGET,
+        bwd_segments_target=None if tuning_targets else BWD_SEGMENTS_TARGET,
     )
 
 
@@ -190,27 +201,36 @@ def _tuning_attr(library: Library, tuning: str | None) -> dict:
     return {}
 
 
-def forward_call(library: Library, q, k, v, lengths, attrs: dict, tuning: str | None = None):
+def _segments_target(library: Library, target: str | None) -> str:
+    if target is None:
+        raise LibraryUnavailable(f"{library.path} has no custom calls for segment ids")
+    return target
+
+
+def forward_call(library: Library, q, k, v, lengths, attrs: dict, tuning: str | None = None,
+                 segments=None):
     """The forward custom call: (out [b, sq, h, dv] in q's dtype, lse [b, h, sq] float32).
 
-    lengths: the (seq_used_q, seq_used_k) operands (`seq_used`)."""
+    lengths: the (seq_used_q, seq_used_k) operands (`seq_used`). segments: None, or the four
+    segment operands (`fa4_jax.segments.operands`), which select the segments target."""
     import jax
 
     b, sq, h, _ = q.shape
     result = _result_type(q)
-    call = jax.ffi.ffi_call(library.fwd_target,
-                            (result((b, sq, h, v.shape[-1]), q.dtype), result((b, h, sq), np.float32)))
-    return call(q, k, v, *lengths, **attrs, **_tuning_attr(library, tuning))
+    target = library.fwd_target if segments is None else _segments_target(library, library.fwd_segments_target)
+    call = jax.ffi.ffi_call(target, (result((b, sq, h, v.shape[-1]), q.dtype), result((b, h, sq), np.float32)))
+    return call(q, k, v, *lengths, *(segments or ()), **attrs, **_tuning_attr(library, tuning))
 
 
 def backward_call(library: Library, q, k, v, out, lse, d_out, d_lse, lengths, attrs: dict,
-                  deterministic: bool, dq_copies: int, tuning: str | None = None):
+                  deterministic: bool, dq_copies: int, tuning: str | None = None, segments=None):
     """The backward custom call: (dq, dk, dv), each in its input's shape and dtype.
 
     d_lse None: lse not differentiated, passed as an empty [0, h, sq] operand so that the
     preprocess reads none. The fp32 workspaces (dQ accumulators [dq_copies, b, h, sq_pad, d], D
     and lse·log2(e) [b, h, sq_pad], semaphores [dq_copies, b, h, sq_pad / 64]) are results of
-    the call, so XLA owns and reuses their memory; they are dropped here."""
+    the call, so XLA owns and reuses their memory; they are dropped here. segments: as for
+    `forward_call`."""
     import jax
     import jax.numpy as jnp
 
@@ -227,9 +247,10 @@ def backward_call(library: Library, q, k, v, out, lse, d_out, d_lse, lengths, at
         result((b, h, sq_pad), f32),
         result((dq_copies, b, h, sq_pad // BWD_SEMAPHORE_ROWS), np.int32),
     )
-    call = jax.ffi.ffi_call(library.bwd_target, results)
+    target = library.bwd_target if segments is None else _segments_target(library, library.bwd_segments_target)
+    call = jax.ffi.ffi_call(target, results)
     d_lse = jnp.zeros((0, h, sq), f32) if d_lse is None else d_lse.astype(f32)
     dq, dk, dv, *_workspaces = call(
         q, k, v, out.astype(q.dtype), d_out.astype(q.dtype), lse.astype(f32), d_lse, *lengths,
-        deterministic=bool(deterministic), **attrs, **_tuning_attr(library, tuning))
+        *(segments or ()), deterministic=bool(deterministic), **attrs, **_tuning_attr(library, tuning))
     return dq, dk, dv

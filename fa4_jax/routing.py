@@ -30,7 +30,9 @@ class Variant:
 
     `tuning` names a set of kernel settings: "default" is what most calls run; the arch's menu
     names the others (its TUNINGS, reached through its ROUTES), and benchmarks/ablations.py its
-    experiments, built into a development library of their own.
+    experiments, built into a development library of their own. `segments`: the kernel reads
+    segment ids (a row sees only the keys of its own id) and skips the key blocks that share
+    none with a tile; the calls of `fa4_jax.ffi`'s segments targets run these.
     """
 
     arch: str
@@ -41,6 +43,7 @@ class Variant:
     softcap: bool
     kind: str = "fwd"
     tuning: str = "default"
+    segments: bool = False
 
     def __post_init__(self):
         if (self.dtype not in DTYPES or self.mask not in MASKS or self.kind not in KINDS
@@ -52,9 +55,10 @@ class Variant:
         """A C identifier: the export name, function prefix and dispatch key of this variant."""
         mask = "" if self.mask == "none" else f"_{self.mask}"
         softcap = "_softcap" if self.softcap else ""
+        segments = "_segments" if self.segments else ""
         tuning = "" if self.tuning == "default" else f"_t{self.tuning}"
         return (f"{name_prefix(self.kind, self.arch)}{self.dtype}_d{self.head_dim}_dv{self.head_dim_v}"
-                f"{mask}{softcap}{tuning}")
+                f"{mask}{softcap}{segments}{tuning}")
 
     def to_json(self) -> dict:
         return {"name": self.name, **dataclasses.asdict(self)}
@@ -128,6 +132,7 @@ class Call:
     seqlen_k: int
     ragged: bool = False
     top_left: bool = False
+    segments: bool = False
 
     @property
     def diagonal_offset(self) -> int:
@@ -135,7 +140,7 @@ class Call:
 
     def variant(self, tuning: str = "default") -> Variant:
         return Variant(self.arch, self.dtype, self.head_dim, self.head_dim_v, self.mask, self.softcap,
-                       self.kind, tuning)
+                       self.kind, tuning, self.segments)
 
 
 def diagonal_on_blocks(call: Call, block: int) -> bool:

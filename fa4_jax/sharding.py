@@ -13,8 +13,9 @@ compiler with `jax.experimental.custom_partitioning`:
   `ReshardWarning` that names the operand, dimension and mesh axes (sequence sharding needs
   context parallelism: `fa4_jax.ring_attention` inside `shard_map`).
 
-A ragged batch's valid lengths (int32 [batch] each) are operands of their own ops, sharded
-with the batch: each device gets the lengths of its own batch entries.
+A ragged batch's valid lengths (int32 [batch] each) and segment ids ([batch, seq] each) are
+operands of their own ops, sharded with the batch: each device gets those of its own batch
+entries (the ids whole along the sequence, like q and k).
 
 Grouped-query attention: query head i reads kv head i // groups, so the query heads factor as
 (kv_heads, groups), kv_heads major. Sharding heads over n devices gives each device
@@ -49,32 +50,42 @@ class ReshardWarning(UserWarning):
     """
 
 
-def attention_forward(q, k, v, params: AttentionParams, seq_lengths=None):
+def attention_forward(q, k, v, params: AttentionParams, seq_lengths=None, segment_ids=None):
     """(out, lse) = attention of q, k, v, partitioned over batch and heads.
 
     Shapes as `vjp.attention_op`: q [batch, seqlen_q, heads_q, head_dim], k [batch, seqlen_k,
     heads_kv, head_dim], v [batch, seqlen_k, heads_kv, head_dim_v] -> out [batch, seqlen_q,
     heads_q, head_dim_v], lse [batch, heads_q, seqlen_q] float32. seq_lengths: None or
-    (q_len, kv_len), int32 [batch] each, partitioned with the batch.
+    (q_len, kv_len), int32 [batch] each; segment_ids: None or (q_ids [batch, seqlen_q],
+    kv_ids [batch, seqlen_k]); both partitioned with the batch.
     """
     _check_not_partially_manual()
-    if seq_lengths is None:
-        return _vmappable(_FORWARD, params)(q, k, v)
-    return _vmappable(_RAGGED_FORWARD, params)(q, k, v, *seq_lengths)
+    op = _forward_op(seq_lengths is not None, segment_ids is not None)
+    return _vmappable(op, params)(q, k, v, *_aux_operands(seq_lengths, segment_ids))
 
 
 def attention_backward(q, k, v, out, lse, d_out, d_lse, params: AttentionParams,
-                       seq_lengths=None):
+                       seq_lengths=None, segment_ids=None):
     """(dq, dk, dv) of attention, partitioned like the forward; shapes as `backends.backward`.
 
     d_lse None (lse not differentiated) selects ops without a d_lse operand.
     """
     _check_not_partially_manual()
     arrays = (q, k, v, out, lse, d_out) + (() if d_lse is None else (d_lse,))
-    with_d_lse = d_lse is not None
-    if seq_lengths is None:
-        return _vmappable(_BACKWARD[with_d_lse], params)(*arrays)
-    return _vmappable(_RAGGED_BACKWARD[with_d_lse], params)(*arrays, *seq_lengths)
+    op = _backward_op(d_lse is not None, seq_lengths is not None, segment_ids is not None)
+    return _vmappable(op, params)(*arrays, *_aux_operands(seq_lengths, segment_ids))
+
+
+def _aux_operands(seq_lengths, segment_ids) -> tuple:
+    """The ops' operands after the attention arrays: the lengths, then the segment ids."""
+    return tuple(seq_lengths or ()) + tuple(segment_ids or ())
+
+
+def _aux_arguments(aux, ragged: bool, segmented: bool):
+    """(seq_lengths, segment_ids) for the backends from `_aux_operands`' arrays."""
+    seq_lengths = tuple(aux[:2]) if ragged else None
+    segment_ids = tuple(aux[2 * ragged:2 * ragged + 2]) if segmented else None
+    return seq_lengths, segment_ids
 
 
 def _check_not_partially_manual():
@@ -98,8 +109,10 @@ def _check_not_partially_manual():
 # Each array's dimensions, by role: b batch, s query rows, t key rows, H query heads, h kv
 # heads, d head_dim of q/k, e head_dim of v. H is (h g) in the Shardy rule (see the docstring).
 # Under jax.vmap an array has several leading batch dimensions: roles b0, b1, ...
-# The valid lengths of a ragged batch are one number per batch entry: layout "b".
+# The valid lengths of a ragged batch are one number per batch entry: layout "b"; segment ids
+# one per query row or key.
 _QUERY, _KEY, _VALUE, _OUT, _LSE, _LENGTHS = "bsHd", "bthd", "bthe", "bsHe", "bHs", "b"
+_QUERY_IDS, _KEY_IDS = "bs", "bt"
 _DIMENSION_NAMES = {
     "b": "batch", "s": "seq", "t": "seq", "H": "heads", "h": "heads", "d": "head_dim",
     "e": "head_dim",
@@ -155,17 +168,25 @@ _BACKWARD_OPERANDS = (
 _D_LSE_OPERAND = (("d_lse", _LSE),)
 _GRADIENTS = (("dq", _QUERY), ("dk", _KEY), ("dv", _VALUE))
 _RAGGED_OPERANDS = (("query_seq_lengths", _LENGTHS), ("key_value_seq_lengths", _LENGTHS))
-_RAGGED_FORWARD_LAYOUT = _OpLayout(
-    operands=(*zip(_FORWARD_LAYOUT.operand_names, _FORWARD_LAYOUT.operand_layouts),
-              *_RAGGED_OPERANDS),
-    results=(("out", _OUT), ("lse", _LSE)),
-)
+_SEGMENT_OPERANDS = (("query_segment_ids", _QUERY_IDS), ("kv_segment_ids", _KEY_IDS))
 
 
-def _backward_layout(with_d_lse: bool, ragged: bool) -> _OpLayout:
+def _aux_layout(ragged: bool, segmented: bool) -> tuple:
+    return (_RAGGED_OPERANDS if ragged else ()) + (_SEGMENT_OPERANDS if segmented else ())
+
+
+def _forward_layout(ragged: bool, segmented: bool) -> _OpLayout:
+    return _OpLayout(
+        operands=(*zip(_FORWARD_LAYOUT.operand_names, _FORWARD_LAYOUT.operand_layouts),
+                  *_aux_layout(ragged, segmented)),
+        results=(("out", _OUT), ("lse", _LSE)),
+    )
+
+
+def _backward_layout(with_d_lse: bool, ragged: bool, segmented: bool) -> _OpLayout:
     """The backward op's layout: with a d_lse operand, or none (lse not differentiated)."""
     operands = (_BACKWARD_OPERANDS + (_D_LSE_OPERAND if with_d_lse else ())
-                + (_RAGGED_OPERANDS if ragged else ()))
+                + _aux_layout(ragged, segmented))
     return _OpLayout(operands, _GRADIENTS)
 
 
@@ -287,47 +308,43 @@ def _on_folded_batch(body, arrays, params):
     return tuple(r.reshape(*batch_shape, *r.shape[1:]) for r in results)
 
 
-def _forward_on_device(q, k, v, params):
-    return _on_folded_batch(backends.forward, (q, k, v), params)
+def _op_name(kind: str, ragged: bool, segmented: bool) -> str:
+    return "_".join([kind] + ["ragged"] * ragged + ["segmented"] * segmented + ["on_device"])
 
 
-def _backward_on_device(q, k, v, out, lse, d_out, d_lse, params):
-    return _on_folded_batch(backends.backward, (q, k, v, out, lse, d_out, d_lse), params)
+@functools.cache
+def _forward_op(ragged: bool, segmented: bool):
+    """The partitioned forward op, with the lengths and/or segment ids as operands or not."""
+    def body(q, k, v, *aux_and_params):
+        *aux, params = aux_and_params
+        return backends.forward(q, k, v, params, *_aux_arguments(aux, ragged, segmented))
+
+    def forward_on_device(q, k, v, *aux_and_params):
+        *aux, params = aux_and_params
+        return _on_folded_batch(body, (q, k, v, *aux), params)
+
+    forward_on_device.__name__ = _op_name("forward", ragged, segmented)
+    return _custom_partitioned(forward_on_device, _forward_layout(ragged, segmented))
 
 
-def _ragged_forward(q, k, v, q_len, kv_len, params):
-    return backends.forward(q, k, v, params, (q_len, kv_len))
+@functools.cache
+def _backward_op(with_d_lse: bool, ragged: bool, segmented: bool):
+    """The partitioned backward op; the op without a d_lse operand passes the backend None
+    there (lse not differentiated)."""
+    def body(q, k, v, out, lse, d_out, d_lse, *aux_and_params):
+        *aux, params = aux_and_params
+        return backends.backward(q, k, v, out, lse, d_out, d_lse, params,
+                                 *_aux_arguments(aux, ragged, segmented))
 
+    def backward_on_device(*arrays_and_params):
+        *arrays, params = arrays_and_params
+        if not with_d_lse:
+            arrays.insert(6, None)
+        return _on_folded_batch(body, tuple(arrays), params)
 
-def _ragged_backward(q, k, v, out, lse, d_out, d_lse, q_len, kv_len, params):
-    return backends.backward(q, k, v, out, lse, d_out, d_lse, params, (q_len, kv_len))
-
-
-def _ragged_forward_on_device(q, k, v, q_len, kv_len, params):
-    return _on_folded_batch(_ragged_forward, (q, k, v, q_len, kv_len), params)
-
-
-def _ragged_backward_on_device(q, k, v, out, lse, d_out, d_lse, q_len, kv_len, params):
-    return _on_folded_batch(
-        _ragged_backward, (q, k, v, out, lse, d_out, d_lse, q_len, kv_len), params
-    )
-
-
-def _backward_ops(body, ragged: bool) -> dict:
-    """`body`'s partitioned backward ops keyed by whether they take a d_lse operand; the op
-    without one passes body None there (lse not differentiated)."""
-    def without_d_lse(q, k, v, out, lse, d_out, *lengths_and_params):
-        return body(q, k, v, out, lse, d_out, None, *lengths_and_params)
-
-    without_d_lse.__name__ = f"{body.__name__}_without_d_lse"
-    return {True: _custom_partitioned(body, _backward_layout(True, ragged)),
-            False: _custom_partitioned(without_d_lse, _backward_layout(False, ragged))}
-
-
-_FORWARD = _custom_partitioned(_forward_on_device, _FORWARD_LAYOUT)
-_RAGGED_FORWARD = _custom_partitioned(_ragged_forward_on_device, _RAGGED_FORWARD_LAYOUT)
-_BACKWARD = _backward_ops(_backward_on_device, ragged=False)
-_RAGGED_BACKWARD = _backward_ops(_ragged_backward_on_device, ragged=True)
+    backward_on_device.__name__ = _op_name("backward" if with_d_lse else "backward_without_d_lse",
+                                           ragged, segmented)
+    return _custom_partitioned(backward_on_device, _backward_layout(with_d_lse, ragged, segmented))
 
 
 @functools.cache

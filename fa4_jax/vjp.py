@@ -3,7 +3,7 @@
 Both passes go through `sharding.py`, so under `jax.jit` with sharded inputs each device runs
 the single-device body of `backends.py` on its block (batch and heads), and under `jax.vmap`
 the mapped axes fold into batch. The residuals are what the backward kernels need:
-(q, k, v, out, lse), and a ragged batch's valid lengths.
+(q, k, v, out, lse), and a ragged batch's valid lengths and the segment ids when given.
 
 The rules see symbolic zeros (`symbolic_zeros=True`): most callers differentiate out only, and
 lse's cotangent then reaches the backward as None instead of a b·h·sq fp32 array of zeros that
@@ -23,7 +23,7 @@ from fa4_jax.params import AttentionParams
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def attention_op(q, k, v, params: AttentionParams, seq_lengths=None):
+def attention_op(q, k, v, params: AttentionParams, seq_lengths=None, segment_ids=None):
     """Attention of validated inputs on `params.implementation`.
 
     Args:
@@ -32,29 +32,32 @@ def attention_op(q, k, v, params: AttentionParams, seq_lengths=None):
       params: the static options (hashable, not differentiated).
       seq_lengths: None, or (q_len, kv_len) of a ragged batch: int32 [batch] each, values
         in [0, seqlen_q] and [0, seqlen_k]; integers, so their cotangent is None.
+      segment_ids: None, or (q_ids [batch, seqlen_q], kv_ids [batch, seqlen_k]) int32: a row
+        sees only the keys of its own id; integers, so their cotangent is None.
 
     Returns:
       out [batch, seqlen_q, heads_q, head_dim_v] in q's dtype and lse [batch, heads_q,
       seqlen_q] float32. Both are differentiable (the lse cotangent is honoured).
     """
-    return sharding.attention_forward(q, k, v, params, seq_lengths)
+    return sharding.attention_forward(q, k, v, params, seq_lengths, segment_ids)
 
 
-def _attention_op_fwd(q, k, v, params, seq_lengths):
+def _attention_op_fwd(q, k, v, params, seq_lengths, segment_ids):
     # Each array comes wrapped with whether it is differentiated (symbolic_zeros=True).
-    q, k, v, seq_lengths = jax.tree.map(lambda primal: primal.value, (q, k, v, seq_lengths))
+    q, k, v, seq_lengths, segment_ids = jax.tree.map(lambda primal: primal.value,
+                                                     (q, k, v, seq_lengths, segment_ids))
     # This rule runs only when the call is differentiated: where the forward's kernels have no
     # backward twin, say so now (raise, for implementation="cute") rather than inside jax.grad.
-    backends.backward_unsupported_reason(q, k, v, params)
-    out, lse = sharding.attention_forward(q, k, v, params, seq_lengths)
-    return (out, lse), (q, k, v, out, lse, seq_lengths)
+    backends.backward_unsupported_reason(q, k, v, params, segments=segment_ids is not None)
+    out, lse = sharding.attention_forward(q, k, v, params, seq_lengths, segment_ids)
+    return (out, lse), (q, k, v, out, lse, seq_lengths, segment_ids)
 
 
 def _attention_op_bwd(params, residuals, cotangents):
-    *arrays, seq_lengths = residuals
+    *arrays, seq_lengths, segment_ids = residuals
     d_out, d_lse = backward_cotangents(cotangents)
-    grads = sharding.attention_backward(*arrays, d_out, d_lse, params, seq_lengths)
-    return (*grads, None)
+    grads = sharding.attention_backward(*arrays, d_out, d_lse, params, seq_lengths, segment_ids)
+    return (*grads, None, None)
 
 
 def backward_cotangents(cotangents):

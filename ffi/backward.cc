@@ -15,8 +15,10 @@
 // The workspaces are results so that XLA owns all memory: nothing is allocated here, and
 // nothing is launched but the variant's kernels, which own the workspaces (the preprocess zeroes
 // dq_accum unless the first adds store instead, and the semaphores). The kernels also get the
-// device's SM count (deterministic mode's order depends on it). With FA4_JAX_TUNING_TARGETS it
-// also defines `fa4_jax_dev_bwd_v2`, which takes a `tuning` attribute (forward.cc).
+// device's SM count (deterministic mode's order depends on it). `fa4_jax_bwd_segments_v1` is the
+// same call with the four segment operands of `fa4_jax_fwd_segments_v1` after seq_used_k; it
+// runs the segments variants. With FA4_JAX_TUNING_TARGETS it also defines `fa4_jax_dev_bwd_v2`,
+// which takes a `tuning` attribute (forward.cc).
 #include <string>
 #include <string_view>
 
@@ -42,14 +44,17 @@ struct Buffers {
 };
 
 // x is not const: the oldest FFI headers the library builds against give Result only a non-const
-// operator->.
+// operator->. segments: the segments target's operands, nullptr for the others.
 ffi::Error Execute(const Errors& err, std::string_view tuning, cudaStream_t stream, int32_t device,
-                   Buffers& x, const Attrs& a, bool deterministic) {
+                   Buffers& x, const Attrs& a, bool deterministic,
+                   const SegmentBuffers* segments = nullptr) {
   if (ffi::Error e = CheckAttrs(err, a); e.failure()) return e;
   Fa4Args args;
   Fa4Dtype dtype;
   if (ffi::Error e = CheckQkv(err, x.q, x.k, x.v, &dtype, &args); e.failure()) return e;
   if (ffi::Error e = CheckSeqUsed(err, x.seq_used_q, x.seq_used_k, &args); e.failure()) return e;
+  if (segments != nullptr)
+    if (ffi::Error e = CheckSegments(err, *segments, &args); e.failure()) return e;
   for (const ffi::DataType t : {x.out.element_type(), x.d_out.element_type(), x.dq->element_type(),
                                 x.dk->element_type(), x.dv->element_type()})
     if (t != x.q.element_type())
@@ -85,7 +90,7 @@ ffi::Error Execute(const Errors& err, std::string_view tuning, cudaStream_t stre
        })
     if (ffi::Error failed = ExpectShape(err, e.name, e.got, e.want); failed.failure()) return failed;
   Problem p{Fa4Kind::kBwd, "", dtype, d, head_dim_v, SelectMask(a), a.softcap > 0.0f, sq, sk,
-            args.b_lengths > 0, a.top_left};
+            args.b_lengths > 0, a.top_left, segments != nullptr};
   if (ffi::Error e = DeviceArch(err, device, &p.arch); e.failure()) return e;
   const Fa4Variant* variant;
   if (ffi::Error e = FindLoaded(err, p, tuning, &variant); e.failure()) return e;
@@ -143,12 +148,36 @@ const Errors kErr("fa4_jax_bwd_v2");
 
 ffi::Error StableInstantiate(float softmax_scale, bool causal, int32_t window_left,
                              int32_t window_right, float softcap, bool top_left, bool deterministic) {
-  return LoadCandidates(kErr, Fa4Kind::kBwd, FA4_ATTRS);
+  return LoadCandidates(kErr, Fa4Kind::kBwd, /*segments=*/false, FA4_ATTRS);
 }
 
 ffi::Error StableExecute(FA4_BWD_PARAMS) {
   Buffers x = FA4_BWD_BUFFERS;
   return Execute(kErr, {}, stream, device, x, FA4_ATTRS, deterministic);
+}
+
+const Errors kSegmentsErr("fa4_jax_bwd_segments_v1");
+
+ffi::Error SegmentsInstantiate(float softmax_scale, bool causal, int32_t window_left,
+                               int32_t window_right, float softcap, bool top_left,
+                               bool deterministic) {
+  return LoadCandidates(kSegmentsErr, Fa4Kind::kBwd, /*segments=*/true, FA4_ATTRS);
+}
+
+ffi::Error SegmentsExecute(
+    cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+    ffi::AnyBuffer out, ffi::AnyBuffer d_out, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> d_lse,
+    ffi::Buffer<ffi::S32> seq_used_q, ffi::Buffer<ffi::S32> seq_used_k,
+    ffi::Buffer<ffi::S32> q_segment_ids, ffi::Buffer<ffi::S32> kv_segment_ids,
+    ffi::Buffer<ffi::S32> row_spans, ffi::Buffer<ffi::S32> key_spans, ffi::Result<ffi::AnyBuffer> dq,
+    ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+    ffi::Result<ffi::Buffer<ffi::F32>> dq_accum, ffi::Result<ffi::Buffer<ffi::F32>> dpsum,
+    ffi::Result<ffi::Buffer<ffi::F32>> lse_log2, ffi::Result<ffi::Buffer<ffi::S32>> semaphore,
+    float softmax_scale, bool causal, int32_t window_left, int32_t window_right, float softcap,
+    bool top_left, bool deterministic) {
+  Buffers x = FA4_BWD_BUFFERS;
+  const SegmentBuffers segments{q_segment_ids, kv_segment_ids, row_spans, key_spans};
+  return Execute(kSegmentsErr, {}, stream, device, x, FA4_ATTRS, deterministic, &segments);
 }
 
 #ifdef FA4_JAX_TUNING_TARGETS
@@ -157,7 +186,7 @@ const Errors kDevErr("fa4_jax_dev_bwd_v2");
 ffi::Error DevInstantiate(float softmax_scale, bool causal, int32_t window_left,
                           int32_t window_right, float softcap, bool top_left, bool deterministic,
                           std::string_view tuning) {
-  return LoadCandidates(kDevErr, Fa4Kind::kBwd, FA4_ATTRS);
+  return LoadCandidates(kDevErr, Fa4Kind::kBwd, /*segments=*/false, FA4_ATTRS);
 }
 
 ffi::Error DevExecute(FA4_BWD_PARAMS, std::string_view tuning) {
@@ -167,19 +196,24 @@ ffi::Error DevExecute(FA4_BWD_PARAMS, std::string_view tuning) {
 #endif
 
 template <typename Binding>
-auto BindExecute(Binding&& binding) {
+auto BindInputs(Binding&& binding) {
+  return std::forward<Binding>(binding)
+      .template Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .template Ctx<ffi::DeviceOrdinal>()
+      .template Arg<ffi::AnyBuffer>()          // q
+      .template Arg<ffi::AnyBuffer>()          // k
+      .template Arg<ffi::AnyBuffer>()          // v
+      .template Arg<ffi::AnyBuffer>()          // out
+      .template Arg<ffi::AnyBuffer>()          // d_out
+      .template Arg<ffi::Buffer<ffi::F32>>()   // lse
+      .template Arg<ffi::Buffer<ffi::F32>>()   // d_lse
+      .template Arg<ffi::Buffer<ffi::S32>>()   // seq_used_q
+      .template Arg<ffi::Buffer<ffi::S32>>();  // seq_used_k
+}
+
+template <typename Binding>
+auto BindResults(Binding&& binding) {
   return BindAttrs(std::forward<Binding>(binding)
-                       .template Ctx<ffi::PlatformStream<cudaStream_t>>()
-                       .template Ctx<ffi::DeviceOrdinal>()
-                       .template Arg<ffi::AnyBuffer>()              // q
-                       .template Arg<ffi::AnyBuffer>()              // k
-                       .template Arg<ffi::AnyBuffer>()              // v
-                       .template Arg<ffi::AnyBuffer>()              // out
-                       .template Arg<ffi::AnyBuffer>()              // d_out
-                       .template Arg<ffi::Buffer<ffi::F32>>()       // lse
-                       .template Arg<ffi::Buffer<ffi::F32>>()       // d_lse
-                       .template Arg<ffi::Buffer<ffi::S32>>()       // seq_used_q
-                       .template Arg<ffi::Buffer<ffi::S32>>()       // seq_used_k
                        .template Ret<ffi::AnyBuffer>()              // dq
                        .template Ret<ffi::AnyBuffer>()              // dk
                        .template Ret<ffi::AnyBuffer>()              // dv
@@ -190,6 +224,16 @@ auto BindExecute(Binding&& binding) {
       .template Attr<bool>("deterministic");
 }
 
+template <typename Binding>
+auto BindExecute(Binding&& binding) {
+  return BindResults(BindInputs(std::forward<Binding>(binding)));
+}
+
+template <typename Binding>
+auto BindSegmentsExecute(Binding&& binding) {
+  return BindResults(BindSegments(BindInputs(std::forward<Binding>(binding))));
+}
+
 }  // namespace
 }  // namespace fa4
 
@@ -198,6 +242,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Fa4BwdInstantiate, fa4::StableInstantiate,
                                   .Attr<bool>("deterministic"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fa4BwdExecute, fa4::StableExecute,
                               fa4::BindExecute(xla::ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Fa4BwdSegmentsInstantiate, fa4::SegmentsInstantiate,
+                              fa4::BindAttrs(xla::ffi::Ffi::BindInstantiate())
+                                  .Attr<bool>("deterministic"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Fa4BwdSegmentsExecute, fa4::SegmentsExecute,
+                              fa4::BindSegmentsExecute(xla::ffi::Ffi::Bind()));
 #ifdef FA4_JAX_TUNING_TARGETS
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fa4DevBwdInstantiate, fa4::DevInstantiate,
                               fa4::BindAttrs(xla::ffi::Ffi::BindInstantiate())

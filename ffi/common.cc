@@ -68,7 +68,7 @@ const Fa4Variant* Lookup(const Problem& p, std::string_view tuning) {
     const Fa4Variant& v = kFa4Variants[i];
     if (v.kind == p.kind && p.arch == v.arch && v.dtype == p.dtype && v.head_dim == p.head_dim &&
         v.head_dim_v == p.head_dim_v && std::strcmp(v.mask, p.mask) == 0 &&
-        v.softcap == p.softcap && tuning == v.tuning)
+        v.softcap == p.softcap && tuning == v.tuning && v.segments == p.segments)
       return &v;
   }
   return nullptr;
@@ -121,10 +121,11 @@ std::string VariantName(const Problem& p, std::string_view tuning) {
   return std::string(p.kind == Fa4Kind::kFwd ? "fwd_" : "bwd_") + a +
          (p.dtype == Fa4Dtype::kBF16 ? "_bf16" : "_fp16") + "_d" + std::to_string(p.head_dim) +
          "_dv" + std::to_string(p.head_dim_v) + (mask == "none" ? "" : "_" + mask) +
-         (p.softcap ? "_softcap" : "") + (tuning == "default" ? "" : "_t" + std::string(tuning));
+         (p.softcap ? "_softcap" : "") + (p.segments ? "_segments" : "") +
+         (tuning == "default" ? "" : "_t" + std::string(tuning));
 }
 
-ffi::Error LoadCandidates(const Errors& err, Fa4Kind kind, const Attrs& a) {
+ffi::Error LoadCandidates(const Errors& err, Fa4Kind kind, bool segments, const Attrs& a) {
   if (ffi::Error failed = CheckAttrs(err, a); failed.failure()) return failed;
   std::string arch;
   if (ffi::Error failed = VisibleArch(err, &arch); failed.failure()) return failed;
@@ -133,7 +134,8 @@ ffi::Error LoadCandidates(const Errors& err, Fa4Kind kind, const Attrs& a) {
   const bool softcap = a.softcap > 0.0f;
   for (int i = 0; i < kFa4VariantCount; ++i) {
     const Fa4Variant& v = kFa4Variants[i];
-    if (v.kind == kind && arch == v.arch && std::strcmp(mask, v.mask) == 0 && v.softcap == softcap)
+    if (v.kind == kind && arch == v.arch && std::strcmp(mask, v.mask) == 0 && v.softcap == softcap &&
+        v.segments == segments)
       if (ffi::Error failed = Load(err, v); failed.failure()) return failed;
   }
   return ffi::Error::Success();
@@ -217,6 +219,29 @@ ffi::Error CheckSeqUsed(const Errors& err, ffi::Buffer<ffi::S32> seq_used_q,
   return ffi::Error::Success();
 }
 
+ffi::Error CheckSegments(const Errors& err, const SegmentBuffers& s, Fa4Args* args) {
+  const int64_t b = args->b, sq = args->seqlen_q, sk = args->seqlen_k, chunk = kFa4SpanChunk;
+  const int64_t q_chunks = (sq + chunk - 1) / chunk, k_chunks = (sk + chunk - 1) / chunk;
+  struct Expected {
+    const char* name;
+    ffi::Span<const int64_t> got;
+    std::initializer_list<int64_t> want;
+  };
+  for (const Expected& e : {Expected{"q_segment_ids", s.q_ids.dimensions(), {b, sq}},
+                            Expected{"kv_segment_ids", s.kv_ids.dimensions(), {b, sk}},
+                            Expected{"row_spans", s.row_spans.dimensions(), {b, q_chunks, 4}},
+                            Expected{"key_spans", s.key_spans.dimensions(), {b, k_chunks, 4}}})
+    if (ffi::Error failed = ExpectShape(err, e.name, e.got, e.want); failed.failure()) return failed;
+  args->q_segment_ids = s.q_ids.untyped_data();
+  args->kv_segment_ids = s.kv_ids.untyped_data();
+  args->row_spans = s.row_spans.untyped_data();
+  args->key_spans = s.key_spans.untyped_data();
+  args->b_segments = static_cast<int32_t>(b);
+  args->q_chunks = static_cast<int32_t>(q_chunks);
+  args->k_chunks = static_cast<int32_t>(k_chunks);
+  return ffi::Error::Success();
+}
+
 void KernelWindow(const Attrs& a, Fa4Args* args) {
   args->window_left = args->window_right = 0;
   args->top_left = a.top_left ? 1 : 0;
@@ -243,7 +268,7 @@ ffi::Error Launch(const Errors& err, const Fa4Variant& variant, const Fa4Args& a
 // or "" when none is compiled. kind 0 = fwd, 1 = bwd; dtype 0 = bf16, 1 = fp16.
 extern "C" __attribute__((visibility("default"))) const char* Fa4ChooseVariant(
     int kind, const char* arch, int dtype, int head_dim, int head_dim_v, const char* mask,
-    int softcap, int64_t seqlen_q, int64_t seqlen_k, int ragged, int top_left) {
+    int softcap, int64_t seqlen_q, int64_t seqlen_k, int ragged, int top_left, int segments) {
   const fa4::Problem p{kind == 0 ? Fa4Kind::kFwd : Fa4Kind::kBwd,
                        arch,
                        dtype == 0 ? Fa4Dtype::kBF16 : Fa4Dtype::kF16,
@@ -254,7 +279,8 @@ extern "C" __attribute__((visibility("default"))) const char* Fa4ChooseVariant(
                        seqlen_q,
                        seqlen_k,
                        ragged != 0,
-                       top_left != 0};
+                       top_left != 0,
+                       segments != 0};
   const Fa4Variant* v = fa4::Choose(p);
   return v == nullptr ? "" : v->name;
 }

@@ -69,6 +69,7 @@ struct Problem {
   int64_t seqlen_q, seqlen_k;
   bool ragged;
   bool top_left;
+  bool segments;  // a call of the segments targets: segment ids and span tables present
 };
 
 // The variant serving `p`: the one of `tuning` when given (the development library's targets),
@@ -79,10 +80,10 @@ const Fa4Variant* Choose(const Problem& p, std::string_view tuning = {});
 // Mirrors fa4_jax.routing.Variant.name, to name a variant missing from the menu.
 std::string VariantName(const Problem& p, std::string_view tuning);
 
-// Loads every variant of `kind` this call site can select (its dtype, head dims and shapes are
-// not known at instantiate time). Does nothing when the visible devices mix archs; execute loads
-// then.
-ffi::Error LoadCandidates(const Errors& err, Fa4Kind kind, const Attrs& a);
+// Loads every variant of `kind` (with segment ids or without) this call site can select (its
+// dtype, head dims and shapes are not known at instantiate time). Does nothing when the visible
+// devices mix archs; execute loads then.
+ffi::Error LoadCandidates(const Errors& err, Fa4Kind kind, bool segments, const Attrs& a);
 
 // The arch of `device`, as the variants name it ("sm_90a").
 ffi::Error DeviceArch(const Errors& err, int ordinal, std::string* arch);
@@ -111,6 +112,26 @@ ffi::Error CheckSeqUsed(const Errors& err, ffi::Buffer<ffi::S32> seq_used_q,
 // covers every key while keeping the kernels' index arithmetic far from int32 overflow (so
 // wider windows are clamped to it too: the same keys are visible). Causal is a right bound of 0.
 void KernelWindow(const Attrs& a, Fa4Args* args);
+
+// The segment operands of the segments targets: ids int32 [b, sq] and [b, sk], span tables
+// int32 [b, ceil(sq / 64), 4] and [b, ceil(sk / 64), 4] (fa4_jax/segment_layout.py).
+struct SegmentBuffers {
+  ffi::Buffer<ffi::S32> q_ids, kv_ids, row_spans, key_spans;
+};
+
+// Checks the segment operands against the shapes CheckQkv filled in and fills args' pointers
+// and dims.
+ffi::Error CheckSegments(const Errors& err, const SegmentBuffers& s, Fa4Args* args);
+
+// Binds the four segment operands, in SegmentBuffers' order, after whatever `binding` holds.
+template <typename Binding>
+auto BindSegments(Binding&& binding) {
+  return std::forward<Binding>(binding)
+      .template Arg<ffi::Buffer<ffi::S32>>()   // q_segment_ids
+      .template Arg<ffi::Buffer<ffi::S32>>()   // kv_segment_ids
+      .template Arg<ffi::Buffer<ffi::S32>>()   // row_spans
+      .template Arg<ffi::Buffer<ffi::S32>>();  // key_spans
+}
 
 ffi::Error Launch(const Errors& err, const Fa4Variant& variant, const Fa4Args& args,
                   cudaStream_t stream);

@@ -23,6 +23,13 @@ struct Fa4Args {
   // batch (b_lengths = b), or nothing (b_lengths = 0: a dense batch, the buffers' lengths)
   void* seq_used_q = nullptr;
   void* seq_used_k = nullptr;
+  // int32: segment ids [b_segments, seqlen_q] and [b_segments, seqlen_k], and their span tables
+  // [b_segments, q_chunks, 4] and [b_segments, k_chunks, 4] (fa4_jax/segment_layout.py); read by
+  // the segments variants, b_segments = 0 (nothing) for the others
+  void* q_segment_ids = nullptr;
+  void* kv_segment_ids = nullptr;
+  void* row_spans = nullptr;
+  void* key_spans = nullptr;
   // backward only
   void* d_out = nullptr;
   void* d_lse = nullptr;
@@ -34,6 +41,7 @@ struct Fa4Args {
   void* lse_log2 = nullptr;
   void* semaphore = nullptr;
   int32_t b = 0, seqlen_q = 0, seqlen_k = 0, heads = 0, heads_k = 0, b_lengths = 0;
+  int32_t b_segments = 0, q_chunks = 0, k_chunks = 0;
   // backward: d_lse's leading dim, b, or 0 when lse is not differentiated (d_lse is empty)
   int32_t b_dlse = 0;
   int32_t seqlen_q_pad = 0, semaphore_blocks = 0, dq_copies = 1;  // backward workspaces, see compile.py
@@ -53,6 +61,7 @@ struct Fa4Variant {
   const char* mask;  // "none", "causal", "local"
   bool softcap;
   const char* tuning;  // "default", or a tuned variant's name (the arch menu's TUNINGS)
+  bool segments;  // reads segment ids (the segments targets' variants)
   // Loads the module onto every visible device, once per process; later calls return the result.
   cudaError_t (*load)();
   // The exported launcher's return code (0 = launched).
@@ -82,3 +91,5 @@ extern const int kFa4RouteCount;
 extern const int kFa4BwdSeqPad;
 extern const int kFa4BwdSemaphoreRows;
 extern const int kFa4BwdMaxDqCopies;
+// Positions per entry of the segment span tables (fa4_jax/segment_layout.py).
+extern const int kFa4SpanChunk;

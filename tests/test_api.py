@@ -239,10 +239,11 @@ def forward_kernels_only(monkeypatch):
     """The kernels serve the forward (computed by the reference) and not the backward."""
     from fa4_jax import backends, dispatch
 
-    monkeypatch.setattr(dispatch, "unsupported_reason", lambda q, k, v, params, kind="fwd", library=None:
+    monkeypatch.setattr(dispatch, "unsupported_reason",
+                        lambda q, k, v, params, kind="fwd", library=None, segments=False:
                         None if kind == "fwd" else "no backward kernel for this arch yet")
-    monkeypatch.setattr(dispatch, "forward", lambda q, k, v, params, seq_lengths=None, **kwargs:
-                        backends._reference_fp32(q, k, v, params, seq_lengths))
+    monkeypatch.setattr(dispatch, "forward", lambda q, k, v, params, seq_lengths=None, segment_ids=None, **kwargs:
+                        backends._reference_fp32(q, k, v, params, seq_lengths, segment_ids))
     from fa4_jax import api
 
     monkeypatch.setattr(api.notices, "_SAID", set())
@@ -517,8 +518,8 @@ def test_segment_ids_attend_within_their_segment(next_key):
         fa4_jax.attention(q, k, v, query_segment_ids=q_ids)
     with pytest.raises(ValueError, match=r"kv_segment_ids must have shape \[batch, seq\] = \(2, 16\)"):
         fa4_jax.attention(q, k, v, query_segment_ids=q_ids, kv_segment_ids=kv_ids[:, :8])
-    assert fa4_jax.explain(q, k, v, query_segment_ids=q_ids, kv_segment_ids=kv_ids).reason == (
-        "the kernels do not read segment ids yet")
+    # No GPU here: the reference, for the reason any call would take it.
+    assert "not a CUDA GPU" in fa4_jax.explain(q, k, v, query_segment_ids=q_ids, kv_segment_ids=kv_ids).reason
 
 
 DROP_IN_ERRORS = {

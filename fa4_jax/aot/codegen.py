@@ -11,15 +11,18 @@ import re
 
 from fa4_jax.aot.compile import DYNAMIC_DIMS, SCALARS, STATIC_DIMS, TENSORS
 from fa4_jax.bwd_workspace import BWD_MAX_DQ_COPIES, BWD_SEMAPHORE_ROWS, BWD_SEQ_PAD
+from fa4_jax.segment_layout import SPAN_CHUNK, SPAN_FIELDS
 
 # Fa4Args fields of the dynamic dims and of the tensors (ffi/dispatch.h).
 _ARGS_FIELD = {"b": "b", "sq": "seqlen_q", "sk": "seqlen_k", "h": "heads", "hk": "heads_k",
                "sq_pad": "seqlen_q_pad", "m_blocks": "semaphore_blocks", "copies": "dq_copies",
-               "b_lengths": "b_lengths", "b_dlse": "b_dlse"}
+               "b_lengths": "b_lengths", "b_dlse": "b_dlse", "b_segments": "b_segments",
+               "q_chunks": "q_chunks", "k_chunks": "k_chunks"}
 _PTR_FIELD = {"mQ": "q", "mK": "k", "mV": "v", "mO": "out", "mLSE": "lse", "mdO": "d_out",
               "mdLSE": "d_lse", "mdQ": "dq", "mdK": "dk", "mdV": "dv", "mdQaccum": "dq_accum",
               "mdPsum": "dpsum", "mLSElog2": "lse_log2", "mSemaphore": "semaphore",
-              "mSeqUsedQ": "seq_used_q", "mSeqUsedK": "seq_used_k"}
+              "mSeqUsedQ": "seq_used_q", "mSeqUsedK": "seq_used_k", "mQSegmentIds": "q_segment_ids",
+              "mKSegmentIds": "kv_segment_ids", "mRowSpans": "row_spans", "mKeySpans": "key_spans"}
 _KIND = {"fwd": "Fa4Kind::kFwd", "bwd": "Fa4Kind::kBwd"}
 _DTYPE = {"bf16": "Fa4Dtype::kBF16", "fp16": "Fa4Dtype::kF16"}
 assert set(_ARGS_FIELD) == set(DYNAMIC_DIMS)
@@ -30,6 +33,8 @@ def _dim(name: str, variant) -> str:
         return str(variant.head_dim)
     if name == "dv":
         return str(variant.head_dim_v)
+    if name == "span":
+        return str(SPAN_FIELDS)
     return f"int64_t(a.{_ARGS_FIELD[name]})"
 
 
@@ -91,8 +96,8 @@ static int32_t launch_{n}(const Fa4Args& a, cudaStream_t stream) {{
 
 def _table_entry(v) -> str:
     return (f'  {{"{v.name}", {_KIND[v.kind]}, "{v.arch}", {_DTYPE[v.dtype]}, {v.head_dim}, '
-            f'{v.head_dim_v}, "{v.mask}", {str(v.softcap).lower()}, "{v.tuning}", load_{v.name}, '
-            f'launch_{v.name}}},')
+            f'{v.head_dim_v}, "{v.mask}", {str(v.softcap).lower()}, "{v.tuning}", '
+            f'{str(v.segments).lower()}, load_{v.name}, launch_{v.name}}},')
 
 
 def _route_entry(arch: str, r) -> str:
@@ -133,6 +138,7 @@ static thread_local cudaError_t g_load_error = cudaSuccess;
 const int kFa4BwdSeqPad = {BWD_SEQ_PAD};
 const int kFa4BwdSemaphoreRows = {BWD_SEMAPHORE_ROWS};
 const int kFa4BwdMaxDqCopies = {BWD_MAX_DQ_COPIES};
+const int kFa4SpanChunk = {SPAN_CHUNK};
 const Fa4Variant kFa4Variants[] = {{
 {table}
 }};

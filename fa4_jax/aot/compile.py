@@ -17,6 +17,8 @@ import sys
 import time
 import traceback
 
+from fa4_jax.segment_layout import SPAN_FIELDS
+
 # Base pointers of XLA buffers are at least 16-byte aligned; TMA needs exactly that.
 _ALIGN = 16
 
@@ -41,6 +43,15 @@ _ALIGN = 16
 # passes them empty and the kernels read none (kernels/common/ragged.py), so one compiled variant
 # serves both. mdLSE, the cotangent of lse, is empty ([0, h, sq]) when only out is differentiated
 # (the common case: vjp.py's symbolic zeros), and the preprocess then reads none.
+# mQSegmentIds / mKSegmentIds and the span tables mRowSpans / mKeySpans (fa4_jax/segment_layout.py;
+# q_chunks = ceil(sq / 64), k_chunks = ceil(sk / 64)): read by the segments variants only; the
+# others take them empty (b_segments = 0) and pass them to no kernel.
+_SEGMENT_TENSORS = (
+    ("mQSegmentIds", "i32", ("b_segments", "sq")),
+    ("mKSegmentIds", "i32", ("b_segments", "sk")),
+    ("mRowSpans", "i32", ("b_segments", "q_chunks", "span")),
+    ("mKeySpans", "i32", ("b_segments", "k_chunks", "span")),
+)
 TENSORS = {
     "fwd": (
         ("mQ", "io", ("b", "sq", "h", "d")),
@@ -50,6 +61,7 @@ TENSORS = {
         ("mLSE", "f32", ("b", "h", "sq")),
         ("mSeqUsedQ", "i32", ("b_lengths",)),
         ("mSeqUsedK", "i32", ("b_lengths",)),
+        *_SEGMENT_TENSORS,
     ),
     "bwd": (
         ("mQ", "io", ("b", "sq", "h", "d")),
@@ -68,11 +80,12 @@ TENSORS = {
         ("mSemaphore", "i32", ("copies", "b", "h", "m_blocks")),
         ("mSeqUsedQ", "i32", ("b_lengths",)),
         ("mSeqUsedK", "i32", ("b_lengths",)),
+        *_SEGMENT_TENSORS,
     ),
 }
 DYNAMIC_DIMS = ("b", "sq", "sk", "h", "hk", "sq_pad", "m_blocks", "copies", "b_lengths",
-                "b_dlse")
-STATIC_DIMS = ("d", "dv")
+                "b_dlse", "b_segments", "q_chunks", "k_chunks")
+STATIC_DIMS = ("d", "dv", "span")
 
 # Each kind's scalar arguments after the tensors (then the CUDA stream): name and dtype.
 # top_left is 0 or 1: 1 aligns the causal/window masks to the top-left corner (diagonal offset 0)
@@ -100,7 +113,7 @@ def fake_args(variant):
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
     dims = {s: cute.sym_int(symbol=s) for s in DYNAMIC_DIMS}
-    dims.update(d=variant.head_dim, dv=variant.head_dim_v)
+    dims.update(d=variant.head_dim, dv=variant.head_dim_v, span=SPAN_FIELDS)
     dtypes = {"io": _dsl_dtype(variant.dtype), "f32": cutlass.Float32, "i32": cutlass.Int32}
 
     def row_major(dtype, names):
@@ -127,7 +140,7 @@ def compile_variant(variant, kernel: str, tuning_kwargs: dict, out_dir: str) -> 
     module, cls = kernel.split(":")
     kernel_cls = getattr(importlib.import_module(module), cls)
     kernel_obj = kernel_cls(_dsl_dtype(variant.dtype), variant.head_dim, variant.head_dim_v,
-                            variant.mask, variant.softcap, **tuning_kwargs)
+                            variant.mask, variant.softcap, segments=variant.segments, **tuning_kwargs)
     # --keep-cubin writes into CUTE_DSL_DUMP_DIR, read when the DSL is imported: the caller sets it.
     compiled = cute.compile(kernel_obj, *fake_args(variant),
                             options=f"--gpu-arch {variant.arch} --keep-cubin")

@@ -7,11 +7,14 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from fa4_jax.kernels.common.block_info import MaskBounds
+from fa4_jax.kernels.common.segments import SegmentIds
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionMask:
-    """Applies the sequence-tail, causal and sliding-window rules of block_info.py to one tile.
+    """Applies the sequence-tail, causal and sliding-window rules of block_info.py to one tile,
+    and with `segments` the segment ids' (kernels/common/segments.py; `batch` then names the
+    entry whose ids apply).
 
     Register (r, c) of a thread sits at (thread_row, thread_col) + coords0[r, c] inside the tile,
     where `coords0` is thread 0's partition of the tile's identity tensor (compile-time constants)
@@ -27,6 +30,7 @@ class AttentionMask:
     causal: bool
     local: bool
     bounds: MaskBounds
+    segments: SegmentIds | None = None
 
     @cute.jit
     def apply(
@@ -39,6 +43,7 @@ class AttentionMask:
         n_block: Int32,
         seqlen_q: Int32,
         seqlen_k: Int32,
+        batch: Int32 | None = None,
     ):
         window_left, window_right = self.bounds.window_left, self.bounds.window_right
         offset = self.bounds.offset(seqlen_q, seqlen_k)
@@ -60,6 +65,8 @@ class AttentionMask:
                 if cutlass.const_expr(self.local):
                     if col < col_lo:
                         scores[r, c] = -Float32.inf
+        if cutlass.const_expr(self.segments is not None):
+            self.segments.apply(scores, coords0, thread_row, thread_col, m_block, n_block, batch)
 
     @cute.jit
     def apply_key_tail(
@@ -94,30 +101,36 @@ class AttentionMask:
         seqlen_q: Int32,
         seqlen_k: Int32,
         fill: cutlass.Constexpr[float] = -math.inf,
+        batch: Int32 | None = None,
     ):
-        """The causal/window rules on a transposed tile Sᵀ: rows are keys, columns are queries.
+        """The causal/window rules on a transposed tile Sᵀ: rows are keys, columns are queries,
+        and with `segments` the ids' (`batch` names the entry).
 
         Invisible entries become `fill` (−inf for scores; 0 for a tile that already holds P or dS).
         Same register-coordinate scheme as `apply`. The sequence tails are not masked here: padded
         query rows have lse = +inf (P = 0), and keys past seqlen_k go through `apply_key_tail`.
         """
-        window_left, window_right = self.bounds.window_left, self.bounds.window_right
-        offset = self.bounds.offset(seqlen_q, seqlen_k)
-        for r in cutlass.range_constexpr(cute.size(scores_t, mode=[0])):
-            key = n_block * self.tile_n + thread_row + coords0[r, 0][0]
-            # Queries that see this key, as [col_lo, col_hi) relative to the thread's first column.
-            col_base = m_block * self.tile_m + thread_col
-            right = Int32(0)
-            if cutlass.const_expr(self.local):
-                right = window_right
-            col_lo = key - offset - right - col_base
-            col_hi = Int32(0)
-            if cutlass.const_expr(self.local):
-                col_hi = key - offset + window_left + 1 - col_base
-            for c in cutlass.range_constexpr(cute.size(scores_t, mode=[1])):
-                col = coords0[r, c][1]
-                if col < col_lo:
-                    scores_t[r, c] = Float32(fill)
+        if cutlass.const_expr(self.causal or self.local):
+            window_left, window_right = self.bounds.window_left, self.bounds.window_right
+            offset = self.bounds.offset(seqlen_q, seqlen_k)
+            for r in cutlass.range_constexpr(cute.size(scores_t, mode=[0])):
+                key = n_block * self.tile_n + thread_row + coords0[r, 0][0]
+                # Queries that see this key, as [col_lo, col_hi) relative to the thread's first column.
+                col_base = m_block * self.tile_m + thread_col
+                right = Int32(0)
                 if cutlass.const_expr(self.local):
-                    if col >= col_hi:
+                    right = window_right
+                col_lo = key - offset - right - col_base
+                col_hi = Int32(0)
+                if cutlass.const_expr(self.local):
+                    col_hi = key - offset + window_left + 1 - col_base
+                for c in cutlass.range_constexpr(cute.size(scores_t, mode=[1])):
+                    col = coords0[r, c][1]
+                    if col < col_lo:
                         scores_t[r, c] = Float32(fill)
+                    if cutlass.const_expr(self.local):
+                        if col >= col_hi:
+                            scores_t[r, c] = Float32(fill)
+        if cutlass.const_expr(self.segments is not None):
+            self.segments.apply_transposed(scores_t, coords0, thread_row, thread_col, m_block, n_block, batch,
+                                           fill)

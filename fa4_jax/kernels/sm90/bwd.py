@@ -85,6 +85,7 @@ from fa4_jax.kernels.common.exp2 import LOG2_E, exp2_poly, uses_poly
 from fa4_jax.kernels.common.layouts import acc_as_operand_a, acc_rows_cols, fragment_order_view
 from fa4_jax.kernels.common.mask import AttentionMask
 from fa4_jax.kernels.common.ragged import entry_length
+from fa4_jax.kernels.common.segments import SegmentIds
 from fa4_jax.kernels.sm90 import hardware
 from fa4_jax.kernels.sm90.operands import (
     permute_modes, smem_layout, swizzled_tensor, tma_pipeline, wgmma_gemm,
@@ -274,6 +275,7 @@ class _KeyBlock:
     group: Int32  # q heads per kv head
     seqlen_q: Int32  # the entry's valid query rows and keys
     seqlen_k: Int32
+    segments: SegmentIds | None = None  # a segments kernel's ids and span tables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -376,8 +378,11 @@ class _BlockOperands:
 
 
 class FlashAttentionBackwardSm90:
-    def __init__(self, dtype, head_dim: int, head_dim_v: int, mask: str, has_softcap: bool, **tuning):
-        """`tuning` overrides the tile table's settings (TileConfig fields of the same name)."""
+    def __init__(self, dtype, head_dim: int, head_dim_v: int, mask: str, has_softcap: bool,
+                 segments: bool = False, **tuning):
+        """`tuning` overrides the tile table's settings (TileConfig fields of the same name).
+        `segments`: the kernel reads segment ids and their span tables
+        (kernels/common/segments.py)."""
         if mask not in ("none", "causal", "local"):
             raise ValueError(f"mask must be 'none', 'causal' or 'local', got {mask!r}")
         if head_dim not in TILE_CONFIGS:
@@ -388,6 +393,7 @@ class FlashAttentionBackwardSm90:
         self.causal = mask == "causal"
         self.local = mask == "local"
         self.has_softcap = has_softcap
+        self.segments = segments
         config = SOFTCAP_TILE_CONFIGS.get(head_dim) if has_softcap else None
         self.config = dataclasses.replace(config or TILE_CONFIGS[head_dim], **tuning)
         self.tile_m, self.tile_n, self.stages = self.config.tile_m, self.config.tile_n, self.config.stages
@@ -488,6 +494,10 @@ class FlashAttentionBackwardSm90:
         mSemaphore: cute.Tensor,
         mSeqUsedQ: cute.Tensor,
         mSeqUsedK: cute.Tensor,
+        mQSegmentIds: cute.Tensor,
+        mKSegmentIds: cute.Tensor,
+        mRowSpans: cute.Tensor,
+        mKeySpans: cute.Tensor,
         softmax_scale: Float32,
         softcap: Float32,
         window_left: Int32,
@@ -497,7 +507,8 @@ class FlashAttentionBackwardSm90:
         num_sms: Int32,
         stream: cuda.CUstream,
     ):
-        """Tensors as fa4_jax.aot.compile.TENSORS["bwd"] (JAX row-major layouts)."""
+        """Tensors as fa4_jax.aot.compile.TENSORS["bwd"] (JAX row-major layouts); the segment
+        ids and span tables are read by a segments kernel only (FlashAttentionForwardSm90)."""
         self.preprocess(mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2, mdQaccum, mSemaphore, mSeqUsedQ,
                         deterministic, stream)
 
@@ -580,6 +591,9 @@ class FlashAttentionBackwardSm90:
         # (docs/perf-log.md, "interleaving the chains").
         grid = (cute.ceil_div(cute.size(mK_k.shape[0]), self.tile_n), cute.size(mK_k.shape[2]),
                 cute.size(mK_k.shape[3]))
+        # Only a segments kernel takes the ids and tables (None: no kernel parameter at all).
+        segment_tensors = (mQSegmentIds, mKSegmentIds, mRowSpans, mKeySpans) if self.segments \
+            else (None, None, None, None)
         self.kernel(
             mmas.sdp, mmas.dk, mmas.dv, mmas.dq,
             tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
@@ -587,7 +601,7 @@ class FlashAttentionBackwardSm90:
             mdQaccum, mSemaphore, mSeqUsedQ, mSeqUsedK, mQ_k.shape[0], mQ_k.shape[2],
             sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout, sRow_layout, sdQ_layout,
             softmax_scale, score_prescale, scale_log2, window_left, window_right, top_left,
-            deterministic, num_sms,
+            deterministic, num_sms, *segment_tensors,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -644,6 +658,10 @@ class FlashAttentionBackwardSm90:
         top_left: Int32,
         deterministic: Int32,
         num_sms: Int32,
+        mQSegmentIds: cute.Tensor | None,
+        mKSegmentIds: cute.Tensor | None,
+        mRowSpans: cute.Tensor | None,
+        mKeySpans: cute.Tensor | None,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         cute.arch.griddepcontrol_launch_dependents()
@@ -687,10 +705,22 @@ class FlashAttentionBackwardSm90:
         # above stays on the buffers' sizes.
         seqlen_q = entry_length(mSeqUsedQ, batch, seqlen_q)
         seqlen_k = entry_length(mSeqUsedK, batch, seqlen_k)
-        key_block = _KeyBlock(n_block, head_kv, batch, num_heads // mK.shape[2], seqlen_q, seqlen_k)
+        segments = None
+        if cutlass.const_expr(self.segments):
+            segments = SegmentIds(self.tile_m, self.tile_n, mQSegmentIds, mKSegmentIds, mRowSpans, mKeySpans)
+        key_block = _KeyBlock(n_block, head_kv, batch, num_heads // mK.shape[2], seqlen_q, seqlen_k, segments)
         bounds = MaskBounds(window_left, window_right, top_left if self.causal or self.local else None)
         block_info = BlockInfo(self.tile_m, self.tile_n, self.causal, self.local, bounds)
         m_block_min, m_block_max = block_info.m_block_range(n_block, seqlen_q, seqlen_k)
+        if cutlass.const_expr(self.segments):
+            # Default mode skips the query blocks that share no segment with this key block. A
+            # deterministic call walks the mask's: its turns count the key blocks of a query
+            # block's span (`_dq_turn`), and for ids that do not run in one order on both sides
+            # a key block's span of query blocks need not hold every query block that counts it.
+            if deterministic == 0:
+                spans = segments.query_blocks(batch, n_block)
+                m_block_min = cutlass.max(m_block_min, spans.lo)
+                m_block_max = cutlass.max(cutlass.min(m_block_max, spans.hi), m_block_min)
         walk = self._query_walk(m_block_min, m_block_max, n_block, seqlen_k, deterministic, num_sms)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
         # The preprocess's writes (D, LSE, the zeroed dQ workspace and turn counters) are visible
@@ -826,11 +856,14 @@ class FlashAttentionBackwardSm90:
             sdQ=smem.dq,
         )
         n_block, seqlen_q, seqlen_k = key_block.n_block, key_block.seqlen_q, key_block.seqlen_k
-        mask = AttentionMask(self.tile_m, self.tile_n, self.causal, self.local, block_info.bounds)
+        mask = AttentionMask(self.tile_m, self.tile_n, self.causal, self.local, block_info.bounds,
+                             key_block.segments)
         apply_mask = functools.partial(
             mask.apply_transposed, coords0=blocks.score_coords0, thread_row=blocks.thread_origin[0],
             thread_col=blocks.thread_origin[1], n_block=n_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         )
+        if cutlass.const_expr(self.segments):
+            apply_mask = functools.partial(apply_mask, batch=key_block.batch)
         key_tail = (n_block + 1) * self.tile_n > seqlen_k
         mask_key_tail = functools.partial(
             self.mask_key_tail, mask=mask, blocks=blocks, n_block=n_block, mSeqUsedK=mSeqUsedK,
@@ -907,6 +940,11 @@ class FlashAttentionBackwardSm90:
         if cutlass.const_expr(block_info.has_right_bound):
             needs_mask = block_info.tile_needs_mask(m_block, key_block.n_block, key_block.seqlen_q,
                                                     key_block.seqlen_k)
+        if cutlass.const_expr(self.segments):
+            # Ids are compared unless every key of the block sees every row of the tile.
+            spans = key_block.segments.query_blocks(key_block.batch, key_block.n_block)
+            if m_block < spans.full_lo or m_block >= spans.full_hi:
+                needs_mask = cutlass.Boolean(True)
         self.query_block(blocks, state, m_block, needs_mask, apply_mask, key_tail, mask_key_tail, hand_over_dq,
                          lse_ahead)
 
@@ -973,7 +1011,7 @@ class FlashAttentionBackwardSm90:
                     prob = cute.math.exp2(capped * blocks.scale_log2 - lse_log2, fastmath=True)
                     scores[r, c] = prob
                     dp[r, c] = prob * (dp[r, c] - d_value) * (1.0 - capped * capped)
-            if cutlass.const_expr(self.causal or self.local):
+            if cutlass.const_expr(self.causal or self.local or self.segments):
                 if needs_mask:
                     apply_mask(scores, m_block=m_block, fill=0.0)
                     apply_mask(dp, m_block=m_block, fill=0.0)
@@ -985,7 +1023,7 @@ class FlashAttentionBackwardSm90:
                 lse_ahead = [row_stat(blocks.sLSE, c) for c in range(stats_ahead)]
             # Sᵀ is done; the exponentials overlap the dPᵀ GEMM.
             warpgroup.wait_group(1)
-            if cutlass.const_expr(self.causal or self.local):
+            if cutlass.const_expr(self.causal or self.local or self.segments):
                 if needs_mask:
                     apply_mask(scores, m_block=m_block)
             if key_tail:
@@ -1120,8 +1158,13 @@ class FlashAttentionBackwardSm90:
         n_block = key_block.n_block
         adds = cutlass.Boolean(True)
         turn = n_block
-        if cutlass.const_expr(block_info.has_right_bound):
+        if cutlass.const_expr(block_info.has_right_bound or self.segments):
             n_block_lo, n_block_hi = block_info.n_block_range(m_block, key_block.seqlen_q, key_block.seqlen_k)
+            if cutlass.const_expr(self.segments):
+                # The key blocks the forward visits for this query block: the adding ones.
+                spans = key_block.segments.key_blocks(key_block.batch, m_block)
+                n_block_lo = cutlass.max(n_block_lo, spans.lo)
+                n_block_hi = cutlass.min(n_block_hi, spans.hi)
             adds = cutlass.Boolean(False)
             if n_block >= n_block_lo:
                 if n_block < n_block_hi:
@@ -1168,7 +1211,8 @@ class FlashAttentionBackwardSm90:
         key_blocks = cute.ceil_div(seqlen_k, self.tile_n)
         rotated = cutlass.Boolean(False)
         shift = n_block
-        if cutlass.const_expr(not (self.causal or self.local)):
+        # Segments kernels count turns over a query block's span of key blocks (`_dq_turn`).
+        if cutlass.const_expr(not (self.causal or self.local or self.segments)):
             if deterministic != 0:
                 if 2 * key_blocks <= num_sms:
                     if key_blocks <= m_block_max - m_block_min:

@@ -48,6 +48,7 @@ from fa4_jax.kernels.common.layouts import (
 )
 from fa4_jax.kernels.common.mask import AttentionMask
 from fa4_jax.kernels.common.ragged import entry_length
+from fa4_jax.kernels.common.segments import SegmentIds
 from fa4_jax.kernels.common.softmax import OnlineSoftmax, SoftmaxConfig, scale_rows
 from fa4_jax.kernels.common.tile_scheduler import TileScheduler
 from fa4_jax.kernels.sm90 import hardware
@@ -260,6 +261,8 @@ class _Problem:
     batch: Int32
     seq_used_q: cute.Tensor
     seq_used_k: cute.Tensor
+    # Segment ids and their span tables (a segments kernel's), else None.
+    segments: SegmentIds | None = None
 
     def seqlens(self, batch: Int32):
         """(query rows, keys) of entry `batch` that exist: its lengths, clamped to the buffers.
@@ -284,14 +287,29 @@ class _Problem:
         lengths and the range of key blocks it visits."""
         m_block, _, batch = self.tile(scheduler, i)
         seqlen_q, seqlen_k = self.seqlens(batch)
-        n_block_min, n_block_max = block_info.n_block_range(m_block, seqlen_q, seqlen_k)
+        n_block_min, n_block_max = self.visited_blocks(block_info, m_block, batch, seqlen_q, seqlen_k)
         return m_block, seqlen_q, seqlen_k, n_block_min, n_block_max
+
+    @cute.jit
+    def visited_blocks(self, block_info: BlockInfo, m_block: Int32, batch: Int32, seqlen_q: Int32,
+                       seqlen_k: Int32):
+        """[n_block_min, n_block_max): the mask's key blocks of query tile m_block, narrowed with
+        segment ids to those that share a segment with it (the load warp and the MMA warp
+        groups walk the same blocks)."""
+        n_block_min, n_block_max = block_info.n_block_range(m_block, seqlen_q, seqlen_k)
+        if cutlass.const_expr(self.segments is not None):
+            spans = self.segments.key_blocks(batch, m_block)
+            n_block_min = cutlass.max(n_block_min, spans.lo)
+            n_block_max = cutlass.max(cutlass.min(n_block_max, spans.hi), n_block_min)
+        return n_block_min, n_block_max
 
 
 class FlashAttentionForwardSm90:
-    def __init__(self, dtype, head_dim: int, head_dim_v: int, mask: str, has_softcap: bool, **tuning):
+    def __init__(self, dtype, head_dim: int, head_dim_v: int, mask: str, has_softcap: bool,
+                 segments: bool = False, **tuning):
         """`tuning` overrides the tile table's settings: any of TUNING_KNOBS (the SoftmaxConfig
-        and TileConfig fields of the same name)."""
+        and TileConfig fields of the same name). `segments`: the kernel reads segment ids and
+        their span tables (kernels/common/segments.py)."""
         if mask not in ("none", "causal", "local"):
             raise ValueError(f"mask must be 'none', 'causal' or 'local', got {mask!r}")
         if (head_dim, head_dim_v) not in TILE_CONFIGS:
@@ -305,6 +323,7 @@ class FlashAttentionForwardSm90:
         self.causal = mask == "causal"
         self.local = mask == "local"
         self.has_softcap = has_softcap
+        self.segments = segments
         config = TILE_CONFIGS[(head_dim, head_dim_v)]
         softmax_tuning = {k: type(getattr(config.softmax, k))(tuning[k])
                           for k in SOFTMAX_FIELDS if k in tuning}
@@ -344,6 +363,10 @@ class FlashAttentionForwardSm90:
         self.diagonal_keys = ROWS_PER_WARP_GROUP if narrow_diagonal else 0
         if self.diagonal_keys and not config.tile_m == config.tile_n == 128:
             raise ValueError(f"{config}: first_group_diagonal needs 128 x 128 tiles of two MMA warp groups")
+        # The narrowed first blocks assume that the key blocks a tile visits are the mask's.
+        if segments and (self.tail_keys or self.diagonal_keys):
+            raise ValueError(f"{config}: tail_keys and first_group_diagonal are not implemented "
+                             "with segment ids")
         self.pingpong = config.pingpong
         self.mma_warp_groups = tuple(range(1, config.mma_warp_groups + 1))
         self.mma_registers = MMA_REGISTERS[config.mma_warp_groups]
@@ -391,6 +414,10 @@ class FlashAttentionForwardSm90:
         mLSE: cute.Tensor,
         mSeqUsedQ: cute.Tensor,
         mSeqUsedK: cute.Tensor,
+        mQSegmentIds: cute.Tensor,
+        mKSegmentIds: cute.Tensor,
+        mRowSpans: cute.Tensor,
+        mKeySpans: cute.Tensor,
         softmax_scale: Float32,
         softcap: Float32,
         window_left: Int32,
@@ -406,7 +433,12 @@ class FlashAttentionForwardSm90:
         masked like the sequence tail, and the V rows of those inside the last key block read
         are zeroed in shared memory (`zero_v_past_keys`), so K and V padding may hold anything.
         Q's padding must be finite (the caller zeroes it): a padding row's NaN would reach its
-        O through the rescale by 0. top_left: 1 aligns the mask to the top-left corner."""
+        O through the rescale by 0. top_left: 1 aligns the mask to the top-left corner.
+
+        mQSegmentIds [b, sq], mKSegmentIds [b, sk] int32 and the span tables mRowSpans
+        [b, ceil(sq / 64), 4], mKeySpans [b, ceil(sk / 64), 4] (fa4_jax/segment_layout.py): read
+        by a segments kernel (a row sees only keys of its own id; key blocks that share no
+        segment with a tile are skipped), empty and unread otherwise."""
         # Kernel-side views put the sequence and feature modes first: (s, d, heads, batch).
         mQ, mK, mV, mO = [permute_modes(t, (1, 3, 2, 0)) for t in (mQ, mK, mV, mO)]
         mLSE = permute_modes(mLSE, (2, 1, 0))
@@ -454,11 +486,13 @@ class FlashAttentionForwardSm90:
 
         grid = self.scheduler.grid(cute.size(mQ.shape[0]), cute.size(mK.shape[0]), cute.size(mQ.shape[2]),
                                    cute.size(mK.shape[2]), cute.size(mQ.shape[3]))
+        # Only a segments kernel takes the ids and tables (None: no kernel parameter at all).
+        segment_tensors = (mQSegmentIds, mKSegmentIds, mRowSpans) if self.segments else (None, None, None)
         self.kernel(
             tiled_mma_qk, tiled_mma_pv,
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o,
             mLSE, mSeqUsedQ, mSeqUsedK, sQ_layout, sK_layout, sV_layout, sO_layout,
-            score_prescale, scale_log2, window_left, window_right, top_left,
+            score_prescale, scale_log2, window_left, window_right, top_left, *segment_tensors,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -492,6 +526,9 @@ class FlashAttentionForwardSm90:
         window_left: Int32,
         window_right: Int32,
         top_left: Int32,
+        mQSegmentIds: cute.Tensor | None,
+        mKSegmentIds: cute.Tensor | None,
+        mRowSpans: cute.Tensor | None,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -518,7 +555,12 @@ class FlashAttentionForwardSm90:
             o=swizzled_tensor(storage.sO if self.config.separate_o else storage.sQ, sO_layout),
         )
         tma = _Tma(tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, tma_atom_o, mO)
-        problem = _Problem(mQ.shape[0], mK.shape[0], mQ.shape[2], mK.shape[2], mQ.shape[3], mSeqUsedQ, mSeqUsedK)
+        segments = None
+        if cutlass.const_expr(self.segments):
+            # The forward reads no key spans: its walk is over key blocks of a query tile.
+            segments = SegmentIds(self.tile_m, self.tile_n, mQSegmentIds, mKSegmentIds, mRowSpans, None)
+        problem = _Problem(mQ.shape[0], mK.shape[0], mQ.shape[2], mK.shape[2], mQ.shape[3], mSeqUsedQ, mSeqUsedK,
+                           segments)
         bounds = MaskBounds(window_left, window_right, top_left if self.causal or self.local else None)
         block_info = BlockInfo(self.tile_m, self.tile_n, self.causal, self.local, bounds)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
@@ -560,7 +602,7 @@ class FlashAttentionForwardSm90:
                 # lengths' arithmetic, in order behind the wait for their loads.
                 cute.arch.sync_warp()
             seqlen_q, seqlen_k = problem.seqlens(batch)
-            n_block_min, n_block_max = block_info.n_block_range(m_block, seqlen_q, seqlen_k)
+            n_block_min, n_block_max = problem.visited_blocks(block_info, m_block, batch, seqlen_q, seqlen_k)
             gK = cute.local_tile(tma.k[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
             gV = cute.local_tile(tma.v[None, None, head_kv, batch], (self.tile_n, self.head_dim_v), (None, 0))
             tKsK, tKgK = cpasync.tma_partition(tma.atom_k, 0, no_cluster, cute.group_modes(smem.k, 0, 2), cute.group_modes(gK, 0, 2))
@@ -620,7 +662,8 @@ class FlashAttentionForwardSm90:
 
         softmax = OnlineSoftmax.create(self.config.softmax, scale_log2, cute.size(acc_o_rc, mode=[0]))
         row_scale = cute.make_rmem_tensor_like(softmax.row_max, Float32)
-        mask = AttentionMask(self.tile_m, self.tile_n, self.causal, self.local, block_info.bounds)
+        mask = AttentionMask(self.tile_m, self.tile_n, self.causal, self.local, block_info.bounds,
+                             problem.segments)
         acc_s = thr_mma_qk.make_fragment_C(thr_mma_qk.partition_shape_C((self.tile_m, self.tile_n)))
         p = cute.make_rmem_tensor_like(acc_s, self.dtype)
         blocks = _BlockOperands(
@@ -653,6 +696,11 @@ class FlashAttentionForwardSm90:
             )
             apply_mask = functools.partial(tile_mask, m_block=m_block, seqlen_q=seqlen_q,
                                            seqlen_k=seqlen_k)
+            segment_spans = None
+            if cutlass.const_expr(problem.segments is not None):
+                _, _, batch = problem.tile(self.scheduler, tile_i)
+                segment_spans = problem.segments.key_blocks(batch, m_block)
+                apply_mask = functools.partial(apply_mask, batch=batch)
             masked = functools.partial(step, apply_mask=apply_mask)
             acc_o.fill(0.0)
             softmax.reset()
@@ -665,7 +713,7 @@ class FlashAttentionForwardSm90:
                 tile_blocks = functools.partial(
                     self.mma_tile_blocks, blocks, step, masked, warp_group, kv_state, block_info, m_block,
                     n_block_min, n_block_max, seqlen_q, seqlen_k, apply_mask, smem.v, problem, tidx,
-                    pipes.q, q_state,
+                    pipes.q, q_state, segment_spans=segment_spans,
                 )
                 if padded:
                     kv_state = self.mma_tile_skipped(blocks, warp_group, kv_state, n_block_min, n_block_max,
@@ -697,16 +745,18 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def mma_tile_blocks(self, blocks, step, masked, warp_group, kv_state, block_info, m_block, n_block_min,
                         n_block_max, seqlen_q, seqlen_k, apply_mask, sV, problem, tidx, pipeline_q, q_state,
-                        first_blocks, first_step, narrowed_diagonal: cutlass.Constexpr[bool]):
+                        first_blocks, first_step, narrowed_diagonal: cutlass.Constexpr[bool],
+                        segment_spans=None):
         """A tile's key blocks, its first one through `first_blocks` (narrowed, or `blocks`) and the
         next one's step `first_step`; returns the last block's ring slot. narrowed_diagonal: the
         first block is the first group's narrowed diagonal, which may be the tile's only block
         (its P·V then runs only the narrowed k16 steps); otherwise the tile has two or more
-        blocks wherever the first is narrowed (the router's tail rule)."""
+        blocks wherever the first is narrowed (the router's tail rule). segment_spans: the
+        tile's `BlockSpans` over key blocks, with segment ids."""
         later_blocks = functools.partial(
             self.mma_key_blocks, step, masked, block_info=block_info, m_block=m_block,
             n_block_min=n_block_min, n_block_max=n_block_max, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-            first_step=first_step,
+            first_step=first_step, segment_spans=segment_spans,
         )
         self.mma_first_block(first_blocks, kv_state, n_block_max - 1, apply_mask, sV, seqlen_k, problem,
                              tidx)
@@ -745,33 +795,64 @@ class FlashAttentionForwardSm90:
 
     @cute.jit
     def mma_key_blocks(self, step, masked, kv_state, block_info, m_block, n_block_min, n_block_max,
-                       seqlen_q, seqlen_k, first_step=None):
+                       seqlen_q, seqlen_k, first_step=None, segment_spans=None):
         """The overlapped steps of a tile's key blocks after the first, from n_block_max − 2 down:
         right-masked (local), unmasked, left-masked (local). Returns the last block's ring slot.
         `first_step`, if given, replaces `step` for the first of them, which must exist (kernels
         without a mask, on keys that fill more than one block, or with the first group's
-        narrowed diagonal, whose tile has no other right-masked block)."""
-        n_block = n_block_max - 2
-        if cutlass.const_expr(block_info.has_right_bound and not self.diagonal_keys):
-            n_masked_from = block_info.n_block_min_right_masked(m_block, n_block_min, seqlen_q, seqlen_k)
-            for _ in cutlass.range(n_block + 1 - n_masked_from, unroll=1):
-                kv_state = masked(kv_state, n_block)
+        narrowed diagonal, whose tile has no other right-masked block). With segment ids
+        (`segment_spans`) the unmasked run also lies inside the tile's full span, and the
+        blocks above and below it compare ids (`mma_segment_blocks`)."""
+        if cutlass.const_expr(segment_spans is not None):
+            kv_state = self.mma_segment_blocks(step, masked, kv_state, block_info, m_block, n_block_min,
+                                               n_block_max, seqlen_q, seqlen_k, segment_spans)
+        else:
+            n_block = n_block_max - 2
+            if cutlass.const_expr(block_info.has_right_bound and not self.diagonal_keys):
+                n_masked_from = block_info.n_block_min_right_masked(m_block, n_block_min, seqlen_q, seqlen_k)
+                for _ in cutlass.range(n_block + 1 - n_masked_from, unroll=1):
+                    kv_state = masked(kv_state, n_block)
+                    n_block -= 1
+            n_unmasked_from = block_info.n_block_min_unmasked(m_block, n_block_min, seqlen_q, seqlen_k)
+            if cutlass.const_expr(first_step is not None):
+                assert not self.local and (self.diagonal_keys or not block_info.has_right_bound), \
+                    "first_step: kernels without a mask, or the first group's narrowed diagonal"
+                # Unconditional: under a branch, P's registers past the tail would have to live on
+                # through this step for `mma_last_pv` (ptxas then serialized the WGMMAs, C7511).
+                kv_state = first_step(kv_state, n_block)
                 n_block -= 1
-        n_unmasked_from = block_info.n_block_min_unmasked(m_block, n_block_min, seqlen_q, seqlen_k)
-        if cutlass.const_expr(first_step is not None):
-            assert not self.local and (self.diagonal_keys or not block_info.has_right_bound), \
-                "first_step: kernels without a mask, or the first group's narrowed diagonal"
-            # Unconditional: under a branch, P's registers past the tail would have to live on
-            # through this step for `mma_last_pv` (ptxas then serialized the WGMMAs, C7511).
-            kv_state = first_step(kv_state, n_block)
+            for _ in cutlass.range(n_block + 1 - n_unmasked_from, unroll=1):
+                kv_state = step(kv_state, n_block)
+                n_block -= 1
+            if cutlass.const_expr(self.local):
+                for _ in cutlass.range(n_block + 1 - n_block_min, unroll=1):
+                    kv_state = masked(kv_state, n_block)
+                    n_block -= 1
+        return kv_state
+
+    @cute.jit
+    def mma_segment_blocks(self, step, masked, kv_state, block_info, m_block, n_block_min, n_block_max,
+                           seqlen_q, seqlen_k, segment_spans):
+        """`mma_key_blocks` with segment ids: masked down to `upper`, unmasked down to `lower`,
+        masked down to n_block_min, where [lower, upper) is the mask's unmasked run clipped to
+        the blocks every row of the tile sees whole (segment_spans.full_lo .. full_hi)."""
+        n_block = n_block_max - 2
+        upper = n_block + 1
+        if cutlass.const_expr(block_info.has_right_bound):
+            upper = cutlass.min(upper, block_info.n_block_min_right_masked(m_block, n_block_min, seqlen_q,
+                                                                           seqlen_k))
+        upper = cutlass.max(cutlass.min(upper, segment_spans.full_hi), n_block_min)
+        lower = block_info.n_block_min_unmasked(m_block, n_block_min, seqlen_q, seqlen_k)
+        lower = cutlass.min(cutlass.max(lower, segment_spans.full_lo), upper)
+        for _ in cutlass.range(n_block + 1 - upper, unroll=1):
+            kv_state = masked(kv_state, n_block)
             n_block -= 1
-        for _ in cutlass.range(n_block + 1 - n_unmasked_from, unroll=1):
+        for _ in cutlass.range(n_block + 1 - lower, unroll=1):
             kv_state = step(kv_state, n_block)
             n_block -= 1
-        if cutlass.const_expr(self.local):
-            for _ in cutlass.range(n_block + 1 - n_block_min, unroll=1):
-                kv_state = masked(kv_state, n_block)
-                n_block -= 1
+        for _ in cutlass.range(n_block + 1 - n_block_min, unroll=1):
+            kv_state = masked(kv_state, n_block)
+            n_block -= 1
         return kv_state
 
     @cute.jit

@@ -92,8 +92,11 @@ def _route_variants():
                           route.kind, route.tuning)
 
 
+# Every problem class, with and without segment ids (the segments kernels run the default
+# tuning: the routes' narrowed first blocks assume the mask's own key blocks).
 MENU: tuple[Variant, ...] = tuple(
-    Variant(ARCH, dtype, d, dv, mask, softcap, kind)
+    Variant(ARCH, dtype, d, dv, mask, softcap, kind, segments=segments)
+    for segments in (False, True)
     for kind in KINDS
     for dtype, (d, dv), mask, softcap in itertools.product(DTYPES, _HEAD_DIMS_BY_KIND[kind], MASKS,
                                                            (False, True))

@@ -1,0 +1,107 @@
+"""Segment ids in the kernels: which blocks a tile visits, which need ids compared, and the
+comparison itself on a score tile in registers.
+
+Query row i sees key j only if q_ids[i] == k_ids[j] (on top of the causal/window rules and the
+lengths). The span tables (fa4_jax/segment_layout.py) say, per 64 positions, the hull of the
+partners they see and the partners every one of them sees; a tile reduces its chunks' entries to
+
+- a visit range: key blocks (query tiles, in the backward) wholly outside it share no segment
+  with the tile and are skipped, not masked;
+- a full range: blocks wholly inside it are visible to every row of the tile, so the unmasked
+  loop runs them; only the blocks between the two compare ids, element by element.
+"""
+import dataclasses
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from fa4_jax.segment_layout import FULL_HI, FULL_LO, HI, LO, NO_SPAN, SPAN_CHUNK
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSpans:
+    """A tile's ranges over the other side's blocks: [lo, hi) visited, [full_lo, full_hi) with
+    every pair visible. Either may be empty (lo >= hi)."""
+
+    lo: Int32
+    hi: Int32
+    full_lo: Int32
+    full_hi: Int32
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentIds:
+    """One call's ids (q_ids [b, sq], k_ids [b, sk] int32) and span tables (row_spans
+    [b, ceil(sq / 64), 4], key_spans [b, ceil(sk / 64), 4]), for tiles of tile_m rows and
+    tile_n keys (both multiples of SPAN_CHUNK, except a forward's tile_n, which only divides
+    positions)."""
+
+    tile_m: int
+    tile_n: int
+    q_ids: cute.Tensor
+    k_ids: cute.Tensor
+    row_spans: cute.Tensor
+    key_spans: cute.Tensor
+
+    @cute.jit
+    def _reduce(self, table: cute.Tensor, batch: Int32, block: Int32, tile: cutlass.Constexpr[int],
+                other_tile: cutlass.Constexpr[int]) -> BlockSpans:
+        """The spans of positions [block · tile, (block + 1) · tile) over blocks of other_tile."""
+        chunks = tile // SPAN_CHUNK
+        lo, hi, full_lo, full_hi = Int32(NO_SPAN), Int32(0), Int32(0), Int32(NO_SPAN)
+        for i in cutlass.range_constexpr(chunks):
+            chunk = block * chunks + i
+            if chunk < table.shape[1]:
+                lo = cutlass.min(lo, table[batch, chunk, LO])
+                hi = cutlass.max(hi, table[batch, chunk, HI])
+                full_lo = cutlass.max(full_lo, table[batch, chunk, FULL_LO])
+                full_hi = cutlass.min(full_hi, table[batch, chunk, FULL_HI])
+        # Visited: blocks holding a position of [lo, hi); full: blocks wholly inside
+        # [full_lo, full_hi). NO_SPAN + other_tile stays far from overflow.
+        return BlockSpans(lo // other_tile, (hi + other_tile - 1) // other_tile,
+                          (full_lo + other_tile - 1) // other_tile, full_hi // other_tile)
+
+    @cute.jit
+    def key_blocks(self, batch: Int32, m_block: Int32) -> BlockSpans:
+        """Query tile m_block's spans over key blocks of tile_n."""
+        return self._reduce(self.row_spans, batch, m_block, self.tile_m, self.tile_n)
+
+    @cute.jit
+    def query_blocks(self, batch: Int32, n_block: Int32) -> BlockSpans:
+        """Key block n_block's spans over query tiles of tile_m (the backward's walk)."""
+        return self._reduce(self.key_spans, batch, n_block, self.tile_n, self.tile_m)
+
+    @cute.jit
+    def _id(self, ids: cute.Tensor, batch: Int32, position: Int32) -> Int32:
+        """ids[batch, position], the position clamped into the buffer: a tile's overhang rows
+        and keys are masked or cleared by the length rules, but must not be read out of bounds."""
+        return ids[batch, cutlass.min(position, ids.shape[1] - 1)]
+
+    @cute.jit
+    def apply(self, scores: cute.Tensor, coords0: cute.Tensor, thread_row: Int32, thread_col: Int32,
+              m_block: Int32, n_block: Int32, batch: Int32):
+        """scores (rows = queries, cols = keys; AttentionMask.apply's register scheme) to −inf
+        where the row's id differs from the key's. Each id is loaded once per tile."""
+        row_ids = cute.make_rmem_tensor((cute.size(scores, mode=[0]),), Int32)
+        for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
+            row_ids[r] = self._id(self.q_ids, batch, m_block * self.tile_m + thread_row + coords0[r, 0][0])
+        for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+            key_id = self._id(self.k_ids, batch, n_block * self.tile_n + thread_col + coords0[0, c][1])
+            for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
+                if row_ids[r] != key_id:
+                    scores[r, c] = -Float32.inf
+
+    @cute.jit
+    def apply_transposed(self, scores_t: cute.Tensor, coords0: cute.Tensor, thread_row: Int32,
+                         thread_col: Int32, m_block: Int32, n_block: Int32, batch: Int32,
+                         fill: cutlass.Constexpr[float]):
+        """The same on a transposed tile Sᵀ (rows = keys, cols = queries), to `fill`."""
+        key_ids = cute.make_rmem_tensor((cute.size(scores_t, mode=[0]),), Int32)
+        for r in cutlass.range_constexpr(cute.size(scores_t, mode=[0])):
+            key_ids[r] = self._id(self.k_ids, batch, n_block * self.tile_n + thread_row + coords0[r, 0][0])
+        for c in cutlass.range_constexpr(cute.size(scores_t, mode=[1])):
+            row_id = self._id(self.q_ids, batch, m_block * self.tile_m + thread_col + coords0[0, c][1])
+            for r in cutlass.range_constexpr(cute.size(scores_t, mode=[0])):
+                if key_ids[r] != row_id:
+                    scores_t[r, c] = Float32(fill)

@@ -1,0 +1,261 @@
+"""Segment ids for the kernels: the span tables (fa4_jax.segments) against a brute-force count,
+and the kernels' use of them (kernels/common/segments.py, modelled here in Python with the same
+integer arithmetic) against the pairs that are visible.
+
+What the kernels rely on, checked over random packings (contiguous documents, padding ids that
+match nothing, non-contiguous ids, ragged lengths, empty and one-token documents):
+- a block outside a tile's visit range holds no pair visible to a counted row of the tile;
+- a block inside its full range is visible to every counted row of the tile, whole;
+- for packed documents in self-attention (one packing on both sides) the visit range is exactly
+  the blocks that hold a visible pair, so the work is the useful work's, rounded to blocks.
+"""
+import numpy as np
+import pytest
+
+from fa4_jax import segments
+from fa4_jax.segment_layout import FULL_HI, FULL_LO, HI, LO, NO_SPAN, SPAN_CHUNK
+
+# Tile shapes the kernels use: forward (tile_m, tile_n) and backward (tile_m, tile_n).
+TILES = ((128, 128), (192, 128), (128, 176), (64, 64), (64, 128), (128, 64))
+
+
+def _brute_table(ids, partner_ids, count, partner_count):
+    """The table's definition, one position at a time."""
+    chunks = -(-len(ids) // SPAN_CHUNK)
+    table = np.tile(np.array([NO_SPAN, 0, 0, NO_SPAN], np.int64), (chunks, 1))
+    for i in range(min(count, len(ids))):
+        partners = [j for j in range(partner_count) if partner_ids[j] == ids[i]]
+        row = table[i // SPAN_CHUNK]
+        if partners:
+            row[LO] = min(row[LO], partners[0])
+            row[HI] = max(row[HI], partners[-1] + 1)
+        if partners and partners[-1] - partners[0] + 1 == len(partners):
+            row[FULL_LO] = max(row[FULL_LO], partners[0])
+            row[FULL_HI] = min(row[FULL_HI], partners[-1] + 1)
+        else:
+            row[FULL_LO], row[FULL_HI] = NO_SPAN, 0
+    return table
+
+
+def _packing(rng, length, kind):
+    """Segment ids of one row: documents in order ("packed"), then padding; or shuffled ids."""
+    if kind == "shuffled":
+        return rng.integers(0, 4, length)
+    ids, doc = [], 0
+    while len(ids) < length:
+        size = int(rng.choice([0, 1, 2, 5, 40, 64, 65, 130, 300]))
+        ids += [doc] * size
+        doc += 1
+    ids = np.array(ids[:length])
+    if kind == "padded":
+        ids[length - int(rng.integers(0, length // 2 + 1)):] = -1
+    return ids
+
+
+def _rows(rng, batch, seqlen_q, seqlen_k, kind, ragged):
+    q_ids = np.stack([_packing(rng, seqlen_q, kind) for _ in range(batch)]).astype(np.int32)
+    if seqlen_q == seqlen_k and kind != "shuffled":
+        kv_ids = np.where(q_ids < 0, -2, q_ids)  # self-attention: the same packing, padding apart
+    else:
+        kv_ids = np.stack([_packing(rng, seqlen_k, kind) for _ in range(batch)]).astype(np.int32)
+    q_len = rng.integers(0, seqlen_q + 1, batch) if ragged else np.full(batch, seqlen_q)
+    kv_len = rng.integers(0, seqlen_k + 1, batch) if ragged else np.full(batch, seqlen_k)
+    return q_ids, kv_ids, q_len.astype(np.int32), kv_len.astype(np.int32)
+
+
+CASES = [(seqlen_q, seqlen_k, kind, ragged)
+         for seqlen_q, seqlen_k in ((1, 1), (64, 64), (300, 300), (1000, 1000), (200, 700), (513, 129))
+         for kind in ("packed", "padded", "shuffled") for ragged in (False, True)]
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k, kind, ragged", CASES)
+def test_span_tables_count_what_their_definition_says(seqlen_q, seqlen_k, kind, ragged):
+    rng = np.random.default_rng([seqlen_q, seqlen_k, len(kind), ragged])
+    q_ids, kv_ids, q_len, kv_len = _rows(rng, 2, seqlen_q, seqlen_k, kind, ragged)
+    row_spans, key_spans = (np.asarray(t) for t in segments.span_tables(q_ids, kv_ids, (q_len, kv_len)))
+    for b in range(2):
+        np.testing.assert_array_equal(row_spans[b], _brute_table(q_ids[b], kv_ids[b], q_len[b], kv_len[b]))
+        np.testing.assert_array_equal(key_spans[b], _brute_table(kv_ids[b], q_ids[b], kv_len[b], q_len[b]))
+
+
+def _block_spans(table, block, tile, other_tile):
+    """SegmentIds._reduce: a tile's (visit lo, hi, full lo, hi) over the other side's blocks."""
+    lo, hi, full_lo, full_hi = NO_SPAN, 0, 0, NO_SPAN
+    chunks = tile // SPAN_CHUNK
+    for chunk in range(block * chunks, block * chunks + chunks):
+        if chunk < len(table):
+            lo, hi = min(lo, table[chunk][LO]), max(hi, table[chunk][HI])
+            full_lo, full_hi = max(full_lo, table[chunk][FULL_LO]), min(full_hi, table[chunk][FULL_HI])
+    return lo // other_tile, (hi + other_tile - 1) // other_tile, \
+        (full_lo + other_tile - 1) // other_tile, full_hi // other_tile
+
+
+def _check_blocks(table, ids, partner_ids, count, partner_count, tile, other_tile, packed):
+    """The kernels' skip and no-compare rules hold for every tile of one side."""
+    visible = (ids[:count, None] == partner_ids[None, :partner_count])
+    # A tile wholly past the length visits nothing (the mask's block range is empty).
+    for block in range(-(-count // tile)):
+        lo, hi, full_lo, full_hi = _block_spans(table, block, tile, other_tile)
+        rows = visible[block * tile:(block + 1) * tile]
+        holds_pair = [rows[:, n * other_tile:(n + 1) * other_tile].any() for n in
+                      range(-(-len(partner_ids) // other_tile))]
+        for n, pair in enumerate(holds_pair):
+            if pair:
+                assert lo <= n < hi, (block, n, "a block with a visible pair is skipped")
+            if full_lo <= n < full_hi:
+                cols = rows[:, n * other_tile:(n + 1) * other_tile]
+                assert cols.shape[1] == other_tile and cols.all(), (block, n, "a full block hides a pair")
+        if packed:
+            assert [n for n, pair in enumerate(holds_pair) if pair] == list(range(lo, max(lo, hi))), \
+                (block, "packed documents: the visit range is not exactly the blocks with pairs")
+
+
+@pytest.mark.parametrize("tile_m, tile_n", TILES)
+@pytest.mark.parametrize("seqlen_q, seqlen_k, kind, ragged", CASES)
+def test_kernels_skip_only_blocks_without_pairs_and_compare_all_but_full_ones(
+        tile_m, tile_n, seqlen_q, seqlen_k, kind, ragged):
+    rng = np.random.default_rng([tile_m, tile_n, seqlen_q, seqlen_k, len(kind), ragged])
+    q_ids, kv_ids, q_len, kv_len = _rows(rng, 2, seqlen_q, seqlen_k, kind, ragged)
+    row_spans, key_spans = (np.asarray(t) for t in segments.span_tables(q_ids, kv_ids, (q_len, kv_len)))
+    # The same packing on both sides (self-attention): the visit ranges are tight.
+    packed = kind != "shuffled" and seqlen_q == seqlen_k
+    for b in range(2):
+        # The forward's walk (query tiles over key blocks) and the backward's (key blocks over
+        # query tiles); the backward's tile_n is a multiple of the span chunk.
+        _check_blocks(row_spans[b], q_ids[b], kv_ids[b], q_len[b], kv_len[b], tile_m, tile_n, packed)
+        if tile_n % SPAN_CHUNK == 0:
+            _check_blocks(key_spans[b], kv_ids[b], q_ids[b], kv_len[b], q_len[b], tile_n, tile_m, packed)
+
+
+def test_a_mutated_table_is_caught():
+    # The check above can fail: widen one chunk's full range by a block and it reports the pair
+    # that a kernel would then leave uncompared.
+    rng = np.random.default_rng(7)
+    q_ids, kv_ids, q_len, kv_len = _rows(rng, 1, 1000, 1000, "packed", False)
+    row_spans = np.array(segments.span_tables(q_ids, kv_ids)[0][0])
+    chunk = next(c for c, (_, _, full_lo, full_hi) in enumerate(row_spans)
+                 if full_lo < full_hi <= 1000 - SPAN_CHUNK)
+    row_spans[chunk][FULL_HI] += SPAN_CHUNK
+    with pytest.raises(AssertionError, match="a full block hides a pair"):
+        _check_blocks(row_spans, q_ids[0], kv_ids[0], q_len[0], kv_len[0], SPAN_CHUNK, SPAN_CHUNK, True)
+
+
+def test_one_long_document_among_many_short_ones_visits_only_its_own_blocks():
+    # One 8k document and 255 of 32 tokens in a 16k row: a query tile of a short document
+    # visits its own block (or two), the long one's tiles its own 64 blocks at most.
+    ids = np.concatenate([np.zeros(8192, np.int32), np.repeat(np.arange(1, 256, dtype=np.int32), 32)])
+    ids = np.concatenate([ids, np.full(16384 - len(ids), -1, np.int32)])[None]
+    row_spans = np.asarray(segments.span_tables(ids, np.where(ids < 0, -2, ids))[0][0])
+    visits = [(hi - lo) for lo, hi, _, _ in (_block_spans(row_spans, m, 128, 128) for m in range(128))]
+    assert max(visits[:64]) == 64 and max(visits[64:]) <= 2
+    assert sum(visits) == 64 * 64 + sum(visits[64:])
+
+
+def _tile_ranges(table, tile, other_tile):
+    """_block_spans for every tile at once: [b, tiles] arrays (lo, hi, full_lo, full_hi)."""
+    import jax.numpy as jnp
+
+    chunks = tile // SPAN_CHUNK
+    tiles = -(-table.shape[1] // chunks)
+    # The reductions' identities (a literal array would be a constant, which the partitioned
+    # op around the kernel call refuses).
+    pad = jnp.zeros((table.shape[0], tiles * chunks - table.shape[1], 4), jnp.int32)
+    pad = pad + jnp.where(jnp.arange(4) % 3 == 0, NO_SPAN, 0)
+    grouped = jnp.concatenate([table, pad], axis=1).reshape(table.shape[0], tiles, chunks, 4)
+    lo, hi = grouped[..., LO].min(-1), grouped[..., HI].max(-1)
+    full_lo, full_hi = grouped[..., FULL_LO].max(-1), grouped[..., FULL_HI].min(-1)
+    return lo // other_tile, (hi + other_tile - 1) // other_tile, \
+        (full_lo + other_tile - 1) // other_tile, full_hi // other_tile
+
+
+def _kernel_mask(q_ids, kv_ids, table, tile_of_row, tile_of_key, transposed):
+    """[b, sq, sk]: what a kernel walking the table computes for each pair: inside a visited
+    block, and either in a full block or of equal ids. transposed: the backward's walk (key
+    blocks over query tiles, the key spans)."""
+    import jax.numpy as jnp
+
+    rows, keys = jnp.arange(q_ids.shape[1]), jnp.arange(kv_ids.shape[1])
+    if transposed:
+        lo, hi, full_lo, full_hi = _tile_ranges(table, tile_of_key, tile_of_row)
+        walker, walked = keys // tile_of_key, rows // tile_of_row
+        inside = lambda a, b: (a[:, None, walker] <= walked[None, :, None]) & (walked[None, :, None] < b[:, None, walker])
+    else:
+        lo, hi, full_lo, full_hi = _tile_ranges(table, tile_of_row, tile_of_key)
+        walker, walked = rows // tile_of_row, keys // tile_of_key
+        inside = lambda a, b: (a[:, walker, None] <= walked[None, None, :]) & (walked[None, None, :] < b[:, walker, None])
+    same = q_ids[:, :, None] == kv_ids[:, None, :]
+    return inside(lo, hi) & (inside(full_lo, full_hi) | same)
+
+
+@pytest.mark.parametrize("causal, ragged, kind", [(True, False, "padded"), (False, True, "packed"),
+                                                  (True, True, "shuffled")])
+def test_segment_calls_reach_the_segments_kernels_and_match_the_reference(next_key, monkeypatch, causal,
+                                                                          ragged, kind):
+    # attention(query_segment_ids=, kv_segment_ids=) on the kernels, their calls modelled: each
+    # computes only the pairs its walk over the span tables reaches (the forward: query tiles
+    # over key blocks; the backward: key blocks over query tiles), comparing ids only outside
+    # the full blocks. Against the reference with the ids, values and gradients: a table that
+    # skips a block with a pair, or calls a block full that is not, fails here.
+    import jax
+    import jax.numpy as jnp
+
+    import fa4_jax
+    from fa4_jax import dispatch, ffi
+    from fa4_jax.kernels.sm90 import menu as sm90
+    from fa4_jax.reference import attention_reference
+
+    calls = []
+
+    def reference(q, k, v, attrs, lengths, mask):
+        ragged_call = lengths[0].shape[0] > 0
+        window = {name: None if attrs[name] < 0 else int(attrs[name]) for name in ("window_left", "window_right")}
+        return attention_reference(
+            q, k, v, softmax_scale=float(attrs["softmax_scale"]), causal=attrs["causal"], **window,
+            softcap=float(attrs["softcap"]) or None, top_left=attrs["top_left"], mask=mask[:, None],
+            query_seq_lengths=lengths[0] if ragged_call else None,
+            key_value_seq_lengths=lengths[1] if ragged_call else None, compute_dtype=jnp.float32)
+
+    def fake_forward(library, q, k, v, lengths, attrs, tuning=None, segments=None):
+        q_ids, kv_ids, row_spans, _ = segments
+        calls.append("fwd")
+        return reference(q, k, v, attrs, lengths, _kernel_mask(q_ids, kv_ids, row_spans, 128, 128, False))
+
+    def fake_backward(library, q, k, v, out, lse, d_out, d_lse, lengths, attrs, deterministic, dq_copies,
+                      tuning=None, segments=None):
+        q_ids, kv_ids, _, key_spans = segments
+        calls.append("bwd")
+        mask = _kernel_mask(q_ids, kv_ids, key_spans, 64, 128, True)
+        _, vjp = jax.vjp(lambda q, k, v: reference(q, k, v, attrs, lengths, mask)[0], q, k, v)
+        return tuple(g.astype(x.dtype) for g, x in zip(vjp(d_out.astype(q.dtype)), (q, k, v)))
+
+    library = ffi.Library(path="(menu)", fwd_target="f", bwd_target="b",
+                          compiled=frozenset(v.name for v in sm90.MENU), routes=(), dq_copies_max_keys={},
+                          tuning_targets=False, head_dims={sm90.ARCH: frozenset(sm90.HEAD_DIMS)},
+                          fwd_segments_target="fs", bwd_segments_target="bs")
+    monkeypatch.setattr(ffi, "load", lambda *args, **kwargs: library)
+    monkeypatch.setattr(dispatch, "device_arch", lambda: (sm90.ARCH, None))
+    monkeypatch.setattr(dispatch, "sm_count", lambda: 132)
+    monkeypatch.setattr(ffi, "forward_call", fake_forward)
+    monkeypatch.setattr(ffi, "backward_call", fake_backward)
+
+    rng = np.random.default_rng([causal, ragged, len(kind)])
+    q_ids, kv_ids, q_len, kv_len = _rows(rng, 2, 400, 400, kind, ragged)
+    lengths = dict(query_seq_lengths=q_len, key_value_seq_lengths=kv_len) if ragged else {}
+    q = jax.random.normal(next_key(), (2, 400, 4, 64), jnp.float32)
+    k, v = (jax.random.normal(next_key(), (2, 400, 2, 64), jnp.float32) for _ in range(2))
+    options = dict(causal=causal, query_segment_ids=q_ids, kv_segment_ids=kv_ids, **lengths)
+    # The kernels take bf16; the model computes in fp32, so compare at fp32 against fp32.
+    bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    assert fa4_jax.explain(*bf16, **options).forward_variant == "fwd_sm90a_bf16_d64_dv64" + (
+        "_causal" if causal else "") + "_segments"
+
+    def loss(implementation, q, k, v):
+        out = fa4_jax.attention(q, k, v, implementation=implementation, **options)
+        return jnp.sum(out.astype(jnp.float32) * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
+
+    got = jax.value_and_grad(lambda *x: loss("cute", *x), argnums=(0, 1, 2))(*bf16)
+    want = jax.value_and_grad(lambda *x: loss("reference", *x), argnums=(0, 1, 2))(*bf16)
+    assert calls == ["fwd", "bwd"]
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-4)
+    for g, w in zip(got[1], want[1]):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=2e-2, atol=2e-2)
