@@ -1,10 +1,16 @@
-"""Packed variable-length attention (FlashAttention's varlen form) on top of the ragged batch.
+"""Packed variable-length attention (FlashAttention's varlen form).
 
 Sequences of different lengths are concatenated along the token axis, with cumulative offsets
-`cu_seqlens` saying where each starts. Until the kernels read packed data directly, the packed
-tokens are gathered into a padded [n, max_seqlen, heads, dim] batch, attended as a ragged batch
-(`fa4_jax.attention` with sequence lengths), and gathered back: each step is differentiable,
-at the cost of one padded copy of q, k, v and out.
+`cu_seqlens` saying where each starts. Two ways to run it, both differentiable:
+
+- as one row with segment ids (each token's sequence), which the kernels read in place: no copy,
+  memory O(total tokens), and the key blocks of other sequences skipped. This is exact when the
+  masks cannot tell the packing's diagonal from each sequence's: without a causal or window
+  mask, or with one packing for queries and keys (the same cu_seqlens array for both, as in
+  self-attention, where each sequence's bottom-right diagonal is the row's);
+- otherwise (a causal or window mask on queries and keys packed apart) gathered into a padded
+  [n, max_seqlen, heads, dim] batch, attended as a ragged batch (`fa4_jax.attention` with
+  sequence lengths) and gathered back: one padded copy of q, k, v and out.
 """
 from __future__ import annotations
 
@@ -37,8 +43,10 @@ def varlen_attention(
     Sequence s holds query tokens cu_seqlens_q[s] : cu_seqlens_q[s + 1] and key/value tokens
     cu_seqlens_k[s] : cu_seqlens_k[s + 1]; masks (causal, window) are bottom-right aligned per
     sequence, as in `fa4_jax.attention` with each sequence its own call. Empty sequences are
-    allowed. Runs as a ragged batch (kernels or reference, as `fa4_jax.attention` chooses) on a
-    padded copy of q, k, v and out ([n, max_seqlen, ...]); size max_seqlen_* accordingly.
+    allowed. Without a mask, or when cu_seqlens_k is cu_seqlens_q (the same array: one packing),
+    runs in place as one row with segment ids (kernels or reference, as `fa4_jax.attention`
+    chooses); otherwise as a ragged batch on a padded copy of q, k, v and out
+    ([n, max_seqlen, ...]), sized by max_seqlen_* (module docstring).
 
     Args:
       q: [total_q, heads_q, head_dim].
@@ -49,7 +57,8 @@ def varlen_attention(
         (total_k). Traced values cannot be checked: other values give unspecified
         results (lengths are clamped to [0, max_seqlen], never read out of bounds).
       max_seqlen_q, max_seqlen_k: static Python ints >= 1, at least every sequence's length
-        (query and key side). A sequence longer than its bound comes out as NaN rows.
+        (query and key side). On the padded path a sequence longer than its bound comes out as
+        NaN rows.
       causal, softmax_scale, window_size, softcap, deterministic, return_lse, implementation:
         as `fa4_jax.attention`.
 
@@ -62,6 +71,7 @@ def varlen_attention(
       TypeError / ValueError naming the offending argument, as `fa4_jax.attention`.
     """
     q, k, v = (jnp.asarray(x) for x in (q, k, v))
+    one_packing = cu_seqlens_k is cu_seqlens_q
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 3:
             raise ValueError(
@@ -80,6 +90,11 @@ def varlen_attention(
             f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
             f"shapes {cu_seqlens_q.shape} and {cu_seqlens_k.shape}"
         )
+    options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                   deterministic=deterministic, implementation=implementation)
+    masked = causal or any(bound is not None for bound in tuple(window_size))
+    if one_packing or not masked:
+        return _as_segments(q, k, v, cu_seqlens_q, cu_seqlens_k, options, return_lse)
     lengths_q = jnp.diff(cu_seqlens_q)
     lengths_k = jnp.diff(cu_seqlens_k)
     out, lse = attention(
@@ -104,6 +119,23 @@ def varlen_attention(
     lse = jnp.where(too_long_row, jnp.nan, lse[sequence, :, position])
     lse = lse.T  # [heads_q, total_q]
     return (out, lse) if return_lse else out
+
+
+def _as_segments(q, k, v, cu_seqlens_q, cu_seqlens_k, options, return_lse):
+    """The packed call as one row whose segment ids are the tokens' sequences (tokens past the
+    last sequence: ids that match nothing)."""
+    q_ids, kv_ids = (_sequence_ids(cu, x.shape[0], no_match)
+                     for cu, x, no_match in ((cu_seqlens_q, q, -1), (cu_seqlens_k, k, -2)))
+    out, lse = attention(q[None], k[None], v[None], return_lse=True, query_segment_ids=q_ids[None],
+                         kv_segment_ids=kv_ids[None], **options)
+    return (out[0], lse[0]) if return_lse else out[0]
+
+
+def _sequence_ids(cu_seqlens, total, no_match):
+    """int32 [total]: each packed token's sequence index, `no_match` past cu_seqlens[-1]."""
+    token = jnp.arange(total, dtype=jnp.int32)
+    sequence = jnp.searchsorted(cu_seqlens[1:], token, side="right").astype(jnp.int32)
+    return jnp.where(token < cu_seqlens[-1], sequence, no_match)
 
 
 def _check_max_seqlen(name, value):

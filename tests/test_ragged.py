@@ -220,22 +220,33 @@ def _cu_seqlens(lengths):
     return jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
 
 
-@pytest.mark.parametrize("options", [{"causal": True}, {"window_size": (2, 1), "softcap": 2.0}],
-                         ids=["causal", "window_softcap"])
-def test_varlen_equals_each_sequence_alone(next_key, options):
+# The three ways varlen_attention runs: a mask on queries and keys packed apart (the padded
+# ragged batch), one packing for both (segment ids, in place), no mask (segment ids, in place).
+VARLEN_PATHS = {
+    "causal_apart": ({"causal": True}, False),
+    "window_softcap_apart": ({"window_size": (2, 1), "softcap": 2.0}, False),
+    "causal_one_packing": ({"causal": True}, True),
+    "window_softcap_one_packing": ({"window_size": (2, 1), "softcap": 2.0}, True),
+    "softcap_apart": ({"softcap": 2.0}, False),
+}
+
+
+@pytest.mark.parametrize("options, one_packing", VARLEN_PATHS.values(), ids=VARLEN_PATHS.keys())
+def test_varlen_equals_each_sequence_alone(next_key, options, one_packing):
     heads_q, heads_kv, head_dim = 4, 2, 16
+    key_lengths = VARLEN_Q if one_packing else VARLEN_K
     q = jax.random.normal(next_key(), (sum(VARLEN_Q), heads_q, head_dim), jnp.float32)
-    k = jax.random.normal(next_key(), (sum(VARLEN_K), heads_kv, head_dim), jnp.float32)
-    v = jax.random.normal(next_key(), (sum(VARLEN_K), heads_kv, head_dim), jnp.float32)
+    k = jax.random.normal(next_key(), (sum(key_lengths), heads_kv, head_dim), jnp.float32)
+    v = jax.random.normal(next_key(), (sum(key_lengths), heads_kv, head_dim), jnp.float32)
     d_out = jax.random.normal(next_key(), q.shape, jnp.float32)
     d_lse = jax.random.normal(next_key(), (heads_q, q.shape[0]), jnp.float32)
-    cu_q, cu_k = _cu_seqlens(VARLEN_Q), _cu_seqlens(VARLEN_K)
+    cu_q, cu_k = _cu_seqlens(VARLEN_Q), _cu_seqlens(key_lengths)
 
     @jax.jit
     def forward_and_vjp(q, k, v, cu_q, cu_k):
         def attend(q, k, v):
-            return fa4_jax.varlen_attention(q, k, v, cu_q, cu_k, max_seqlen_q=8, max_seqlen_k=7,
-                                            return_lse=True, **options)
+            return fa4_jax.varlen_attention(q, k, v, cu_q, cu_q if one_packing else cu_k, max_seqlen_q=8,
+                                            max_seqlen_k=7, return_lse=True, **options)
 
         (out, lse), pullback = jax.vjp(attend, q, k, v)
         return (out, lse, *pullback((d_out, d_lse)))
@@ -248,7 +259,7 @@ def test_varlen_equals_each_sequence_alone(next_key, options):
         keys = slice(int(cu_k[s]), int(cu_k[s + 1]))
         if VARLEN_Q[s] == 0:
             continue
-        if VARLEN_K[s] == 0:
+        if key_lengths[s] == 0:
             assert np.all(np.asarray(out[rows]) == 0) and np.all(np.isneginf(lse[:, rows]))
             continue
         (want_out, want_lse), pullback = jax.vjp(
@@ -266,10 +277,13 @@ def test_varlen_equals_each_sequence_alone(next_key, options):
 
 
 def test_varlen_sequence_longer_than_max_seqlen_comes_out_nan(next_key):
+    # On the padded path (a mask, two packings); in place the bound is not used.
     q = jax.random.normal(next_key(), (9, 2, 16), jnp.float32)
-    cu = _cu_seqlens((3, 6))
-    out = fa4_jax.varlen_attention(q, q, q, cu, cu, max_seqlen_q=4, max_seqlen_k=6)
+    cu_q, cu_k = _cu_seqlens((3, 6)), _cu_seqlens((3, 6))
+    out = fa4_jax.varlen_attention(q, q, q, cu_q, cu_k, max_seqlen_q=4, max_seqlen_k=6, causal=True)
     np.testing.assert_array_equal(np.isnan(out).any(axis=(1, 2)), [False] * 3 + [True] * 6)
+    in_place = fa4_jax.varlen_attention(q, q, q, cu_q, cu_q, max_seqlen_q=4, max_seqlen_k=6, causal=True)
+    assert not np.isnan(in_place).any()
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
