@@ -25,7 +25,9 @@ drawn with a fixed seed; the "one long + short" case is one 32k document and 255
 in a 64k row, timed against that 32k document alone (fa4_jax_long_alone).
 
 TF/s count the useful work only: 4 · heads · d · (pairs a causal document attends) per
-document, forward+backward 3.5×. The timer is bench_attention's.
+document, forward+backward 3.5×. The timer is bench_attention's; the segment ids are arguments
+of the timed step, as a training step's batch is (closed over, XLA would fold their tables into
+constants at compile time).
 
 On the GPU machine:  python -m benchmarks.bench_packed --out .bench_packed
 On any machine (CPU, tiny shapes, the reference): python -m benchmarks.bench_packed --dry-run
@@ -44,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fa4_jax
-from benchmarks.bench_attention import FWD_BWD_FLOP_FACTOR, MODES, Settings, make_step, time_step
+from benchmarks.bench_attention import FWD_BWD_FLOP_FACTOR, MODES, Settings, time_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,19 +114,19 @@ def _cu_seqlens(case: PackedCase):
 
 
 def peers(case: PackedCase, implementation: str, max_padded_gib: float, max_mask_gib: float):
-    """name -> (attend(q, k, v) on [rows, row_tokens, heads, d] inputs, or a reason to skip)."""
-    q_ids, kv_ids = case.segment_ids()
+    """name -> (attend(q, k, v, q_ids, kv_ids) on [rows, row_tokens, heads, d] inputs, or a
+    reason to skip)."""
     flat_index = jnp.asarray(np.concatenate([r * case.row_tokens + np.arange(sum(row))
                                              for r, row in enumerate(case.lengths)]))
     cu_seqlens, longest = _cu_seqlens(case)
     docs = len(cu_seqlens) - 1
 
-    def segments(q, k, v):
+    def segments(q, k, v, q_ids, kv_ids):
         return fa4_jax.attention(q, k, v, causal=True, implementation=implementation,
                                  query_segment_ids=q_ids, kv_segment_ids=kv_ids)
 
     def varlen(padded):
-        def attend(q, k, v):
+        def attend(q, k, v, q_ids, kv_ids):
             packed = [x.reshape(-1, *x.shape[2:])[flat_index] for x in (q, k, v)]
             # A second array of the same values: varlen_attention cannot know the packing is one.
             cu_k = jnp.array(cu_seqlens) if padded else cu_seqlens
@@ -134,12 +136,12 @@ def peers(case: PackedCase, implementation: str, max_padded_gib: float, max_mask
                 out).reshape(q.shape)
         return attend
 
-    def span_tables(q, k, v):
+    def span_tables(q, k, v, q_ids, kv_ids):
         from fa4_jax import segments as tables
 
         return tables.operands((q_ids, kv_ids))
 
-    def cudnn_mask(q, k, v):
+    def cudnn_mask(q, k, v, q_ids, kv_ids):
         causal = jnp.tril(jnp.ones((case.row_tokens, case.row_tokens), bool))
         mask = (q_ids[:, None, :, None] == kv_ids[:, None, None, :]) & causal
         return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
@@ -155,15 +157,27 @@ def peers(case: PackedCase, implementation: str, max_padded_gib: float, max_mask
     return result
 
 
-def _inputs(shape, seed: int):
+def _inputs(shape, seed: int, ids):
+    """Two (q, k, v, d_out, q_ids, kv_ids) sets."""
     keys = jax.random.split(jax.random.key(seed), 8)
     tensors = [jax.random.normal(key, shape, jnp.bfloat16) for key in keys]
     jax.block_until_ready(tensors)
-    return [tuple(tensors[0:4]), tuple(tensors[4:8])]
+    return [(*tensors[0:4], *ids), (*tensors[4:8], *ids)]
+
+
+def _step(attend, mode: str):
+    """A jit'd step of (q, k, v, d_out, q_ids, kv_ids): the forward, or its value and gradients."""
+    if mode == "fwd":
+        return jax.jit(lambda q, k, v, do, *ids: attend(q, k, v, *ids))
+
+    def loss(q, k, v, do, *ids):
+        return jnp.sum(attend(q, k, v, *ids).astype(jnp.float32) * do.astype(jnp.float32))
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
 
 def _dense(rows: int, tokens: int, case: PackedCase, implementation: str):
-    return (rows, tokens, case.heads, case.head_dim), lambda q, k, v: fa4_jax.attention(
+    return (rows, tokens, case.heads, case.head_dim), lambda q, k, v, *ids: fa4_jax.attention(
         q, k, v, causal=True, implementation=implementation)
 
 
@@ -186,6 +200,7 @@ def main(argv=None) -> int:
     for case in cases(args.dry_run):
         print(case.label(), flush=True)
         runs = dict(peers(case, implementation, args.max_padded_gib, args.max_mask_gib))
+        ids = case.segment_ids()
         shape = (case.rows, case.row_tokens, case.heads, case.head_dim)
         inputs = {name: shape for name in runs}
         dense_tokens = case.equal_dense_tokens()
@@ -204,7 +219,7 @@ def main(argv=None) -> int:
                     results.append(dict(record, status="skipped", reason=attend))
                     continue
                 try:
-                    timing = time_step(make_step(attend, mode), _inputs(inputs[peer], len(results)), settings)
+                    timing = time_step(_step(attend, mode), _inputs(inputs[peer], len(results), ids), settings)
                 except Exception as error:  # noqa: BLE001 - a peer that cannot run is reported
                     message = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
                     print(f"  {mode:7s} {peer:22s} error: {message}", flush=True)

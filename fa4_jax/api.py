@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fa4_jax import cudnn, dispatch, notices
+from fa4_jax import segments as segment_tables
 from fa4_jax.params import AttentionParams
 from fa4_jax.reference import attention_reference
 from fa4_jax.vjp import attention_op
@@ -248,6 +249,9 @@ def _attention(
             _canonical_lengths("key_value_seq_lengths", key_value_seq_lengths, key.shape[:2]),
         )
     segment_ids = None if score_arrays is None else score_arrays.segment_ids()
+    if segment_ids is not None and params.implementation == "cute":
+        # The span tables once, for the forward and its backward (a residual of the op).
+        segment_ids = segment_tables.operands(segment_ids, seq_lengths)
     out, lse = attention_op(query, key, value, params, seq_lengths, segment_ids)
     return (out, lse) if return_lse else out
 

@@ -10,8 +10,9 @@ attribute; the reference is deterministic anyway (no atomics).
 `seq_lengths` is None, or (q_len, kv_len): int32 [batch] valid lengths of a ragged batch
 (semantics in `AttentionParams`). Both backends take them: the kernels through their
 seq_used_q / seq_used_k operands, the reference through its masks. `segment_ids` is None, or
-(q_ids [batch, seqlen_q], kv_ids [batch, seqlen_k]) integer: a row sees only the keys of its
-own id; the kernels read them (the segments variants), the reference masks with them.
+(q_ids [batch, seqlen_q], kv_ids [batch, seqlen_k]) int32, optionally followed by their span
+tables (`fa4_jax.segments.operands`): a row sees only the keys of its own id; the kernels read
+them (the segments variants), the reference masks with the ids.
 """
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def backward(q, k, v, out, lse, d_out, d_lse, params: AttentionParams, seq_lengt
     return _reference_backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths, segment_ids)
 
 
-def _reference_backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths, segment_ids):
+def _reference_backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths, segment_ids=None):
     # The VJP of the fp32 reference on this block, whose own
     # (block_out, block_lse) enter the given statistics as out = Σ_blocks w · block_out,
     # lse = log Σ_blocks exp(block_lse), with w = exp(block_lse - lse). The chain rule maps
@@ -92,7 +93,7 @@ def _reference_backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths, se
 
 def _reference_fp32(q, k, v, params, seq_lengths, segment_ids=None):
     q_len, kv_len = (None, None) if seq_lengths is None else seq_lengths
-    q_ids, kv_ids = (None, None) if segment_ids is None else segment_ids
+    q_ids, kv_ids = (None, None) if segment_ids is None else segment_ids[:2]
     return attention_reference(
         q,
         k,

@@ -222,8 +222,9 @@ def forward(q, k, v, params, seq_lengths=None, segment_ids=None, *, library: ffi
     """(out [b, sq, h, dv] in q's dtype, lse [b, h, sq] float32) from the forward kernel.
 
     seq_lengths: None, or (q_len, kv_len) of a ragged batch, int32 [batch] each, clamped to
-    [0, seqlen]. segment_ids: None, or (q_ids [b, sq], kv_ids [b, sk]) integer: a row sees only
-    keys of its own id (never packed or split). `pack_gqa`: run the query heads of each
+    [0, seqlen]. segment_ids: None, or (q_ids [b, sq], kv_ids [b, sk]) integer, optionally
+    followed by their span tables (`fa4_jax.segments.operands`): a row sees only keys of its own
+    id (never packed or split). `pack_gqa`: run the query heads of each
     key/value head as one tile's rows;
     None packs where `pack_gqa.packs` says it pays, False never. `split_kv`: run the keys as this
     many chunks and combine them (it must divide seqlen_k); None splits where

@@ -22,8 +22,10 @@ def _partner_runs(ids, partner_ids, partner_count):
     sorted_ids = partner_ids[order]
     valid = (order < partner_count).astype(jnp.int32)
     valid_before = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(valid, dtype=jnp.int32)])
-    left = jnp.searchsorted(sorted_ids, ids, side="left").astype(jnp.int32)
-    right = jnp.searchsorted(sorted_ids, ids, side="right").astype(jnp.int32)
+    # method="sort": one sort of both arrays, where the default ("scan") is a loop of log2(n)
+    # dependent gathers, each a kernel launch on a GPU.
+    left = jnp.searchsorted(sorted_ids, ids, side="left", method="sort").astype(jnp.int32)
+    right = jnp.searchsorted(sorted_ids, ids, side="right", method="sort").astype(jnp.int32)
     count = valid_before[right] - valid_before[left]
     # Within a run of equal ids the positions ascend, so its valid ones (below partner_count)
     # come first.
@@ -74,6 +76,9 @@ def span_tables(q_ids, kv_ids, seq_lengths=None):
 
 def operands(segment_ids, seq_lengths=None):
     """The segments custom calls' four operands (q_ids, kv_ids, row_spans, key_spans), int32,
-    from the caller's (q_ids [b, sq], kv_ids [b, sk])."""
+    from the caller's (q_ids [b, sq], kv_ids [b, sk]), or those four themselves (computed once
+    for a forward and its backward)."""
+    if len(segment_ids) == 4:
+        return tuple(segment_ids)
     q_ids, kv_ids = (ids.astype(np.int32) for ids in segment_ids)
     return (q_ids, kv_ids, *span_tables(q_ids, kv_ids, seq_lengths))

@@ -29,7 +29,7 @@ _LIBRARY = ffi.Library(path="(none)", fwd_target="fa4_jax_fwd_v2", bwd_target="f
 def kernel_calls(monkeypatch):
     calls = []
 
-    def fake_kernel(library, q, k, v, lengths, attrs, tuning=None):
+    def fake_kernel(library, q, k, v, lengths, attrs, tuning=None, segments=None):
         ragged = lengths[0].shape[0] > 0
         calls.append((q.shape, k.shape, attrs["causal"], ragged))
         params = dataclasses.replace(_PARAMS[0], causal=attrs["causal"])
@@ -164,14 +164,14 @@ def test_every_head_dim_runs_on_the_narrowest_wider_kernel(next_key, monkeypatch
     def padding_is_zero(x, width):
         assert not np.asarray(x[..., width:], np.float32).any()
 
-    def fake_forward(library, q, k, v, lengths, attrs, tuning=None):
+    def fake_forward(library, q, k, v, lengths, attrs, tuning=None, segments=None):
         seen.append(("fwd", q.shape[-1], v.shape[-1]))
         for x, width in ((q, head_dim), (k, head_dim), (v, head_dim_v)):
             padding_is_zero(x, width)
         return _reference(q, k, v, _as_attributed(params, attrs), None)
 
     def fake_backward(library, q, k, v, out, lse, d_out, d_lse, lengths, attrs, deterministic,
-                      dq_copies, tuning=None):
+                      dq_copies, tuning=None, segments=None):
         seen.append(("bwd", q.shape[-1], v.shape[-1]))
         for x, width in ((q, head_dim), (k, head_dim), (v, head_dim_v), (out, head_dim_v),
                          (d_out, head_dim_v)):
