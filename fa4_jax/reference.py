@@ -132,8 +132,9 @@ def attention_reference(
 
 
 def dense_attention(q, k, v, *, compute_dtype, softmax_scale=None, softcap=None, causal=False,
-                    window_left=None, window_right=None):
-    """`attention_reference`'s (out, lse) with the same compute_dtype semantics, unchunked.
+                    window_left=None, window_right=None, query_segment_ids=None, kv_segment_ids=None):
+    """`attention_reference`'s (out, lse) with the same compute_dtype semantics, unchunked
+    (segment ids, when given, as there: a row sees only keys of its own id).
 
     The score matrix is materialised ([batch, heads, seqlen_q, seqlen_k] float32), so it is for
     small shapes only (the GPU tier's oracle, `python -m fa4_jax.selftest`'s); in exchange XLA
@@ -155,6 +156,8 @@ def dense_attention(q, k, v, *, compute_dtype, softmax_scale=None, softcap=None,
         scores = cap * jnp.tanh(scores / cap)
     visible = _MaskSpec(seqlen_q, seqlen_k, causal, window_left, window_right).visible(
         jnp.arange(seqlen_q), jnp.arange(seqlen_k))
+    if query_segment_ids is not None:
+        visible = visible & (query_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :])
     scores = jnp.where(visible, scores.astype(jnp.float32), -jnp.inf)
     empty = ~visible.any(axis=-1, keepdims=True)
     safe_scores = jnp.where(empty, 0.0, scores)

@@ -7,7 +7,9 @@ report to paste into an issue.
 
 For each problem class of the library (dtype, head dims, mask kind, softcap) it runs a few
 small calls of fixed shapes and seeds, chosen so that together they reach every compiled variant
-through the router (`fa4_jax.explain` says which each call runs), forward and backward, and
+through the router (`fa4_jax.explain` says which each call runs), and one with segment ids
+(two documents of different lengths on each side, and padding) for the segments variants,
+forward and backward, and
 compares out, lse and the gradients with `fa4_jax.reference.dense_attention` (the reference's
 semantics, unchunked), in float32 and in the input dtype, under docs/design.md's numerics rule
 (max error at most twice the low-precision reference's, three times with softcap), with a floor
@@ -35,6 +37,8 @@ PROBE_LENGTHS = ((200, 333), (1, 777), (64, 64), (256, 256), (1024, 1024), (1152
                  (1206, 1206), (2048, 2048), (4096, 4096), (4096, 4272), (4096, 4320),
                  (4096, 4352))
 HEADS_Q, HEADS_KV = 4, 2
+# The segment probe's lengths and documents: (query rows, keys) of each, then padding.
+SEGMENT_PROBE = ((200, 333), ((70, 150), (110, 140)))
 # The options of each mask kind (causal folds into a window's right bound).
 MASK_OPTIONS = {"none": {}, "causal": {"causal": True}, "local": {"window_size": (64, 16)}}
 SOFTCAP = 20.0
@@ -87,6 +91,7 @@ def _check_call(problem, dtype, head_dim, head_dim_v, options, seqlen_q, seqlen_
     from fa4_jax.reference import dense_attention
 
     keys = jax.random.split(jax.random.key(seed), 5)
+    segments = {name: options[name] for name in ("query_segment_ids", "kv_segment_ids") if name in options}
     q = jax.random.normal(keys[0], (1, seqlen_q, HEADS_Q, head_dim), dtype)
     k = jax.random.normal(keys[1], (1, seqlen_k, HEADS_KV, head_dim), dtype)
     v = jax.random.normal(keys[2], (1, seqlen_k, HEADS_KV, head_dim_v), dtype)
@@ -102,7 +107,7 @@ def _check_call(problem, dtype, head_dim, head_dim_v, options, seqlen_q, seqlen_
     def reference(compute_dtype):
         return functools.partial(dense_attention, compute_dtype=compute_dtype,
                                  causal=options.get("causal", False), window_left=window_left,
-                                 window_right=window_right, softcap=options.get("softcap"))
+                                 window_right=window_right, softcap=options.get("softcap"), **segments)
 
     def forward_and_grads(attend):
         (out, lse), vjp = jax.vjp(attend, q, k, v)
@@ -118,6 +123,30 @@ def _check_call(problem, dtype, head_dim, head_dim_v, options, seqlen_q, seqlen_
               for name, a, b, c in zip(("out", "lse", "dq", "dk", "dv"), ours, ref, lowp)}
     return Check(problem, seqlen_q, seqlen_k, explanation.forward_variant,
                  explanation.backward_variant, errors, time.perf_counter() - start)
+
+
+def _segment_ids():
+    """The segment probe's (query ids [1, sq], kv ids [1, sk]): SEGMENT_PROBE's documents,
+    padding that matches nothing after them."""
+    import numpy as np
+
+    (seqlen_q, seqlen_k), documents = SEGMENT_PROBE
+    ids = []
+    for side, (length, no_match) in enumerate(((seqlen_q, -1), (seqlen_k, -2))):
+        side_ids = np.full((1, length), no_match, np.int32)
+        side_ids[0, :sum(doc[side] for doc in documents)] = np.repeat(
+            np.arange(len(documents), dtype=np.int32), [doc[side] for doc in documents])
+        ids.append(side_ids)
+    return tuple(ids)
+
+
+def _probes(options):
+    """(seqlen_q, seqlen_k, options) of a problem class's calls: PROBE_LENGTHS, then the
+    segment probe."""
+    for seqlen_q, seqlen_k in PROBE_LENGTHS:
+        yield seqlen_q, seqlen_k, options
+    q_ids, kv_ids = _segment_ids()
+    yield *SEGMENT_PROBE[0], dict(options, query_segment_ids=q_ids, kv_segment_ids=kv_ids)
 
 
 def _problem_classes(library, arch):
@@ -163,15 +192,17 @@ def run(only: str | None = None, out=sys.stdout) -> dict:
     for seed, (dtype, d, dv, mask, softcap) in enumerate(_problem_classes(library, arch)):
         options = dict(MASK_OPTIONS[mask], **({"softcap": SOFTCAP} if softcap else {}))
         problem = f"{dtype} d{d}/dv{dv} {mask}{' softcap' if softcap else ''}"
-        for seqlen_q, seqlen_k in PROBE_LENGTHS:
+        for seqlen_q, seqlen_k, probe_options in _probes(options):
             q = jax.ShapeDtypeStruct((1, seqlen_q, HEADS_Q, d), dtypes[dtype])
             kv = jax.ShapeDtypeStruct((1, seqlen_k, HEADS_KV, dv), dtypes[dtype])
             k = kv.update(shape=(1, seqlen_k, HEADS_KV, d))
-            explanation = fa4_jax.explain(q, k, kv, return_lse=True, **options)
+            explanation = fa4_jax.explain(q, k, kv, return_lse=True, **probe_options)
             variants = {explanation.forward_variant, explanation.backward_variant} - {None}
             if explanation.backend != "cute" or not variants & (wanted - reached):
                 continue
-            check = _check_call(problem, dtypes[dtype], d, dv, options, seqlen_q, seqlen_k, seed)
+            segmented = " segments" if "query_segment_ids" in probe_options else ""
+            check = _check_call(problem + segmented, dtypes[dtype], d, dv, probe_options, seqlen_q,
+                                seqlen_k, seed)
             reached |= variants
             report["checks"].append(dataclasses.asdict(check) | {"passed": check.passed})
             print(check.line(), file=out, flush=True)

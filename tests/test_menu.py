@@ -24,10 +24,12 @@ def choose(kind="fwd", mask="none", head_dim=128, seqlen_q=4096, seqlen_k=4096, 
 
 def test_menu_covers_the_axes_once():
     defaults = [v for v in menu.MENU if v.tuning == "default"]
-    for kind in routing.KINDS:
-        # dtypes x head dims x masks x softcap
+    for kind, segments in itertools.product(routing.KINDS, (False, True)):
+        # dtypes x head dims x masks x softcap, with segment ids and without
         head_dims = sm90.HEAD_DIMS if kind == "fwd" else sm90.BACKWARD_HEAD_DIMS
-        assert sum(v.kind == kind for v in defaults) == 2 * len(head_dims) * 3 * 2
+        assert sum(v.kind == kind and v.segments == segments for v in defaults) == 2 * len(head_dims) * 3 * 2
+    # The segments kernels run the default tuning only (the routes assume the mask's own blocks).
+    assert all(v.tuning == "default" for v in menu.MENU if v.segments)
     assert len(COMPILED) == len(menu.MENU)
     assert all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v.name) for v in menu.MENU)
     assert {v.arch for v in menu.MENU} == {"sm_90a"}
@@ -49,8 +51,10 @@ def test_every_shipped_variant_is_reachable():
 
 
 def test_every_backward_variant_has_a_forward_twin():
-    backward = {(v.dtype, v.head_dim, v.head_dim_v, v.mask, v.softcap) for v in menu.MENU if v.kind == "bwd"}
-    forward = {(v.dtype, v.head_dim, v.head_dim_v, v.mask, v.softcap) for v in menu.MENU if v.kind == "fwd"}
+    backward = {(v.dtype, v.head_dim, v.head_dim_v, v.mask, v.softcap, v.segments) for v in menu.MENU
+                if v.kind == "bwd"}
+    forward = {(v.dtype, v.head_dim, v.head_dim_v, v.mask, v.softcap, v.segments) for v in menu.MENU
+               if v.kind == "fwd"}
     assert backward <= forward
     # A forward-only head dim's backward runs on a wider compiled pair.
     for d, dv in set(sm90.HEAD_DIMS) - set(sm90.BACKWARD_HEAD_DIMS):
@@ -63,6 +67,8 @@ def test_name():
     assert Variant("sm_90a", "bf16", 192, 128, "local", False, "bwd").name == "bwd_sm90a_bf16_d192_dv128_local"
     assert Variant("sm_90a", "bf16", 128, 128, "none", False, "fwd", "tail48").name == \
         "fwd_sm90a_bf16_d128_dv128_ttail48"
+    assert Variant("sm_90a", "fp16", 64, 64, "causal", True, "bwd", segments=True).name == \
+        "bwd_sm90a_fp16_d64_dv64_causal_softcap_segments"
 
 
 def test_mask_kind():

@@ -25,7 +25,8 @@ def test_the_probes_reach_every_shipped_variant(monkeypatch):
                           compiled=frozenset(v.name for v in menu.MENU), routes=tuple(
                               (sm90.ARCH, route) for route in sm90.ROUTES),
                           dq_copies_max_keys={sm90.ARCH: dict(sm90.DQ_COPIES_MAX_KEYS)},
-                          tuning_targets=False, head_dims={sm90.ARCH: frozenset(sm90.HEAD_DIMS)})
+                          tuning_targets=False, head_dims={sm90.ARCH: frozenset(sm90.HEAD_DIMS)},
+                          fwd_segments_target="fs", bwd_segments_target="bs")
     monkeypatch.setattr(ffi, "load", lambda *args, **kwargs: library)
     monkeypatch.setattr(dispatch, "device_arch", lambda: (sm90.ARCH, None))
     monkeypatch.setattr(dispatch, "sm_count", lambda: 132)
@@ -71,3 +72,24 @@ def test_a_check_compares_the_call_with_the_dense_oracle(options):
     assert check.forward_variant is None and "PASS" in check.line()
     wrong = dict(check.errors, dv=(1.0, check.errors["dv"][1]))
     assert not selftest.Check(**{**check.__dict__, "errors": wrong}).passed
+
+
+def test_the_segment_probe_compares_with_the_same_documents(monkeypatch):
+    # The segment probe's oracle masks with the probe's ids: with the reference standing in for
+    # the kernels it passes, and against an oracle that drops the ids it fails.
+    from fa4_jax import reference
+
+    q_ids, kv_ids = selftest._segment_ids()
+    assert (q_ids >= 0).sum() == 180 and (kv_ids >= 0).sum() == 290
+    options = {"causal": True, "query_segment_ids": q_ids, "kv_segment_ids": kv_ids}
+    (seqlen_q, seqlen_k), _ = selftest.SEGMENT_PROBE
+
+    def check():
+        return selftest._check_call("bf16 d32 causal segments", jnp.bfloat16, 32, 32, options, seqlen_q,
+                                    seqlen_k, seed=0, implementation="reference")
+
+    assert check().passed, check().line()
+    dense = reference.dense_attention
+    monkeypatch.setattr(reference, "dense_attention", lambda *args, query_segment_ids=None,
+                        kv_segment_ids=None, **kwargs: dense(*args, **kwargs))
+    assert not check().passed

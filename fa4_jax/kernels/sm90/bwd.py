@@ -62,6 +62,12 @@ and dO there): padded rows get LSElog2 = +inf and D = 0 from the preprocess, so 
 their dQ rows stay 0 (the postprocess writes 0 there anyway); padded keys are loaded (a TMA box
 cannot stop at a per-entry length) and masked like the tail above, so their dK/dV rows are exact
 zeros; key blocks wholly past the length visit no query block and store zeros.
+
+Segment ids (a `segments` kernel; kernels/common/segments.py): in default mode a key block walks
+only the query blocks in its span (a deterministic call walks the mask's: see `kernel`), a query
+block takes the adds of the key blocks in its own span as the forward visits them (`_dq_turn`,
+so turns count those), no rotated walk, and ids are compared on the pairs outside the key
+block's full span (`dkv_step`).
 """
 import dataclasses
 import enum

@@ -28,6 +28,13 @@ sizes, bound its key blocks, masks and offset, so the padding keys are masked li
 (and their V rows zeroed in shared memory); rows past the entry's length come out 0 with LSE −inf.
 The tile schedule stays on the buffers' sizes: a tile wholly past the length visits no key block
 and only writes those zeros.
+
+Segment ids (a `segments` kernel; kernels/common/segments.py): a tile's key blocks are also
+narrowed to the hull of the keys its rows share a segment with (the load warp and the MMA warp
+groups walk the same range, `_Problem.visited_blocks`), the unmasked loop to the blocks all of
+its rows see whole, and the mask on the other blocks compares ids (`mma_segment_blocks`). The
+narrowed first blocks of the routed tunings assume the mask's own range: segments kernels run
+the default tuning.
 """
 import dataclasses
 import enum

@@ -1,0 +1,22 @@
+"""CPU tier: the packed-documents benchmark's harness (benchmarks/bench_packed.py) on the reference."""
+import json
+
+from benchmarks import bench_packed
+
+
+def test_dry_run_times_every_peer_and_skips_cudnn(tmp_path):
+    assert bench_packed.main(["--dry-run", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "packed.json").read_text())["results"]
+    timed = {(row["mode"], row["peer"]) for row in rows if row["status"] == "ok"}
+    for peer in ("fa4_jax_segments", "fa4_jax_varlen", "fa4_jax_varlen_padded", "fa4_jax_dense_equal"):
+        assert {("fwd", peer), ("fwd_bwd", peer)} <= timed
+    assert ("fwd", "span_tables") in timed and ("fwd_bwd", "span_tables") not in timed
+    assert all(row["status"] == "skipped" for row in rows if row["peer"] == "cudnn_mask")
+
+
+def test_useful_work_counts_each_documents_causal_pairs():
+    case = bench_packed.PackedCase("t", 1, 16, 2, 8, ((3, 5, 8),))
+    assert case.useful_pairs == 6 + 15 + 36
+    assert case.flops("fwd") == 4 * 2 * 8 * 57 and case.flops("fwd_bwd") == 3.5 * case.flops("fwd")
+    q_ids, kv_ids = case.segment_ids()
+    assert q_ids.tolist() == [[0] * 3 + [1] * 5 + [2] * 8] and kv_ids.tolist() == q_ids.tolist()
