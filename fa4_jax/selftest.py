@@ -70,6 +70,7 @@ class Check:
 
 
 def _bound_by_rule(out, ref, lowp, factor, dtype):
+    import jax.numpy as jnp
     import numpy as np
 
     out, ref, lowp = (np.asarray(x, np.float64) for x in (out, ref, lowp))
@@ -77,7 +78,8 @@ def _bound_by_rule(out, ref, lowp, factor, dtype):
     if (np.isinf(ref) != np.isinf(out)).any() or np.isnan(out).any():
         return float("inf"), 0.0
     error = float(np.abs(out[finite] - ref[finite]).max(initial=0.0))
-    step = float(np.finfo(dtype).eps) * float(np.abs(ref[finite]).max(initial=0.0))
+    # jnp.finfo: numpy's own refuses bfloat16 in newer releases (ml_dtypes registers it with jax's).
+    step = float(jnp.finfo(dtype).eps) * float(np.abs(ref[finite]).max(initial=0.0))
     bound = max(factor * float(np.abs(lowp[finite] - ref[finite]).max(initial=0.0)), step) + 1e-5
     return error, bound
 

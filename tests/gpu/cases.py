@@ -26,6 +26,16 @@ LOCAL_AND_SOFTCAP = {
 }
 
 
+# Windows within a few hundred keys and softcap, with and without causal: the option sets of the
+# ragged and segment-id tests (each masks on top of its own rule).
+WINDOWS_AND_SOFTCAP = {
+    "window_causal": dict(causal=True, window_size=(70, None)),
+    "window_both": dict(window_size=(100, 30)),
+    "softcap": dict(softcap=5.0),
+    "softcap_causal": dict(softcap=5.0, causal=True),
+}
+
+
 def routed_tunings(kind):
     """pytest.mark.parametrize over the (head_dim, head_dim_v, tuning, causal) of `kind`'s
     shipped non-default variants without a window (the tunings the router sends calls to), ids

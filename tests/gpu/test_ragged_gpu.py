@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import fa4_jax
-from tests.gpu.cases import mask_options, require_kernels
+from tests.gpu.cases import WINDOWS_AND_SOFTCAP, mask_options, require_kernels
 from tests.numerics import assert_close_by_rule, naive_attention_jax, visible_mask
 
 pytestmark = pytest.mark.gpu
@@ -131,15 +131,7 @@ def test_head_dims(next_key, head_dim, head_dim_v, causal):
     _check(next_key, 2, 1, head_dim, head_dim_v=head_dim_v, causal=causal)
 
 
-RAGGED_OPTIONS = {
-    "window_causal": dict(causal=True, window_size=(70, None)),
-    "window_both": dict(window_size=(100, 30)),
-    "softcap": dict(softcap=5.0),
-    "softcap_causal": dict(softcap=5.0, causal=True),
-}
-
-
-@pytest.mark.parametrize("options", RAGGED_OPTIONS.values(), ids=RAGGED_OPTIONS.keys())
+@pytest.mark.parametrize("options", WINDOWS_AND_SOFTCAP.values(), ids=WINDOWS_AND_SOFTCAP.keys())
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_windows_and_softcap(next_key, head_dim, options):
     _check(next_key, 2, 2, head_dim, **options)
@@ -211,10 +203,13 @@ def test_all_entries_empty(next_key):
     assert np.all(dq == 0.0) and np.all(dk == 0.0) and np.all(dv == 0.0)
 
 
-def test_varlen_attention_runs_on_the_kernels(next_key):
-    """Packed sequences (fa4_jax.varlen_attention) become a ragged batch: kernel = reference."""
+@pytest.mark.parametrize("one_packing", [True, False], ids=["in_place", "padded"])
+def test_varlen_attention_runs_on_the_kernels(next_key, one_packing):
+    """Packed sequences (fa4_jax.varlen_attention), causal: in place as segment ids when queries
+    and keys share one cu_seqlens array, else a padded ragged batch; kernel = reference."""
     lengths = np.array([0, 1, 130, 77, 300], np.int32)
     cu_seqlens = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+    cu_seqlens_k = cu_seqlens if one_packing else jnp.array(cu_seqlens)
     total = int(lengths.sum())
     q, k, v = (jax.random.normal(next_key(), (total, 4, 64), jnp.bfloat16) for _ in range(3))
     probe = q[None, :300]
@@ -222,7 +217,7 @@ def test_varlen_attention_runs_on_the_kernels(next_key):
 
     def run(implementation, x):
         return jax.jit(lambda q, k, v: fa4_jax.varlen_attention(
-            q, k, v, cu_seqlens, cu_seqlens, max_seqlen_q=300, max_seqlen_k=300, causal=True,
+            q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen_q=300, max_seqlen_k=300, causal=True,
             implementation=implementation))(*x)
 
     got = run("cute", (q, k, v))

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import fa4_jax
-from tests.gpu.cases import mask_options, require_kernels
+from tests.gpu.cases import WINDOWS_AND_SOFTCAP, mask_options, require_kernels
 from tests.numerics import assert_close_by_rule, naive_attention_jax, visible_mask
 
 pytestmark = pytest.mark.gpu
@@ -129,15 +129,7 @@ def test_head_dims(next_key, seed, head_dim, head_dim_v, causal):
     _check(next_key, np.random.default_rng(seed), head_dim=head_dim, head_dim_v=head_dim_v, causal=causal)
 
 
-SEGMENT_OPTIONS = {
-    "window_causal": dict(causal=True, window_size=(70, None)),
-    "window_both": dict(window_size=(100, 30)),
-    "softcap": dict(softcap=5.0),
-    "softcap_causal": dict(softcap=5.0, causal=True),
-}
-
-
-@pytest.mark.parametrize("options", SEGMENT_OPTIONS.values(), ids=SEGMENT_OPTIONS.keys())
+@pytest.mark.parametrize("options", WINDOWS_AND_SOFTCAP.values(), ids=WINDOWS_AND_SOFTCAP.keys())
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_windows_and_softcap(next_key, seed, head_dim, options):
     _check(next_key, np.random.default_rng(seed), head_dim=head_dim, **options)
