@@ -187,19 +187,16 @@ def _kernel_mask(q_ids, kv_ids, table, tile_of_row, tile_of_key, transposed):
     return inside(lo, hi) & (inside(full_lo, full_hi) | same)
 
 
-@pytest.mark.parametrize("causal, ragged, kind", [(True, False, "padded"), (False, True, "packed"),
-                                                  (True, True, "shuffled")])
-def test_segment_calls_reach_the_segments_kernels_and_match_the_reference(next_key, monkeypatch, causal,
-                                                                          ragged, kind):
-    # attention(query_segment_ids=, kv_segment_ids=) on the kernels, their calls modelled: each
-    # computes only the pairs its walk over the span tables reaches (the forward: query tiles
-    # over key blocks; the backward: key blocks over query tiles), comparing ids only outside
-    # the full blocks. Against the reference with the ids, values and gradients: a table that
-    # skips a block with a pair, or calls a block full that is not, fails here.
+@pytest.fixture
+def segment_kernels(monkeypatch):
+    """The segments custom calls replaced by a model of the kernels: each computes only the pairs
+    its walk over the span tables reaches (the forward: query tiles of 128 rows over key blocks
+    of 128; the backward: key blocks of 128 over query tiles of 64), comparing ids only outside
+    the full blocks, in fp32. The sm90 menu is the library, as on an H200. Returns the list of
+    calls made ("fwd", "bwd")."""
     import jax
     import jax.numpy as jnp
 
-    import fa4_jax
     from fa4_jax import dispatch, ffi
     from fa4_jax.kernels.sm90 import menu as sm90
     from fa4_jax.reference import attention_reference
@@ -225,8 +222,9 @@ def test_segment_calls_reach_the_segments_kernels_and_match_the_reference(next_k
         q_ids, kv_ids, _, key_spans = segments
         calls.append("bwd")
         mask = _kernel_mask(q_ids, kv_ids, key_spans, 64, 128, True)
-        _, vjp = jax.vjp(lambda q, k, v: reference(q, k, v, attrs, lengths, mask)[0], q, k, v)
-        return tuple(g.astype(x.dtype) for g, x in zip(vjp(d_out.astype(q.dtype)), (q, k, v)))
+        _, vjp = jax.vjp(lambda q, k, v: reference(q, k, v, attrs, lengths, mask), q, k, v)
+        d_lse = jnp.zeros(lse.shape, jnp.float32) if d_lse is None else d_lse
+        return tuple(g.astype(x.dtype) for g, x in zip(vjp((d_out.astype(q.dtype), d_lse)), (q, k, v)))
 
     library = ffi.Library(path="(menu)", fwd_target="f", bwd_target="b",
                           compiled=frozenset(v.name for v in sm90.MENU), routes=(), dq_copies_max_keys={},
@@ -237,6 +235,20 @@ def test_segment_calls_reach_the_segments_kernels_and_match_the_reference(next_k
     monkeypatch.setattr(dispatch, "sm_count", lambda: 132)
     monkeypatch.setattr(ffi, "forward_call", fake_forward)
     monkeypatch.setattr(ffi, "backward_call", fake_backward)
+    return calls
+
+
+@pytest.mark.parametrize("causal, ragged, kind", [(True, False, "padded"), (False, True, "packed"),
+                                                  (True, True, "shuffled")])
+def test_segment_calls_reach_the_segments_kernels_and_match_the_reference(next_key, segment_kernels, causal,
+                                                                          ragged, kind):
+    # attention(query_segment_ids=, kv_segment_ids=) on the modelled kernels against the
+    # reference with the ids, values and gradients: a table that skips a block with a pair, or
+    # calls a block full that is not, fails here.
+    import jax
+    import jax.numpy as jnp
+
+    import fa4_jax
 
     rng = np.random.default_rng([causal, ragged, len(kind)])
     q_ids, kv_ids, q_len, kv_len = _rows(rng, 2, 400, 400, kind, ragged)
@@ -255,7 +267,47 @@ def test_segment_calls_reach_the_segments_kernels_and_match_the_reference(next_k
 
     got = jax.value_and_grad(lambda *x: loss("cute", *x), argnums=(0, 1, 2))(*bf16)
     want = jax.value_and_grad(lambda *x: loss("reference", *x), argnums=(0, 1, 2))(*bf16)
-    assert calls == ["fwd", "bwd"]
+    assert segment_kernels == ["fwd", "bwd"]
     np.testing.assert_allclose(got[0], want[0], rtol=1e-4)
     for g, w in zip(got[1], want[1]):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("axis_sizes, axis_names, q_spec, kv_spec, ids_spec", [
+    ((8,), ("data",), ("data",), ("data",), ("data",)),
+    ((2, 4), ("data", "model"), ("data", None, "model"), ("data", None, "model"), ("data",)),
+], ids=["batch", "batch_and_heads"])
+def test_segment_ids_travel_with_the_batch(next_key, segment_kernels, axis_sizes, axis_names, q_spec,
+                                           kv_spec, ids_spec):
+    # Sharded over batch (and heads), each device runs the segments call on its own entries'
+    # ids and span tables: no collective, and the unsharded results.
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import fa4_jax
+    from tests.multi_device import collectives_in, cpu_mesh
+
+    mesh = cpu_mesh(axis_sizes, axis_names)
+    q_ids, kv_ids, _, _ = _rows(np.random.default_rng(len(axis_sizes)), 8, 256, 256, "padded", False)
+    q = jax.random.normal(next_key(), (8, 256, 8, 64), jnp.bfloat16)
+    k, v = (jax.random.normal(next_key(), (8, 256, 4, 64), jnp.bfloat16) for _ in range(2))
+    d_out = jax.random.normal(next_key(), q.shape, jnp.bfloat16)
+
+    def step(q, k, v, d_out, q_ids, kv_ids):
+        def attend(q, k, v):
+            return fa4_jax.attention(q, k, v, causal=True, query_segment_ids=q_ids, kv_segment_ids=kv_ids)
+
+        out, pullback = jax.vjp(attend, q, k, v)
+        return (out, *pullback(d_out))
+
+    q_sharding, kv_sharding, ids_sharding = (NamedSharding(mesh, P(*spec)) for spec in (q_spec, kv_spec, ids_spec))
+    sharded = jax.jit(step, in_shardings=(q_sharding, kv_sharding, kv_sharding, q_sharding, ids_sharding,
+                                          ids_sharding))
+    inputs = (q, k, v, d_out, jnp.asarray(q_ids), jnp.asarray(kv_ids))
+    compiled = sharded.lower(*inputs).compile()
+    assert collectives_in(compiled.as_text()) == []
+    for got, want in zip(compiled(*inputs), jax.jit(step)(*inputs)):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
+    assert "fwd" in segment_kernels and "bwd" in segment_kernels
