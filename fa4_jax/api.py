@@ -156,12 +156,6 @@ class _ScoreArrays:
         """The kernels read these arrays: segment ids alone (not yet a mask or a bias)."""
         return self.mask is None and self.bias is None
 
-    def segment_ids(self):
-        """(query ids, kv ids) as int32, or None."""
-        if self.query_segment_ids is None:
-            return None
-        return tuple(jnp.asarray(ids).astype(jnp.int32)
-                     for ids in (self.query_segment_ids, self.kv_segment_ids))
 
 
 def _score_arrays(query, key, mask, bias, query_segment_ids, kv_segment_ids):
@@ -248,10 +242,12 @@ def _attention(
             _canonical_lengths("query_seq_lengths", query_seq_lengths, query.shape[:2]),
             _canonical_lengths("key_value_seq_lengths", key_value_seq_lengths, key.shape[:2]),
         )
-    segment_ids = None if score_arrays is None else score_arrays.segment_ids()
-    if segment_ids is not None and params.implementation == "cute":
-        # The span tables once, for the forward and its backward (a residual of the op).
-        segment_ids = segment_tables.operands(segment_ids, seq_lengths)
+    segment_ids = None
+    if score_arrays is not None:
+        # Segment ids on the kernels (anything else returned above): the span tables once, for
+        # the forward and its backward (a residual of the op).
+        segment_ids = segment_tables.operands(
+            (score_arrays.query_segment_ids, score_arrays.kv_segment_ids), seq_lengths)
     out, lse = attention_op(query, key, value, params, seq_lengths, segment_ids)
     return (out, lse) if return_lse else out
 

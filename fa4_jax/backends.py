@@ -10,9 +10,9 @@ attribute; the reference is deterministic anyway (no atomics).
 `seq_lengths` is None, or (q_len, kv_len): int32 [batch] valid lengths of a ragged batch
 (semantics in `AttentionParams`). Both backends take them: the kernels through their
 seq_used_q / seq_used_k operands, the reference through its masks. `segment_ids` is None, or
-(q_ids [batch, seqlen_q], kv_ids [batch, seqlen_k]) int32, optionally followed by their span
-tables (`fa4_jax.segments.operands`): a row sees only the keys of its own id; the kernels read
-them (the segments variants), the reference masks with the ids.
+the four segment operands (`fa4_jax.segments.operands`: q_ids [batch, seqlen_q], kv_ids
+[batch, seqlen_k] int32 and their span tables): a row sees only the keys of its own id; the
+kernels read all four (the segments variants), the reference masks with the ids.
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def backward(q, k, v, out, lse, d_out, d_lse, params: AttentionParams, seq_lengt
         when lse is not differentiated (zero).
       seq_lengths: None or (q_len, kv_len), as for the forward; the ring contract holds per
         entry (rows past q_len have block lse -inf, so weight 0 and zero gradient).
-      segment_ids: None or (q_ids, kv_ids), as for the forward.
+      segment_ids: None or the four segment operands, as for the forward.
     """
     segmented = segment_ids is not None
     if (params.implementation == "cute"

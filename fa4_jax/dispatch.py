@@ -4,8 +4,9 @@
   `kind` for this call on the default device, else a sentence saying why not.
 - `forward(q, k, v, params, seq_lengths, segment_ids)`: the forward kernel call, with
   grouped-query calls of few query rows GQA-packed (`fa4_jax.pack_gqa`) and calls with too few
-  tiles to fill the GPU split over their keys (`fa4_jax.split_kv`). Calls with segment ids run
-  the segments kernels, unpacked and unsplit, with the ids' span tables (`fa4_jax.segments`).
+  tiles to fill the GPU split over their keys (`fa4_jax.split_kv`). Calls with segment ids (the
+  ids and their span tables, `fa4_jax.segments.operands`) run the segments kernels, unpacked and
+  unsplit.
 - `backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths, segment_ids)`: the backward
   kernel call, with the dQ workspace's copies from the arch menu's rule (`routing.dq_copies`).
 - `explain_forward(...)`, `explain_variant(...)`: how `forward` runs a call, and the variant the
@@ -33,7 +34,6 @@ import numpy as np
 
 from fa4_jax import ffi, routing
 from fa4_jax import pack_gqa as packing
-from fa4_jax import segments as segment_tables
 from fa4_jax import split_kv as splitting
 
 _DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16"}
@@ -109,8 +109,6 @@ def unsupported_reason(q, k, v, params, kind: str = "fwd", library: ffi.Library 
         return f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})"
     if k.shape[-1] != q.shape[-1]:
         return f"head dims of q ({q.shape[-1]}) and k ({k.shape[-1]}) differ"
-    if segments and library.fwd_segments_target is None:
-        return f"{library.path} has no custom calls for segment ids"
     if served_head_dims(q, v, params, kind, arch, library, segments) is None:
         default = kernel_call(q, k, v, params, kind, arch, ragged=False, segments=segments).variant()
         return (f"no {kind} kernel for {default.arch} {default.dtype} {default.mask}"
@@ -222,9 +220,8 @@ def forward(q, k, v, params, seq_lengths=None, segment_ids=None, *, library: ffi
     """(out [b, sq, h, dv] in q's dtype, lse [b, h, sq] float32) from the forward kernel.
 
     seq_lengths: None, or (q_len, kv_len) of a ragged batch, int32 [batch] each, clamped to
-    [0, seqlen]. segment_ids: None, or (q_ids [b, sq], kv_ids [b, sk]) integer, optionally
-    followed by their span tables (`fa4_jax.segments.operands`): a row sees only keys of its own
-    id (never packed or split). `pack_gqa`: run the query heads of each
+    [0, seqlen]. segment_ids: None, or the four segment operands (`fa4_jax.segments.operands`:
+    the ids and their span tables): a row sees only keys of its own id (never packed or split). `pack_gqa`: run the query heads of each
     key/value head as one tile's rows;
     None packs where `pack_gqa.packs` says it pays, False never. `split_kv`: run the keys as this
     many chunks and combine them (it must divide seqlen_k); None splits where
@@ -243,7 +240,7 @@ def forward(q, k, v, params, seq_lengths=None, segment_ids=None, *, library: ffi
         _require(q, k, v, params, "fwd", library, segments=True)
         lengths, (q,), () = _length_operands(seq_lengths, (q,), ())
         return ffi.forward_call(library, q, k, v, lengths, ffi.attributes(params), tuning,
-                                segments=segment_tables.operands(segment_ids, seq_lengths))
+                                segments=segment_ids)
     if split_kv is None:
         sms = sm_count()
         split_kv = 1 if sms is None else splitting.num_splits(q.shape, k.shape, params, sms)
@@ -297,9 +294,8 @@ def backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths=None, segment_
     d_out = d_out.astype(q.dtype)
     lengths, (q, d_out), (k, v) = _length_operands(seq_lengths, (q, d_out), (k, v))
     copies = copies or dq_copies(q, k, params, library)
-    segments = segment_tables.operands(segment_ids, seq_lengths) if segmented else None
     return ffi.backward_call(library, q, k, v, out, lse, d_out, d_lse, lengths, ffi.attributes(params),
-                             params.deterministic, copies, tuning, segments=segments)
+                             params.deterministic, copies, tuning, segments=segment_ids)
 
 
 def available() -> bool:

@@ -72,9 +72,9 @@ def _entry_tables(q_ids, kv_ids, q_len, kv_len):
 
 
 def span_tables(q_ids, kv_ids, seq_lengths=None):
-    """(row_spans [b, ceil(sq / 64), 4], key_spans [b, ceil(sk / 64), 4]) int32 of segment ids
-    q_ids [b, sq] and kv_ids [b, sk] (int32), with the ragged lengths (q_len, kv_len) [b] when
-    given (positions past them are not counted)."""
+    """(row_spans [b, ceil(sq / 64), 4], key_spans [b, ceil(sk / 64), 4]) int32 of int32
+    segment ids q_ids [b, sq] and kv_ids [b, sk], with the ragged lengths (q_len, kv_len) [b]
+    when given (positions past them are not counted)."""
     batch, seqlen_q = q_ids.shape
     seqlen_k = kv_ids.shape[1]
     if seq_lengths is None:
@@ -82,14 +82,12 @@ def span_tables(q_ids, kv_ids, seq_lengths=None):
         kv_len = jnp.full((batch,), seqlen_k, jnp.int32)
     else:
         q_len, kv_len = (jnp.clip(x.astype(jnp.int32), 0, n) for x, n in zip(seq_lengths, (seqlen_q, seqlen_k)))
-    return jax.vmap(_entry_tables)(q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32), q_len, kv_len)
+    return jax.vmap(_entry_tables)(q_ids, kv_ids, q_len, kv_len)
 
 
 def operands(segment_ids, seq_lengths=None):
     """The segments custom calls' four operands (q_ids, kv_ids, row_spans, key_spans), int32,
-    from the caller's (q_ids [b, sq], kv_ids [b, sk]), or those four themselves (computed once
-    for a forward and its backward)."""
-    if len(segment_ids) == 4:
-        return tuple(segment_ids)
+    from the caller's integer (q_ids [b, sq], kv_ids [b, sk]); computed once per call, for the
+    forward and its backward."""
     q_ids, kv_ids = (ids.astype(np.int32) for ids in segment_ids)
     return (q_ids, kv_ids, *span_tables(q_ids, kv_ids, seq_lengths))

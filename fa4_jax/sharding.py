@@ -56,12 +56,12 @@ def attention_forward(q, k, v, params: AttentionParams, seq_lengths=None, segmen
     Shapes as `vjp.attention_op`: q [batch, seqlen_q, heads_q, head_dim], k [batch, seqlen_k,
     heads_kv, head_dim], v [batch, seqlen_k, heads_kv, head_dim_v] -> out [batch, seqlen_q,
     heads_q, head_dim_v], lse [batch, heads_q, seqlen_q] float32. seq_lengths: None or
-    (q_len, kv_len), int32 [batch] each; segment_ids: None or (q_ids [batch, seqlen_q],
-    kv_ids [batch, seqlen_k]), optionally followed by their span tables [batch, chunks, 4]
-    (`fa4_jax.segments`); all partitioned with the batch.
+    (q_len, kv_len), int32 [batch] each; segment_ids: None or the four segment operands
+    (`fa4_jax.segments.operands`: q_ids [batch, seqlen_q], kv_ids [batch, seqlen_k] and their
+    span tables [batch, chunks, 4]); all partitioned with the batch.
     """
     _check_not_partially_manual()
-    op = _forward_op(seq_lengths is not None, len(segment_ids or ()))
+    op = _forward_op(seq_lengths is not None, segment_ids is not None)
     return _vmappable(op, params)(q, k, v, *_aux_operands(seq_lengths, segment_ids))
 
 
@@ -73,20 +73,19 @@ def attention_backward(q, k, v, out, lse, d_out, d_lse, params: AttentionParams,
     """
     _check_not_partially_manual()
     arrays = (q, k, v, out, lse, d_out) + (() if d_lse is None else (d_lse,))
-    op = _backward_op(d_lse is not None, seq_lengths is not None, len(segment_ids or ()))
+    op = _backward_op(d_lse is not None, seq_lengths is not None, segment_ids is not None)
     return _vmappable(op, params)(*arrays, *_aux_operands(seq_lengths, segment_ids))
 
 
 def _aux_operands(seq_lengths, segment_ids) -> tuple:
-    """The ops' operands after the attention arrays: the lengths, then the segment ids (and
-    their span tables, when the caller computed them)."""
+    """The ops' operands after the attention arrays: the lengths, then the segment operands."""
     return tuple(seq_lengths or ()) + tuple(segment_ids or ())
 
 
-def _aux_arguments(aux, ragged: bool, segment_arrays: int):
+def _aux_arguments(aux, ragged: bool, segmented: bool):
     """(seq_lengths, segment_ids) for the backends from `_aux_operands`' arrays."""
     seq_lengths = tuple(aux[:2]) if ragged else None
-    segment_ids = tuple(aux[2 * ragged:]) if segment_arrays else None
+    segment_ids = tuple(aux[2 * ragged:]) if segmented else None
     return seq_lengths, segment_ids
 
 
@@ -176,23 +175,22 @@ _SEGMENT_OPERANDS = (("query_segment_ids", _QUERY_IDS), ("kv_segment_ids", _KEY_
                      ("row_spans", _ROW_SPANS), ("key_spans", _KEY_SPANS))
 
 
-def _aux_layout(ragged: bool, segment_arrays: int) -> tuple:
-    """Lengths when ragged; then the ids (2 arrays) or the ids and their tables (4)."""
-    return (_RAGGED_OPERANDS if ragged else ()) + _SEGMENT_OPERANDS[:segment_arrays]
+def _aux_layout(ragged: bool, segmented: bool) -> tuple:
+    return (_RAGGED_OPERANDS if ragged else ()) + (_SEGMENT_OPERANDS if segmented else ())
 
 
-def _forward_layout(ragged: bool, segment_arrays: int) -> _OpLayout:
+def _forward_layout(ragged: bool, segmented: bool) -> _OpLayout:
     return _OpLayout(
         operands=(*zip(_FORWARD_LAYOUT.operand_names, _FORWARD_LAYOUT.operand_layouts),
-                  *_aux_layout(ragged, segment_arrays)),
+                  *_aux_layout(ragged, segmented)),
         results=(("out", _OUT), ("lse", _LSE)),
     )
 
 
-def _backward_layout(with_d_lse: bool, ragged: bool, segment_arrays: int) -> _OpLayout:
+def _backward_layout(with_d_lse: bool, ragged: bool, segmented: bool) -> _OpLayout:
     """The backward op's layout: with a d_lse operand, or none (lse not differentiated)."""
     operands = (_BACKWARD_OPERANDS + (_D_LSE_OPERAND if with_d_lse else ())
-                + _aux_layout(ragged, segment_arrays))
+                + _aux_layout(ragged, segmented))
     return _OpLayout(operands, _GRADIENTS)
 
 
@@ -314,34 +312,33 @@ def _on_folded_batch(body, arrays, params):
     return tuple(r.reshape(*batch_shape, *r.shape[1:]) for r in results)
 
 
-def _op_name(kind: str, ragged: bool, segment_arrays: int) -> str:
-    return "_".join([kind] + ["ragged"] * ragged + [f"segmented{segment_arrays}"] * bool(segment_arrays)
-                    + ["on_device"])
+def _op_name(kind: str, ragged: bool, segmented: bool) -> str:
+    return "_".join([kind] + ["ragged"] * ragged + ["segmented"] * segmented + ["on_device"])
 
 
 @functools.cache
-def _forward_op(ragged: bool, segment_arrays: int):
-    """The partitioned forward op, with the lengths and/or `segment_arrays` segment operands."""
+def _forward_op(ragged: bool, segmented: bool):
+    """The partitioned forward op, with the lengths and/or the segment operands or not."""
     def body(q, k, v, *aux_and_params):
         *aux, params = aux_and_params
-        return backends.forward(q, k, v, params, *_aux_arguments(aux, ragged, segment_arrays))
+        return backends.forward(q, k, v, params, *_aux_arguments(aux, ragged, segmented))
 
     def forward_on_device(q, k, v, *aux_and_params):
         *aux, params = aux_and_params
         return _on_folded_batch(body, (q, k, v, *aux), params)
 
-    forward_on_device.__name__ = _op_name("forward", ragged, segment_arrays)
-    return _custom_partitioned(forward_on_device, _forward_layout(ragged, segment_arrays))
+    forward_on_device.__name__ = _op_name("forward", ragged, segmented)
+    return _custom_partitioned(forward_on_device, _forward_layout(ragged, segmented))
 
 
 @functools.cache
-def _backward_op(with_d_lse: bool, ragged: bool, segment_arrays: int):
+def _backward_op(with_d_lse: bool, ragged: bool, segmented: bool):
     """The partitioned backward op; the op without a d_lse operand passes the backend None
     there (lse not differentiated)."""
     def body(q, k, v, out, lse, d_out, d_lse, *aux_and_params):
         *aux, params = aux_and_params
         return backends.backward(q, k, v, out, lse, d_out, d_lse, params,
-                                 *_aux_arguments(aux, ragged, segment_arrays))
+                                 *_aux_arguments(aux, ragged, segmented))
 
     def backward_on_device(*arrays_and_params):
         *arrays, params = arrays_and_params
@@ -350,8 +347,8 @@ def _backward_op(with_d_lse: bool, ragged: bool, segment_arrays: int):
         return _on_folded_batch(body, tuple(arrays), params)
 
     backward_on_device.__name__ = _op_name("backward" if with_d_lse else "backward_without_d_lse",
-                                           ragged, segment_arrays)
-    return _custom_partitioned(backward_on_device, _backward_layout(with_d_lse, ragged, segment_arrays))
+                                           ragged, segmented)
+    return _custom_partitioned(backward_on_device, _backward_layout(with_d_lse, ragged, segmented))
 
 
 @functools.cache

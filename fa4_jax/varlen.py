@@ -133,9 +133,8 @@ def _as_segments(q, k, v, cu_seqlens_q, cu_seqlens_k, options, return_lse):
 
 def _sequence_ids(cu_seqlens, total, no_match):
     """int32 [total]: each packed token's sequence index, `no_match` past cu_seqlens[-1]."""
-    token = jnp.arange(total, dtype=jnp.int32)
-    sequence = jnp.searchsorted(cu_seqlens[1:], token, side="right").astype(jnp.int32)
-    return jnp.where(token < cu_seqlens[-1], sequence, no_match)
+    sequence, _ = _token_positions(cu_seqlens, total)
+    return jnp.where(jnp.arange(total, dtype=jnp.int32) < cu_seqlens[-1], sequence, no_match)
 
 
 def _check_max_seqlen(name, value):

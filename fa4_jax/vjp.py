@@ -32,10 +32,10 @@ def attention_op(q, k, v, params: AttentionParams, seq_lengths=None, segment_ids
       params: the static options (hashable, not differentiated).
       seq_lengths: None, or (q_len, kv_len) of a ragged batch: int32 [batch] each, values
         in [0, seqlen_q] and [0, seqlen_k]; integers, so their cotangent is None.
-      segment_ids: None, or (q_ids [batch, seqlen_q], kv_ids [batch, seqlen_k]) int32: a row
-        sees only the keys of its own id; for the kernels followed by their span tables
-        (`fa4_jax.segments.operands`, computed once for both passes); integers, so their
-        cotangent is None.
+      segment_ids: None, or the four segment operands (`fa4_jax.segments.operands`: q_ids
+        [batch, seqlen_q], kv_ids [batch, seqlen_k] int32 and their span tables, computed once
+        for both passes): a row sees only the keys of its own id; integers, so their cotangent
+        is None.
 
     Returns:
       out [batch, seqlen_q, heads_q, head_dim_v] in q's dtype and lse [batch, heads_q,

@@ -78,24 +78,13 @@ def test_span_tables_count_what_their_definition_says(seqlen_q, seqlen_k, kind, 
         np.testing.assert_array_equal(key_spans[b], _brute_table(kv_ids[b], q_ids[b], kv_len[b], q_len[b]))
 
 
-def _block_spans(table, block, tile, other_tile):
-    """SegmentIds._reduce: a tile's (visit lo, hi, full lo, hi) over the other side's blocks."""
-    lo, hi, full_lo, full_hi = NO_SPAN, 0, 0, NO_SPAN
-    chunks = tile // SPAN_CHUNK
-    for chunk in range(block * chunks, block * chunks + chunks):
-        if chunk < len(table):
-            lo, hi = min(lo, table[chunk][LO]), max(hi, table[chunk][HI])
-            full_lo, full_hi = max(full_lo, table[chunk][FULL_LO]), min(full_hi, table[chunk][FULL_HI])
-    return lo // other_tile, (hi + other_tile - 1) // other_tile, \
-        (full_lo + other_tile - 1) // other_tile, full_hi // other_tile
-
-
 def _check_blocks(table, ids, partner_ids, count, partner_count, tile, other_tile, packed):
     """The kernels' skip and no-compare rules hold for every tile of one side."""
     visible = (ids[:count, None] == partner_ids[None, :partner_count])
+    ranges = [np.asarray(r)[0] for r in _tile_ranges(np.asarray(table)[None], tile, other_tile)]
     # A tile wholly past the length visits nothing (the mask's block range is empty).
     for block in range(-(-count // tile)):
-        lo, hi, full_lo, full_hi = _block_spans(table, block, tile, other_tile)
+        lo, hi, full_lo, full_hi = (int(r[block]) for r in ranges)
         rows = visible[block * tile:(block + 1) * tile]
         holds_pair = [rows[:, n * other_tile:(n + 1) * other_tile].any() for n in
                       range(-(-len(partner_ids) // other_tile))]
@@ -146,13 +135,15 @@ def test_one_long_document_among_many_short_ones_visits_only_its_own_blocks():
     ids = np.concatenate([np.zeros(8192, np.int32), np.repeat(np.arange(1, 256, dtype=np.int32), 32)])
     ids = np.concatenate([ids, np.full(16384 - len(ids), -1, np.int32)])[None]
     row_spans = np.asarray(segments.span_tables(ids, np.where(ids < 0, -2, ids))[0][0])
-    visits = [(hi - lo) for lo, hi, _, _ in (_block_spans(row_spans, m, 128, 128) for m in range(128))]
+    lo, hi, _, _ = (np.asarray(r)[0] for r in _tile_ranges(row_spans[None], 128, 128))
+    visits = [int(h - l) for l, h in zip(lo, hi)]
     assert max(visits[:64]) == 64 and max(visits[64:]) <= 2
     assert sum(visits) == 64 * 64 + sum(visits[64:])
 
 
 def _tile_ranges(table, tile, other_tile):
-    """_block_spans for every tile at once: [b, tiles] arrays (lo, hi, full_lo, full_hi)."""
+    """SegmentIds._reduce for every tile at once: [b, tiles] arrays (visit lo, hi, full lo, hi)
+    over the other side's blocks, from a [b, chunks, 4] table."""
     import jax.numpy as jnp
 
     chunks = tile // SPAN_CHUNK

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import fa4_jax
-from tests.gpu.cases import WINDOWS_AND_SOFTCAP, mask_options, require_kernels
+from tests.gpu.cases import WINDOWS_AND_SOFTCAP, mask_options, qkv, require_kernels
 from tests.numerics import assert_close_by_rule, naive_attention_jax, visible_mask
 
 pytestmark = pytest.mark.gpu
@@ -93,9 +93,7 @@ def _check(next_key, rng, heads_q=2, heads_kv=1, head_dim=128, dtype=jnp.bfloat1
            batch=2, seqlen_q=SEQLEN, seqlen_k=SEQLEN, kind="packed", ragged=False, packing=None,
            **options):
     head_dim_v = head_dim_v or head_dim
-    q = jax.random.normal(next_key(), (batch, seqlen_q, heads_q, head_dim), dtype)
-    k = jax.random.normal(next_key(), (batch, seqlen_k, heads_kv, head_dim), dtype)
-    v = jax.random.normal(next_key(), (batch, seqlen_k, heads_kv, head_dim_v), dtype)
+    q, k, v = qkv(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, head_dim_v)
     d_out = jax.random.normal(next_key(), (batch, seqlen_q, heads_q, head_dim_v), dtype)
     d_lse = jax.random.normal(next_key(), (batch, heads_q, seqlen_q), jnp.float32)
     q_ids, kv_ids = _segment_ids(rng, batch, seqlen_q, seqlen_k, kind, **(packing or {}))
