@@ -11,6 +11,7 @@ partners they see and the partners every one of them sees; a tile reduces its ch
   loop runs them; only the blocks between the two compare ids, element by element.
 """
 import dataclasses
+import math
 
 import cutlass
 import cutlass.cute as cute
@@ -79,29 +80,31 @@ class SegmentIds:
         return ids[batch, cutlass.min(position, ids.shape[1] - 1)]
 
     @cute.jit
+    def _compare(self, scores: cute.Tensor, coords0: cute.Tensor, row_ids: cute.Tensor, row_start: Int32,
+                 col_ids: cute.Tensor, col_start: Int32, batch: Int32, fill: cutlass.Constexpr[float]):
+        """scores[r, c] = fill where the id of row r differs from the id of column c; the tile's
+        rows and columns start at row_start and col_start of row_ids and col_ids
+        (AttentionMask.apply's register scheme). Each id is loaded once per tile."""
+        ids_of_rows = cute.make_rmem_tensor((cute.size(scores, mode=[0]),), Int32)
+        for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
+            ids_of_rows[r] = self._id(row_ids, batch, row_start + coords0[r, 0][0])
+        for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+            col_id = self._id(col_ids, batch, col_start + coords0[0, c][1])
+            for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
+                if ids_of_rows[r] != col_id:
+                    scores[r, c] = Float32(fill)
+
+    @cute.jit
     def apply(self, scores: cute.Tensor, coords0: cute.Tensor, thread_row: Int32, thread_col: Int32,
               m_block: Int32, n_block: Int32, batch: Int32):
-        """scores (rows = queries, cols = keys; AttentionMask.apply's register scheme) to −inf
-        where the row's id differs from the key's. Each id is loaded once per tile."""
-        row_ids = cute.make_rmem_tensor((cute.size(scores, mode=[0]),), Int32)
-        for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
-            row_ids[r] = self._id(self.q_ids, batch, m_block * self.tile_m + thread_row + coords0[r, 0][0])
-        for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-            key_id = self._id(self.k_ids, batch, n_block * self.tile_n + thread_col + coords0[0, c][1])
-            for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
-                if row_ids[r] != key_id:
-                    scores[r, c] = -Float32.inf
+        """scores (rows = queries, cols = keys) to −inf where the row's id differs from the key's."""
+        self._compare(scores, coords0, self.q_ids, m_block * self.tile_m + thread_row, self.k_ids,
+                      n_block * self.tile_n + thread_col, batch, -math.inf)
 
     @cute.jit
     def apply_transposed(self, scores_t: cute.Tensor, coords0: cute.Tensor, thread_row: Int32,
                          thread_col: Int32, m_block: Int32, n_block: Int32, batch: Int32,
                          fill: cutlass.Constexpr[float]):
         """The same on a transposed tile Sᵀ (rows = keys, cols = queries), to `fill`."""
-        key_ids = cute.make_rmem_tensor((cute.size(scores_t, mode=[0]),), Int32)
-        for r in cutlass.range_constexpr(cute.size(scores_t, mode=[0])):
-            key_ids[r] = self._id(self.k_ids, batch, n_block * self.tile_n + thread_row + coords0[r, 0][0])
-        for c in cutlass.range_constexpr(cute.size(scores_t, mode=[1])):
-            row_id = self._id(self.q_ids, batch, m_block * self.tile_m + thread_col + coords0[0, c][1])
-            for r in cutlass.range_constexpr(cute.size(scores_t, mode=[0])):
-                if key_ids[r] != row_id:
-                    scores_t[r, c] = Float32(fill)
+        self._compare(scores_t, coords0, self.k_ids, n_block * self.tile_n + thread_row, self.q_ids,
+                      m_block * self.tile_m + thread_col, batch, fill)
