@@ -32,7 +32,7 @@ import dataclasses
 
 import numpy as np
 
-from fa4_jax import ffi, routing
+from fa4_jax import ffi, routing, verification
 from fa4_jax import pack_gqa as packing
 from fa4_jax import split_kv as splitting
 
@@ -63,7 +63,7 @@ def device_arch() -> tuple[str | None, str | None]:
             return None, f"no JAX device: {e}"
         return None, f"the default device is {platform}, not a CUDA GPU"
     major, minor = (int(x) for x in cc.split("."))
-    return f"sm_{major}{minor}{'a' if major >= 9 else ''}", None
+    return routing.arch_name(major, minor), None
 
 
 def sm_count() -> int | None:
@@ -109,12 +109,18 @@ def unsupported_reason(q, k, v, params, kind: str = "fwd", library: ffi.Library 
         return f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})"
     if k.shape[-1] != q.shape[-1]:
         return f"head dims of q ({q.shape[-1]}) and k ({k.shape[-1]}) differ"
-    if served_head_dims(q, v, params, kind, arch, library, segments) is None:
+    served = served_head_dims(q, v, params, kind, arch, library, segments)
+    if served is None:
         default = kernel_call(q, k, v, params, kind, arch, ragged=False, segments=segments).variant()
         return (f"no {kind} kernel for {default.arch} {default.dtype} {default.mask}"
                 f"{' softcap' if default.softcap else ''}{' with segment ids' if segments else ''} "
                 f"at head dim {default.head_dim} (head dim of v {default.head_dim_v}) or wider is "
                 f"compiled into {library.path}")
+    call = kernel_call(q, k, v, params, kind, arch, ragged=False, segments=segments)
+    variant = library.choose(dataclasses.replace(call, head_dim=served[0], head_dim_v=served[1]))
+    failed = verification.failure_reason(variant, library)
+    if failed is not None:
+        return f"{variant.name} has not run on {arch} hardware before and failed its first-use check: {failed}"
     return None
 
 

@@ -73,6 +73,8 @@ class Library:
     # The segments targets (None in a development library, which has no segments variants).
     fwd_segments_target: str | None = None
     bwd_segments_target: str | None = None
+    # Archs whose kernels no GPU of the arch has run: checked on first use (fa4_jax.verification).
+    unverified_arches: frozenset = frozenset()
 
     def routes_for(self, arch: str) -> tuple:
         return tuple(route for route_arch, route in self.routes if route_arch == arch)
@@ -132,6 +134,7 @@ def load(path: str | None = None, tuning_targets: bool = False) -> Library:
         head_dims=_head_dims(manifest["variants"]),
         fwd_segments_target=None if tuning_targets else FWD_SEGMENTS_TARGET,
         bwd_segments_target=None if tuning_targets else BWD_SEGMENTS_TARGET,
+        unverified_arches=frozenset(manifest.get("unverified_arches", ())),
     )
 
 

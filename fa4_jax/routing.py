@@ -19,6 +19,15 @@ MASKS = ("none", "causal", "local")
 KINDS = ("fwd", "bwd")
 
 
+def arch_name(major: int, minor: int) -> str:
+    """The arch whose variants serve a GPU of compute capability major.minor: the sm_100f family
+    for 10.x (B200/GB200 and B300/GB300 run one family-portable cubin), else the arch-specific
+    sm_<major><minor>a (sm_90a). ffi/common.cc's DeviceArch is the same rule."""
+    if major == 10:
+        return "sm_100f"
+    return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
+
+
 def name_prefix(kind: str, arch: str) -> str:
     """How the name of every variant of one kind and arch begins ("fwd_sm90a_")."""
     return f"{kind}_{arch.replace('_', '')}_"

@@ -37,7 +37,10 @@ ffi::Error DeviceArch(const Errors& err, int ordinal, std::string* arch) {
   if (e == cudaSuccess)
     e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, ordinal);
   if (e != cudaSuccess) return err.Cuda(e);
-  *arch = "sm_" + std::to_string(major) + std::to_string(minor) + (major >= 9 ? "a" : "");
+  // fa4_jax.routing.arch_name's rule: Blackwell's 10.x (B200, B300) share the sm_100f family's
+  // cubins; other archs name their arch-specific target.
+  *arch = major == 10 ? std::string("sm_100f")
+                      : "sm_" + std::to_string(major) + std::to_string(minor) + (major >= 9 ? "a" : "");
   return ffi::Error::Success();
 }
 

@@ -55,7 +55,7 @@ struct Fa4Args {
 struct Fa4Variant {
   const char* name;  // = fa4_jax.routing.Variant.name
   Fa4Kind kind;
-  const char* arch;  // "sm_90a", "sm_100a"
+  const char* arch;  // "sm_90a", "sm_100f"
   Fa4Dtype dtype;
   int head_dim, head_dim_v;
   const char* mask;  // "none", "causal", "local"

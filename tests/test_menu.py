@@ -23,7 +23,7 @@ def choose(kind="fwd", mask="none", head_dim=128, seqlen_q=4096, seqlen_k=4096, 
 
 
 def test_menu_covers_the_axes_once():
-    defaults = [v for v in menu.MENU if v.tuning == "default"]
+    defaults = [v for v in sm90.MENU if v.tuning == "default"]
     for kind, segments in itertools.product(routing.KINDS, (False, True)):
         # dtypes x head dims x masks x softcap, with segment ids and without
         head_dims = sm90.HEAD_DIMS if kind == "fwd" else sm90.BACKWARD_HEAD_DIMS
@@ -32,14 +32,14 @@ def test_menu_covers_the_axes_once():
     assert all(v.tuning == "default" for v in menu.MENU if v.segments)
     assert len(COMPILED) == len(menu.MENU)
     assert all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v.name) for v in menu.MENU)
-    assert {v.arch for v in menu.MENU} == {"sm_90a"}
-    assert menu.ARCHES == ("sm_90a", "sm_100a")
+    assert {v.arch for v in menu.MENU} == {"sm_90a", "sm_100f"}
+    assert menu.ARCHES == ("sm_90a", "sm_100f")
 
 
 def test_every_shipped_variant_is_reachable():
     # The menu holds only what a public call can reach: the defaults, and each route's tuning.
     routed = {(r.kind, r.mask, r.head_dim, r.tuning) for r in sm90.ROUTES}
-    for v in menu.MENU:
+    for v in sm90.MENU:
         assert v.tuning == "default" or (v.kind, v.mask, v.head_dim, v.tuning) in routed, v.name
         assert v.tuning in sm90.TUNINGS
     # And each route's variants exist at both dtypes (and the softcap settings it takes).
@@ -51,10 +51,10 @@ def test_every_shipped_variant_is_reachable():
 
 
 def test_every_backward_variant_has_a_forward_twin():
-    backward = {(v.dtype, v.head_dim, v.head_dim_v, v.mask, v.softcap, v.segments) for v in menu.MENU
-                if v.kind == "bwd"}
-    forward = {(v.dtype, v.head_dim, v.head_dim_v, v.mask, v.softcap, v.segments) for v in menu.MENU
-               if v.kind == "fwd"}
+    backward = {(v.arch, v.dtype, v.head_dim, v.head_dim_v, v.mask, v.softcap, v.segments)
+                for v in menu.MENU if v.kind == "bwd"}
+    forward = {(v.arch, v.dtype, v.head_dim, v.head_dim_v, v.mask, v.softcap, v.segments)
+               for v in menu.MENU if v.kind == "fwd"}
     assert backward <= forward
     # A forward-only head dim's backward runs on a wider compiled pair.
     for d, dv in set(sm90.HEAD_DIMS) - set(sm90.BACKWARD_HEAD_DIMS):
@@ -63,7 +63,7 @@ def test_every_backward_variant_has_a_forward_twin():
 
 def test_name():
     assert Variant("sm_90a", "bf16", 128, 128, "causal", True).name == "fwd_sm90a_bf16_d128_dv128_causal_softcap"
-    assert Variant("sm_100a", "fp16", 64, 64, "none", False).name == "fwd_sm100a_fp16_d64_dv64"
+    assert Variant("sm_100f", "fp16", 64, 64, "none", False).name == "fwd_sm100f_fp16_d64_dv64"
     assert Variant("sm_90a", "bf16", 192, 128, "local", False, "bwd").name == "bwd_sm90a_bf16_d192_dv128_local"
     assert Variant("sm_90a", "bf16", 128, 128, "none", False, "fwd", "tail48").name == \
         "fwd_sm90a_bf16_d128_dv128_ttail48"
@@ -93,8 +93,8 @@ def test_unregistered_arch_or_tuning_is_refused():
         menu.arch_menu("sm_80")
     with pytest.raises(ValueError, match="ships no tuning"):
         menu.tuning_kwargs(Variant("sm_90a", "bf16", 128, 128, "none", False, "fwd", "tau0"))
-    with pytest.raises(ValueError, match="no fwd kernel"):
-        menu.kernel_class(Variant("sm_100a", "bf16", 128, 128, "none", False))
+    with pytest.raises(ValueError, match="no bwd kernel"):
+        menu.kernel_class(Variant("sm_100f", "bf16", 128, 128, "none", False, "bwd"))
 
 
 @pytest.mark.parametrize("head_dim", [d for d, _ in sm90.HEAD_DIMS])
@@ -181,8 +181,22 @@ def test_dq_copies():
     assert routing.dq_copies(rule, 128, 1024, True) == 1
 
 
-def test_the_sm100_folder_is_registered_and_empty():
+def test_the_sm100_menu_is_every_forward_problem_class_once_and_unverified():
     from fa4_jax.kernels.sm100 import menu as sm100
+    from fa4_jax.kernels.sm100 import plan
 
-    assert sm100 in menu.ARCH_MENUS and sm100.ARCH == "sm_100a"
-    assert sm100.MENU == () and sm100.KERNELS == {}
+    assert sm100 in menu.ARCH_MENUS and sm100.ARCH == "sm_100f" and not sm100.VERIFIED
+    assert sm90.VERIFIED
+    assert set(sm100.KERNELS) == {"fwd"} and all(v.kind == "fwd" and v.tuning == "default" for v in sm100.MENU)
+    classes = {(v.dtype, v.head_dim, v.head_dim_v, v.mask, v.softcap) for v in sm100.MENU}
+    assert len(classes) == len(sm100.MENU) == 2 * len(sm100.HEAD_DIMS) * 3 * 2
+    assert set(sm100.HEAD_DIMS) == set(plan.TILE_CONFIGS)
+    # Every head dim up to 128 runs on a compiled pair (zero-padded where it has none).
+    for d in range(8, 129, 8):
+        assert routing.serving_head_dims(d, d, sm100.HEAD_DIMS) is not None
+
+
+@pytest.mark.parametrize("capability, arch", [((9, 0), "sm_90a"), ((10, 0), "sm_100f"), ((10, 3), "sm_100f"),
+                                              ((12, 0), "sm_120a"), ((8, 0), "sm_80")])
+def test_arch_names_put_blackwell_datacenter_gpus_in_one_family(capability, arch):
+    assert routing.arch_name(*capability) == arch

@@ -65,6 +65,9 @@ class Menu:
     tuning_kwargs: Callable[[Variant], dict] = menu.tuning_kwargs
     routes: tuple[tuple[str, Route], ...] = ()
     dq_copies_max_keys: dict = dataclasses.field(default_factory=dict)
+    # Archs whose kernels no GPU of the arch has run (an arch menu's VERIFIED = False): the
+    # dispatch checks each of their variants on first use (fa4_jax.verification).
+    unverified_arches: tuple[str, ...] = ()
     # The development library also registers targets that take a tuning name (ffi/handlers.h).
     tuning_targets: bool = False
 
@@ -72,7 +75,8 @@ class Menu:
 def shipping_menu(arches: list[str] | None = None, only: str | None = None) -> Menu:
     variants = tuple(v for v in menu.MENU if (not arches or v.arch in arches)
                      and (only is None or re.search(only, v.name)))
-    return Menu(variants, routes=menu.routes(), dq_copies_max_keys=menu.dq_copies_max_keys())
+    return Menu(variants, routes=menu.routes(), dq_copies_max_keys=menu.dq_copies_max_keys(),
+                unverified_arches=menu.unverified_arches())
 
 
 def cache_dir() -> Path:
@@ -276,13 +280,15 @@ def link(built: Menu, found: dict[str, Path], out: Path = LIBRARY, log=print) ->
 
 
 def manifest(built: Menu) -> dict:
-    """What fa4_jax.routing reads at run time: the variants, the routes, the dQ-copies rule."""
+    """What fa4_jax.ffi reads at run time: the variants, the routes, the dQ-copies rule, the
+    archs whose kernels are checked on first use."""
     return {
         "version": MANIFEST_VERSION,
         "variants": [v.to_json() for v in built.variants],
         "routes": [{"arch": arch, **route.to_json()} for arch, route in built.routes],
         "dq_copies_max_keys": {arch: {str(d): keys for d, keys in rule.items()}
                                for arch, rule in built.dq_copies_max_keys.items()},
+        "unverified_arches": list(built.unverified_arches),
     }
 
 

@@ -43,5 +43,10 @@ def routes():
     return tuple((arch_menu.ARCH, route) for arch_menu in ARCH_MENUS for route in arch_menu.ROUTES)
 
 
+def unverified_arches() -> tuple[str, ...]:
+    """The archs whose kernels no GPU of the arch has run (their menu's VERIFIED is False)."""
+    return tuple(arch_menu.ARCH for arch_menu in ARCH_MENUS if not arch_menu.VERIFIED)
+
+
 def dq_copies_max_keys() -> dict[str, dict[int, int]]:
     return {arch_menu.ARCH: dict(arch_menu.DQ_COPIES_MAX_KEYS) for arch_menu in ARCH_MENUS}

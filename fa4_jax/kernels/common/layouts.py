@@ -119,3 +119,8 @@ def fragment_order_view(slab: cute.Pointer, acc_shape, thread, groups: int) -> c
         (4, lanes, regs // 4, groups), stride=(1, 4, 4 * lanes, lanes * regs)))
     mine = slab_tensor[None, thread % lanes, None, thread // lanes]
     return cute.make_tensor(mine.iterator, cute.composition(mine.layout, cute.make_layout(acc_shape)))
+
+
+def permute_modes(tensor: cute.Tensor, order) -> cute.Tensor:
+    """The same memory with its modes reordered (a view; no data moves)."""
+    return cute.make_tensor(tensor.iterator, cute.select(tensor.layout, mode=list(order)))

@@ -35,16 +35,17 @@ from cutlass import Boolean, Float32
 
 from fa4_jax.kernels.common.exp2 import exp2_poly, uses_poly
 
-# The four lanes of a quad hold one accumulator row between them (WGMMA C layout).
-_LANES_PER_ROW = 4
+# The four lanes of a quad hold one accumulator row between them (Hopper's WGMMA C layout);
+# on Blackwell one thread holds a whole row (one TMEM lane).
+WGMMA_LANES_PER_ROW = 4
 
 
-def _quad_max(x: Float32) -> Float32:
-    return cute.arch.warp_reduction_max(x, threads_in_group=_LANES_PER_ROW)
+def _row_max(x: Float32, lanes: int) -> Float32:
+    return x if lanes == 1 else cute.arch.warp_reduction_max(x, threads_in_group=lanes)
 
 
-def _quad_sum(x: Float32) -> Float32:
-    return cute.arch.warp_reduction_sum(x, threads_in_group=_LANES_PER_ROW)
+def _row_sum(x: Float32, lanes: int) -> Float32:
+    return x if lanes == 1 else cute.arch.warp_reduction_sum(x, threads_in_group=lanes)
 
 
 def tree_reduce(values: list, combine):
@@ -70,18 +71,22 @@ class SoftmaxConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OnlineSoftmax:
-    """Row statistics live in caller-owned register tensors (`row_max`, `row_sum`, one per row)."""
+    """Row statistics live in caller-owned register tensors (`row_max`, `row_sum`, one per row);
+    `lanes_per_row` lanes of a warp share each row (their partial maxima and sums are combined
+    by shuffles)."""
 
     config: SoftmaxConfig
     scale_log2: Float32
     row_max: cute.Tensor
     row_sum: cute.Tensor
+    lanes_per_row: int = WGMMA_LANES_PER_ROW
 
     @staticmethod
-    def create(config: SoftmaxConfig, scale_log2: Float32, num_rows: int) -> "OnlineSoftmax":
+    def create(config: SoftmaxConfig, scale_log2: Float32, num_rows: int,
+               lanes_per_row: int = WGMMA_LANES_PER_ROW) -> "OnlineSoftmax":
         row_max = cute.make_rmem_tensor((num_rows,), Float32)
         row_sum = cute.make_rmem_tensor((num_rows,), Float32)
-        softmax = OnlineSoftmax(config, scale_log2, row_max, row_sum)
+        softmax = OnlineSoftmax(config, scale_log2, row_max, row_sum, lanes_per_row)
         softmax.reset()
         return softmax
 
@@ -106,7 +111,7 @@ class OnlineSoftmax:
                 for c in cutlass.range_constexpr(1, cute.size(scores, mode=[1])):
                     block_max = cute.arch.fmax(block_max, scores[r, c])
             old_max = self.row_max[r]
-            new_max = cute.arch.fmax(old_max, _quad_max(block_max))
+            new_max = cute.arch.fmax(old_max, _row_max(block_max, self.lanes_per_row))
             if cutlass.const_expr(self.config.rescale_threshold > 0.0):
                 # Keep the stale maximum unless the block outgrows it by the threshold. From
                 # −inf any finite maximum qualifies; −inf to −inf is NaN here and keeps −inf.
@@ -136,7 +141,7 @@ class OnlineSoftmax:
     def finalize(self, row_scale: cute.Tensor, lse: cute.Tensor):
         """row_scale <- 1/row_sum (0 for empty rows); lse <- natural-log sum of exp of the scores."""
         for r in cutlass.range_constexpr(cute.size(self.row_sum)):
-            total = _quad_sum(self.row_sum[r])
+            total = _row_sum(self.row_sum[r], self.lanes_per_row)
             row_scale[r] = Float32(0.0)
             lse[r] = -Float32.inf
             if total > 0.0:

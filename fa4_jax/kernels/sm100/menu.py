@@ -1,17 +1,33 @@
-"""Blackwell's (sm_100a) part of the shipping menu: registered, with no kernel yet.
+"""Blackwell's part of the shipping menu: the sm100 forward, built for the sm_100f family
+(B200/GB200, compute capability 10.0, and B300/GB300, 10.3: one cubin serves both).
 
-The folder takes the same contract as kernels/sm90/ (docs/build.md, "Adding an architecture"):
-KERNELS, HEAD_DIMS, TUNINGS, ROUTES, DQ_COPIES_MAX_KEYS and MENU. Until its kernels land, a
-Blackwell GPU runs calls on cuDNN or the reference (fa4_jax.dispatch).
+NOT YET RUN ON BLACKWELL HARDWARE: these kernels are compiled and statically checked only
+(docs/blackwell.md). VERIFIED is False, so on a Blackwell GPU each variant is first checked
+against the reference in the process that uses it (fa4_jax.verification) and routed to cuDNN or
+the reference if it disagrees. The backward has no sm100 kernel yet: Blackwell's backward calls
+run the reference backward (or cuDNN's, through implementation="cudnn").
 """
 from __future__ import annotations
 
-from fa4_jax.routing import Route, Variant
+import itertools
 
-ARCH = "sm_100a"
-KERNELS: dict[str, str] = {}
-HEAD_DIMS: tuple[tuple[int, int], ...] = ()
+from fa4_jax.routing import DTYPES, MASKS, Route, Variant
+
+ARCH = "sm_100f"
+# Whether a GPU of this arch has run the shipped kernels through the GPU tier. False: the
+# dispatch checks each variant on first use (fa4_jax.verification).
+VERIFIED = False
+KERNELS = {"fwd": "fa4_jax.kernels.sm100.fwd:FlashAttentionForwardSm100"}
+# (head_dim, head_dim_v) of the forward kernels, each with an entry in plan.TILE_CONFIGS. TMEM
+# holds two 128-key S tiles and two O tiles, so dv <= 128; 192 and 256 need the 2-CTA kernels
+# (FA4 upstream's) that this folder does not have yet. Other dims up to 128 run zero-padded on
+# the narrowest wider pair (routing.serving_head_dims).
+HEAD_DIMS = ((64, 64), (96, 96), (128, 128))
 TUNINGS: dict[str, dict] = {"default": {}}
 ROUTES: tuple[Route, ...] = ()
 DQ_COPIES_MAX_KEYS: dict[int, int] = {}
-MENU: tuple[Variant, ...] = ()
+
+MENU: tuple[Variant, ...] = tuple(
+    Variant(ARCH, dtype, d, dv, mask, softcap, "fwd")
+    for dtype, (d, dv), mask, softcap in itertools.product(DTYPES, HEAD_DIMS, MASKS, (False, True))
+)

@@ -88,14 +88,12 @@ from fa4_jax.kernels.bwd_pre import BackwardPreprocess
 from fa4_jax.bwd_workspace import BWD_SEMAPHORE_ROWS
 from fa4_jax.kernels.common.block_info import BlockInfo, MaskBounds
 from fa4_jax.kernels.common.exp2 import LOG2_E, exp2_poly, uses_poly
-from fa4_jax.kernels.common.layouts import acc_as_operand_a, acc_rows_cols, fragment_order_view
+from fa4_jax.kernels.common.layouts import acc_as_operand_a, acc_rows_cols, fragment_order_view, permute_modes
 from fa4_jax.kernels.common.mask import AttentionMask
 from fa4_jax.kernels.common.ragged import entry_length
 from fa4_jax.kernels.common.segments import SegmentIds
 from fa4_jax.kernels.sm90 import hardware
-from fa4_jax.kernels.sm90.operands import (
-    permute_modes, smem_layout, swizzled_tensor, tma_pipeline, wgmma_gemm,
-)
+from fa4_jax.kernels.sm90.operands import smem_layout, swizzled_tensor, tma_pipeline, wgmma_gemm
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,7 +51,7 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from fa4_jax.kernels.common.block_info import BlockInfo, MaskBounds
 from fa4_jax.kernels.common.exp2 import LOG2_E
 from fa4_jax.kernels.common.layouts import (
-    acc_as_operand_a, acc_prefix, acc_rows_cols, convert_pairs, opaque_int32,
+    acc_as_operand_a, acc_prefix, acc_rows_cols, convert_pairs, opaque_int32, permute_modes,
 )
 from fa4_jax.kernels.common.mask import AttentionMask
 from fa4_jax.kernels.common.ragged import entry_length
@@ -59,9 +59,7 @@ from fa4_jax.kernels.common.segments import SegmentIds
 from fa4_jax.kernels.common.softmax import OnlineSoftmax, SoftmaxConfig, scale_rows
 from fa4_jax.kernels.common.tile_scheduler import TileScheduler
 from fa4_jax.kernels.sm90 import hardware
-from fa4_jax.kernels.sm90.operands import (
-    permute_modes, smem_layout, swizzled_tensor, tma_pipeline, wgmma_gemm,
-)
+from fa4_jax.kernels.sm90.operands import smem_layout, swizzled_tensor, tma_pipeline, wgmma_gemm
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,8 @@ import itertools
 from fa4_jax.routing import DTYPES, KINDS, MASKS, Route, Variant
 
 ARCH = "sm_90a"
+# Whether a GPU of this arch has run the shipped kernels through the GPU tier (an H200 has).
+VERIFIED = True
 # (kind) -> the kernel class, "module:Class".
 KERNELS = {
     "fwd": "fa4_jax.kernels.sm90.fwd:FlashAttentionForwardSm90",

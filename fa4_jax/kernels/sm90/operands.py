@@ -1,6 +1,5 @@
 """What the Hopper forward and backward kernels both build: WGMMA shared-memory operand layouts,
-the GEMM issue of one WGMMA batch, mode-permuted views of global tensors, and the TMA-filled
-shared-memory rings."""
+the GEMM issue of one WGMMA batch, and the TMA-filled shared-memory rings."""
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -31,11 +30,6 @@ def smem_layout(dtype, rows: int, cols: int, stages: int | None = None, split: i
     )
     shape = (rows, cols) if stages is None else (rows, cols, stages)
     return cute.tile_to_shape(atom, shape, order=tuple(range(len(shape))))
-
-
-def permute_modes(tensor: cute.Tensor, order) -> cute.Tensor:
-    """The same memory with its modes reordered (a view; no data moves)."""
-    return cute.make_tensor(tensor.iterator, cute.select(tensor.layout, mode=list(order)))
 
 
 @cute.jit

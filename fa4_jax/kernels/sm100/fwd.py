@@ -1,0 +1,757 @@
+"""FlashAttention forward for Blackwell (sm_100a): tcgen05 MMAs into tensor memory, S and P kept
+in TMEM, softmax and correction warp groups (FA4's structure).
+
+NOT YET RUN ON BLACKWELL HARDWARE. This kernel is compiled, exported and statically checked
+(tests/test_sm100_*.py; docs/blackwell.md), and its protocol is model-checked, but no B200 has
+executed it: on a Blackwell GPU each of its variants is first checked against the reference in
+the process that uses it (fa4_jax.verification), and one that disagrees is not used.
+
+A CTA computes two 128-row query tiles ("stages") of one (head, batch), 256 rows, against the
+same key blocks; kernels/sm100/plan.py holds the warp-role table, the TMEM map, the barriers and
+the protocol every role follows (role_events, which the tests search for deadlock). Per key
+block, visited from the highest to the lowest (the first carries the sequence tail and the
+diagonal):
+
+- the load warp TMA-loads K_j and V_j into consecutive stages of one ring (Q's two tiles once);
+- the MMA warp issues S_i = Q_i·K_jᵀ (both operands in shared memory) into TMEM, then, when
+  softmax i has written P_i and the correction has rescaled O_i, O_i += P_i·V_{j} with P_i read
+  from TMEM (the TS form), followed at once by the next block's S_i into the same columns: one
+  thread's tcgen05 MMAs run in order, so P_i is read before it is overwritten;
+- softmax warp group i holds one query row per thread (one TMEM lane): it reads S_i, masks,
+  runs the online softmax (kernels/common/softmax.py, one lane per row), hands the row scale to
+  the correction through shared memory and writes P_i into the second half of S_i's columns;
+- the correction warp group rescales O_i in TMEM when a warp's rows moved their maximum (FA4's
+  conditional rescaling makes that rare: a vote skips the rest), and at the end divides O_i by
+  the row sums and writes O and LSE from registers to global memory.
+
+Ragged batches (mSeqUsedQ, mSeqUsedK) follow the Hopper kernel's contract: keys past an entry's
+length are masked and the V rows of its last block past it are zeroed in shared memory by the
+MMA warp before P·V reads them; rows past it come out 0 with LSE −inf.
+"""
+import dataclasses
+import functools
+import math
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.blackwell_helpers as sm100_utils
+from cutlass import Float32, Int32
+from cutlass._mlir.dialects import nvvm
+from cutlass.cute.nvgpu import cpasync, tcgen05
+
+from fa4_jax.kernels.common.block_info import BlockInfo, MaskBounds
+from fa4_jax.kernels.common.exp2 import LOG2_E
+from fa4_jax.kernels.common.layouts import permute_modes
+from fa4_jax.kernels.common.mask import AttentionMask
+from fa4_jax.kernels.common.ragged import entry_length
+from fa4_jax.kernels.common.softmax import OnlineSoftmax, SoftmaxConfig
+from fa4_jax.kernels.common.tile_scheduler import TileScheduler
+from fa4_jax.kernels.sm100 import hardware, plan
+from fa4_jax.kernels.sm100.plan import Q_STAGES, ROWS_PER_STAGE, Barrier, Role
+
+TUNING_KNOBS = ("tile_n", "kv_stages", "rescale_threshold", "exp2_poly_share")
+# TMEM columns per tcgen05.ld/st of the correction: 16 fp32 values of a row per thread.
+O_CHUNK = 16
+# Keys of P per tcgen05.st of the softmax (16 columns of packed 16-bit pairs).
+P_CHUNK = 32
+# Row statistics softmax hands the correction through shared memory, per stage and row.
+STAT_SCALE, STAT_SUM, STAT_MAX = 0, 1, 2
+NUM_STATS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tile:
+    """One CTA's work: two stages' query rows of (head, batch) against key blocks
+    [n_block_min, n_block_min + n_blocks), visited from the highest. n_blocks = 0: none (rows
+    past the entry's, a window with no key, or an "lpt_grid" CTA past the last section, which
+    `valid` is False for)."""
+
+    m_block: Int32
+    head: Int32
+    head_kv: Int32
+    batch: Int32
+    valid: cutlass.Boolean
+    # The entry's valid lengths (a ragged batch's, else the buffers'), and the buffer's rows.
+    seqlen_q: Int32
+    seqlen_k: Int32
+    seqlen_q_buf: Int32
+    n_block_min: Int32
+    n_blocks: Int32
+    # The element mask of one stage's 128 rows, and its block bounds.
+    mask: AttentionMask
+    stage_blocks: BlockInfo
+    # Keys past an entry's length lie inside the buffer (their V rows need zeroing).
+    ragged_k: cutlass.Boolean
+
+
+@dataclasses.dataclass(frozen=True)
+class _SoftmaxBlock:
+    """What every key block of one softmax warp group touches: its row of S in TMEM and in
+    registers, P's chunk registers and TMEM columns, the softmax state and its pipelines."""
+
+    thr_load: cute.TiledCopy
+    scores_tmem: cute.Tensor
+    scores: cute.Tensor
+    scores_row: cute.Tensor
+    coords_row: cute.Tensor
+    thr_store: cute.TiledCopy
+    probs_tmem: cute.Tensor
+    probs_chunk_f32: cute.Tensor
+    probs_chunk: cute.Tensor
+    softmax: OnlineSoftmax
+    row_scale: cute.Tensor
+    row: Int32
+    row_stats: cute.Tensor
+    pipe_s: pipeline.PipelineUmmaAsync
+    pipe_stats: pipeline.PipelineAsync
+    score_prescale: Float32
+
+
+def _tcgen05_after_sync():
+    """Orders this thread's later tcgen05 ops after a barrier wait it just passed."""
+    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.AFTER_THREAD_SYNC)
+
+
+def _tcgen05_before_sync():
+    """Orders this thread's earlier tcgen05 ops before a barrier arrival that follows."""
+    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.BEFORE_THREAD_SYNC)
+
+
+class FlashAttentionForwardSm100:
+    def __init__(self, dtype, head_dim: int, head_dim_v: int, mask: str, has_softcap: bool,
+                 segments: bool = False, **tuning):
+        """`tuning` overrides the tile table's settings (plan.TileConfig's fields)."""
+        if mask not in ("none", "causal", "local"):
+            raise ValueError(f"mask must be 'none', 'causal' or 'local', got {mask!r}")
+        if (head_dim, head_dim_v) not in plan.TILE_CONFIGS:
+            raise ValueError(f"no sm100 tile configuration for head_dim={head_dim}, head_dim_v={head_dim_v}")
+        if segments:
+            raise ValueError("the sm100 forward has no segment-ids variant yet")
+        unknown = set(tuning) - set(TUNING_KNOBS)
+        if unknown:
+            raise TypeError(f"unknown tuning knobs {sorted(unknown)}; known: {TUNING_KNOBS}")
+        plan.check_budgets()
+        config = dataclasses.replace(plan.TILE_CONFIGS[(head_dim, head_dim_v)], **tuning)
+        if head_dim != head_dim_v:
+            raise ValueError("K and V share one ring of equal stages: head_dim must equal head_dim_v")
+        if config.tile_n != 128:
+            raise ValueError(f"{config}: the softmax's row loads and P's TMEM columns assume 128-key blocks")
+        self.tmem = plan.TmemMap(config.tile_n, head_dim_v)
+        if self.tmem.alloc_columns > hardware.TMEM_COLUMNS:
+            raise ValueError(f"{config}: TMEM map needs {self.tmem.used_columns} columns")
+        if config.smem_bytes(head_dim, head_dim_v) + plan.SMEM_MARGIN > hardware.SMEM_BYTES:
+            raise ValueError(f"{config} needs more than {hardware.SMEM_BYTES} bytes of shared memory")
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.head_dim_v = head_dim_v
+        self.causal = mask == "causal"
+        self.local = mask == "local"
+        self.has_softcap = has_softcap
+        self.config = config
+        self.tile_n = config.tile_n
+        self.kv_stages = config.kv_stages
+        self.softmax_config = SoftmaxConfig(rescale_threshold=config.rescale_threshold,
+                                            exp2_poly_share=config.exp2_poly_share)
+        self.cta_m = Q_STAGES * ROWS_PER_STAGE
+        masked = self.causal or self.local
+        self.scheduler = TileScheduler(
+            "lpt_grid" if masked else "linear", self.cta_m, reverse_m=masked,
+            kv_bytes_per_key=(head_dim + head_dim_v) * dtype.width // 8, num_sms=hardware.NUM_SMS,
+        )
+        self.warps = {assignment.role: assignment for assignment in plan.ROLES}
+        self.pipes = {pipe.name: pipe for pipe in plan.pipelines(config)}
+
+    # --- host side -----------------------------------------------------------------------
+
+    def _group(self, *roles: Role) -> pipeline.CooperativeGroup:
+        """The threads of `roles`, as a pipeline's arrival group."""
+        threads = sum(len(self.warps[r].warps) for r in roles) * plan.THREADS_PER_WARP
+        return pipeline.CooperativeGroup(pipeline.Agent.Thread, threads)
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mSeqUsedQ: cute.Tensor,
+        mSeqUsedK: cute.Tensor,
+        mQSegmentIds: cute.Tensor,
+        mKSegmentIds: cute.Tensor,
+        mRowSpans: cute.Tensor,
+        mKeySpans: cute.Tensor,
+        softmax_scale: Float32,
+        softcap: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        top_left: Int32,
+        stream: cuda.CUstream,
+    ):
+        """The Hopper kernel's contract (kernels/sm90/fwd.py): mQ [b, sq, h, d], mK [b, sk, hk, d],
+        mV [b, sk, hk, dv], mO [b, sq, h, dv], mLSE [b, h, sq] float32, mSeqUsedQ / mSeqUsedK [b]
+        int32 or empty. The segment tensors are unread (no segments variant)."""
+        # (s, d, heads, batch) views; V as (dv, s, heads, batch): P·V's B operand, N-major.
+        mQ, mK, mO = [permute_modes(t, (1, 3, 2, 0)) for t in (mQ, mK, mO)]
+        mV = permute_modes(mV, (3, 1, 2, 0))
+        mLSE = permute_modes(mLSE, (2, 1, 0))
+
+        cta_group = tcgen05.CtaGroup.ONE
+        mma_tiler_qk = (ROWS_PER_STAGE, self.tile_n, self.head_dim)
+        mma_tiler_pv = (ROWS_PER_STAGE, self.head_dim_v, self.tile_n)
+        tiled_mma_qk = sm100_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, tcgen05.OperandMajorMode.K, tcgen05.OperandMajorMode.K,
+            Float32, cta_group, mma_tiler_qk[:2],
+        )
+        tiled_mma_pv = sm100_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, tcgen05.OperandMajorMode.K, tcgen05.OperandMajorMode.MN,
+            Float32, cta_group, mma_tiler_pv[:2], tcgen05.OperandSource.TMEM,
+        )
+        sQ_layout = sm100_utils.make_smem_layout_a(tiled_mma_qk, mma_tiler_qk, self.dtype, Q_STAGES)
+        sK_layout = sm100_utils.make_smem_layout_b(tiled_mma_qk, mma_tiler_qk, self.dtype, self.kv_stages)
+        tP_layout = sm100_utils.make_smem_layout_a(tiled_mma_pv, mma_tiler_pv, self.dtype, 1)
+        sV_layout = sm100_utils.make_smem_layout_b(tiled_mma_pv, mma_tiler_pv, self.dtype, self.kv_stages)
+
+        cluster = cute.tiled_divide(cute.make_layout((1, 1, 1)), (tiled_mma_qk.thr_id.shape,))
+        load_op = cpasync.CopyBulkTensorTileG2SOp(cta_group)
+        tma_atom_q, tma_q = cute.nvgpu.make_tiled_tma_atom_A(
+            load_op, mQ, cute.select(sQ_layout, mode=[0, 1, 2]), mma_tiler_qk, tiled_mma_qk, cluster.shape)
+        tma_atom_k, tma_k = cute.nvgpu.make_tiled_tma_atom_B(
+            load_op, mK, cute.select(sK_layout, mode=[0, 1, 2]), mma_tiler_qk, tiled_mma_qk, cluster.shape)
+        tma_atom_v, tma_v = cute.nvgpu.make_tiled_tma_atom_B(
+            load_op, mV, cute.select(sV_layout, mode=[0, 1, 2]), mma_tiler_pv, tiled_mma_pv, cluster.shape)
+        self.tma_bytes_q = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1, 2]))
+        self.tma_bytes_kv = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1, 2]))
+
+        pipes, kv_stages, dtype = self.pipes, self.kv_stages, self.dtype
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * pipes["Q"].stages]
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2 * kv_stages]
+            mbar_s: cute.struct.MemRange[cutlass.Int64, 2 * Q_STAGES]
+            mbar_stats: cute.struct.MemRange[cutlass.Int64, 2 * Q_STAGES]
+            mbar_o: cute.struct.MemRange[cutlass.Int64, 2 * Q_STAGES]
+            tmem_address: Int32
+            row_stats: cute.struct.MemRange[Float32, Q_STAGES * NUM_STATS * ROWS_PER_STAGE]
+            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
+            sKV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+        assert SharedStorage.size_in_bytes() <= hardware.SMEM_BYTES, (
+            f"{self.config}: {SharedStorage.size_in_bytes()} bytes of shared memory")
+
+        if cutlass.const_expr(self.has_softcap):
+            score_prescale = softmax_scale / softcap
+            scale_log2 = softcap * LOG2_E
+        else:
+            score_prescale = Float32(1.0)
+            scale_log2 = softmax_scale * LOG2_E
+
+        grid = self.scheduler.grid(cute.size(mQ.shape[0]), cute.size(mK.shape[0]), cute.size(mQ.shape[2]),
+                                   cute.size(mK.shape[2]), cute.size(mQ.shape[3]))
+        self.kernel(
+            tiled_mma_qk, tiled_mma_pv, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v,
+            mO, mLSE, mSeqUsedQ, mSeqUsedK, sQ_layout, sK_layout, tP_layout, sV_layout,
+            score_prescale, scale_log2, window_left, window_right, top_left,
+        ).launch(grid=grid, block=[plan.NUM_THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
+                 min_blocks_per_mp=1)
+
+    # --- device side -----------------------------------------------------------------------
+
+    @cute.kernel
+    def kernel(
+        self,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        tma_atom_q: cute.CopyAtom,
+        mQ: cute.Tensor,
+        tma_atom_k: cute.CopyAtom,
+        mK: cute.Tensor,
+        tma_atom_v: cute.CopyAtom,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mSeqUsedQ: cute.Tensor,
+        mSeqUsedK: cute.Tensor,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        tP_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        score_prescale: Float32,
+        scale_log2: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        top_left: Int32,
+    ):
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        load_warp = self.warps[Role.LOAD].warps[0]
+        mma_warp = self.warps[Role.MMA].warps[0]
+        if warp == load_warp:
+            for atom in (tma_atom_q, tma_atom_k, tma_atom_v):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = utils.SmemAllocator().allocate(self.shared_storage)
+        pipes = self.make_pipelines(storage)
+        tmem_users = (Role.MMA, *plan.SOFTMAX_ROLES, Role.CORRECTION)
+        tmem_barrier = pipeline.NamedBarrier(
+            barrier_id=int(Barrier.TMEM),
+            num_threads=sum(len(self.warps[r].warps) for r in tmem_users) * plan.THREADS_PER_WARP)
+        tmem = utils.TmemAllocator(storage.tmem_address.ptr, barrier_for_retrieve=tmem_barrier,
+                                   allocator_warp_id=mma_warp)
+        pipeline.pipeline_init_arrive(is_relaxed=True)
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sKV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        # V's stages are K's bytes (head_dim == head_dim_v), seen through V's own layout.
+        sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
+        row_stats = storage.row_stats.get_tensor(
+            cute.make_layout((ROWS_PER_STAGE, NUM_STATS, Q_STAGES)))
+
+        # Each role derives the tile after its setmaxnreg: values live across the MMA and load
+        # warps' drop to 48 registers would be spilled.
+        tile_problem = functools.partial(self.tile_problem, mQ, mK, mSeqUsedQ, mSeqUsedK, window_left,
+                                         window_right, top_left)
+        pipeline.pipeline_init_wait()
+
+        if warp >= self.warps[Role.MMA].warps[0]:
+            # The MMA, load and idle warps share the last warp group's budget.
+            cute.arch.setmaxregister_decrease(self.warps[Role.MMA].registers)
+        if warp == load_warp:
+            self.load(tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, sQ, sK, sV, tiled_mma_qk,
+                      tiled_mma_pv, pipes, tile_problem())
+        if warp == mma_warp:
+            tmem.allocate(self.tmem.alloc_columns)
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(Float32)
+            self.mma(tiled_mma_qk, tiled_mma_pv, tP_layout, tmem_ptr, sQ, sK, sV, pipes, tile_problem())
+            tmem.relinquish_alloc_permit()
+            tmem_barrier.arrive_and_wait()
+            _tcgen05_after_sync()
+            tmem.free(tmem_ptr)
+        for stage, softmax_role in enumerate(plan.SOFTMAX_ROLES):
+            group = self.warps[softmax_role].warps
+            if warp >= group[0] and warp <= group[-1]:
+                cute.arch.setmaxregister_increase(self.warps[softmax_role].registers)
+                tmem.wait_for_alloc()
+                tmem_ptr = tmem.retrieve_ptr(Float32)
+                self.softmax(stage, tiled_mma_qk, tmem_ptr, row_stats, pipes, tile_problem(), score_prescale,
+                             scale_log2)
+                _tcgen05_before_sync()
+                tmem_barrier.arrive()
+        correction = self.warps[Role.CORRECTION].warps
+        if warp >= correction[0] and warp <= correction[-1]:
+            cute.arch.setmaxregister_decrease(self.warps[Role.CORRECTION].registers)
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(Float32)
+            self.correction(tiled_mma_pv, tmem_ptr, row_stats, mO, mLSE, pipes, tile_problem(), scale_log2)
+            _tcgen05_before_sync()
+            tmem_barrier.arrive()
+
+    def make_pipelines(self, storage) -> dict:
+        """The plan's pipelines (plan.pipelines), over the shared barriers."""
+        # The TMA unit and tcgen05.commit arrive once per phase, for the load and MMA warps.
+        tma_producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        mma = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        out = {
+            "Q": pipeline.PipelineTmaUmma.create(
+                num_stages=Q_STAGES, producer_group=tma_producer, consumer_group=mma,
+                tx_count=self.tma_bytes_q, barrier_storage=storage.mbar_q.data_ptr(), defer_sync=True),
+            "KV": pipeline.PipelineTmaUmma.create(
+                num_stages=self.kv_stages, producer_group=tma_producer, consumer_group=mma,
+                tx_count=self.tma_bytes_kv, barrier_storage=storage.mbar_kv.data_ptr(), defer_sync=True),
+        }
+        for stage, softmax_role in enumerate(plan.SOFTMAX_ROLES):
+            out[f"S{stage}"] = pipeline.PipelineUmmaAsync.create(
+                num_stages=1, producer_group=mma,
+                consumer_group=self._group(*self.pipes[f"S{stage}"].consumers),
+                barrier_storage=storage.mbar_s.data_ptr() + 2 * stage, defer_sync=True)
+            out[f"STATS{stage}"] = pipeline.PipelineAsync.create(
+                num_stages=1, producer_group=self._group(softmax_role),
+                consumer_group=self._group(Role.CORRECTION),
+                barrier_storage=storage.mbar_stats.data_ptr() + 2 * stage, defer_sync=True)
+            out[f"O{stage}"] = pipeline.PipelineUmmaAsync.create(
+                num_stages=1, producer_group=mma, consumer_group=self._group(Role.CORRECTION),
+                barrier_storage=storage.mbar_o.data_ptr() + 2 * stage, defer_sync=True)
+        return out
+
+    @cute.jit
+    def tile_problem(self, mQ, mK, mSeqUsedQ, mSeqUsedK, window_left, window_right, top_left):
+        """This CTA's tile and what every role derives from it (`_Tile`)."""
+        seqlen_q_buf, seqlen_k_buf = cute.size(mQ.shape[0]), cute.size(mK.shape[0])
+        num_heads, num_heads_kv, batch_size = cute.size(mQ.shape[2]), cute.size(mK.shape[2]), cute.size(mQ.shape[3])
+        m_block, head, batch = self.scheduler.tile(Int32(0), seqlen_q_buf, seqlen_k_buf, num_heads,
+                                                   num_heads_kv, batch_size)
+        valid = self.scheduler.tile_count(seqlen_q_buf, num_heads, batch_size) > 0
+        if not valid:
+            # An "lpt_grid" CTA past the last section: no tile, and no entry's lengths to read.
+            m_block, head, batch = Int32(0), Int32(0), Int32(0)
+        seqlen_q = entry_length(mSeqUsedQ, batch, seqlen_q_buf)
+        seqlen_k = entry_length(mSeqUsedK, batch, seqlen_k_buf)
+        bounds = MaskBounds(window_left, window_right, top_left)
+        block_info = BlockInfo(self.cta_m, self.tile_n, self.causal, self.local, bounds)
+        n_block_min, n_block_max = block_info.n_block_range(m_block, seqlen_q, seqlen_k)
+        n_blocks = n_block_max - n_block_min
+        if not valid:
+            n_blocks = Int32(0)
+        mask = AttentionMask(ROWS_PER_STAGE, self.tile_n, self.causal, self.local, bounds)
+        stage_blocks = BlockInfo(ROWS_PER_STAGE, self.tile_n, self.causal, self.local, bounds)
+        head_kv = head // (num_heads // num_heads_kv)
+        return _Tile(m_block=m_block, head=head, head_kv=head_kv, batch=batch, valid=valid,
+                     seqlen_q=seqlen_q, seqlen_k=seqlen_k, seqlen_q_buf=seqlen_q_buf,
+                     n_block_min=n_block_min, n_blocks=n_blocks, mask=mask, stage_blocks=stage_blocks,
+                     ragged_k=mSeqUsedK.shape[0] > 0)
+
+    # --- load warp ---------------------------------------------------------------------------
+
+    @cute.jit
+    def load(self, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, sQ, sK, sV, tiled_mma_qk,
+             tiled_mma_pv, pipes, tile):
+        """Q's two tiles and each block's K then V through the ring, in plan.role_events' order."""
+        n_blocks = tile.n_blocks
+        if n_blocks > 0:
+            head, head_kv, batch = tile.head, tile.head_kv, tile.batch
+            thr_qk, thr_pv = tiled_mma_qk.get_slice(0), tiled_mma_pv.get_slice(0)
+            gQ = cute.flat_divide(mQ[None, None, head, batch], (ROWS_PER_STAGE, self.head_dim))
+            gK = cute.flat_divide(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim))
+            gV = cute.flat_divide(mV[None, None, head_kv, batch], (self.head_dim_v, self.tile_n))
+            tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3),
+                                               cute.group_modes(thr_qk.partition_A(gQ), 0, 3))
+            tKsK, tKgK = cpasync.tma_partition(tma_atom_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 3),
+                                               cute.group_modes(thr_qk.partition_B(gK), 0, 3))
+            tVsV, tVgV = cpasync.tma_partition(tma_atom_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 3),
+                                               cute.group_modes(thr_pv.partition_B(gV), 0, 3))
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, Q_STAGES)
+            n_block = tile.n_block_min + n_blocks - 1
+            self.load_block(pipes["KV"], kv_state, tma_atom_k, tKgK[None, n_block, 0], tKsK)
+            kv_state.advance()
+            for stage in cutlass.range_constexpr(Q_STAGES):
+                pipes["Q"].producer_acquire(q_state)
+                cute.copy(tma_atom_q, tQgQ[None, tile.m_block * Q_STAGES + stage, 0], tQsQ[None, stage],
+                          tma_bar_ptr=pipes["Q"].producer_get_barrier(q_state))
+                q_state.advance()
+            self.load_block(pipes["KV"], kv_state, tma_atom_v, tVgV[None, 0, n_block], tVsV)
+            kv_state.advance()
+            for i in cutlass.range(n_blocks - 1, unroll=1):
+                n_block = tile.n_block_min + n_blocks - 2 - i
+                self.load_block(pipes["KV"], kv_state, tma_atom_k, tKgK[None, n_block, 0], tKsK)
+                kv_state.advance()
+                self.load_block(pipes["KV"], kv_state, tma_atom_v, tVgV[None, 0, n_block], tVsV)
+                kv_state.advance()
+            pipes["KV"].producer_tail(kv_state)
+
+    @cute.jit
+    def load_block(self, pipe, state, atom, src, dst):
+        pipe.producer_acquire(state)
+        cute.copy(atom, src, dst[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
+
+    # --- MMA warp ------------------------------------------------------------------------------
+
+    @cute.jit
+    def mma(self, tiled_mma_qk, tiled_mma_pv, tP_layout, tmem_ptr, sQ, sK, sV, pipes, tile):
+        """S_i = Q_i·Kᵀ and O_i += P_i·V for both stages, in plan.role_events' order."""
+        n_blocks = tile.n_blocks
+        if n_blocks > 0:
+            thr_qk, thr_pv = tiled_mma_qk.get_slice(0), tiled_mma_pv.get_slice(0)
+            tSrQ = thr_qk.make_fragment_A(sQ)
+            tSrK = thr_qk.make_fragment_B(sK)
+            tOrV = thr_pv.make_fragment_B(sV)
+            tStS = thr_qk.make_fragment_C(thr_qk.partition_shape_C((ROWS_PER_STAGE, self.tile_n)))
+            tOtO = thr_pv.make_fragment_C(thr_pv.partition_shape_C((ROWS_PER_STAGE, self.head_dim_v)))
+            tOrP = thr_pv.make_fragment_A(cute.make_tensor(tStS.iterator, tP_layout.outer))[None, None, None, 0]
+            scores = [cute.make_tensor(tmem_ptr + self.tmem.s(i), tStS.layout) for i in range(Q_STAGES)]
+            outs = [cute.make_tensor(tmem_ptr + self.tmem.o(i), tOtO.layout) for i in range(Q_STAGES)]
+            probs = [cute.make_tensor(cute.recast_ptr(tmem_ptr + self.tmem.p(i), dtype=tOrP.element_type),
+                                      tOrP.layout) for i in range(Q_STAGES)]
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, Q_STAGES)
+            # Both stages' S pipelines go through the same phases in step: one state serves both.
+            s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+
+            pipes["KV"].consumer_wait(kv_state)
+            k_state = kv_state.clone()
+            kv_state.advance()
+            for i in cutlass.range_constexpr(Q_STAGES):
+                pipes["Q"].consumer_wait(q_state)
+                self.gemm(tiled_mma_qk, scores[i], tSrQ[None, None, None, i], tSrK[None, None, None, k_state.index],
+                          accumulate=False)
+                pipes[f"S{i}"].producer_commit(s_state)
+                q_state.advance()
+            s_state.advance()
+            pipes["KV"].consumer_release(k_state)
+            for block in cutlass.range(1, n_blocks, unroll=1):
+                pipes["KV"].consumer_wait(kv_state)
+                v_state = kv_state.clone()
+                kv_state.advance()
+                if block == 1:
+                    self.zero_v_past_keys(thr_pv, sV, v_state.index, tile)
+                pipes["KV"].consumer_wait(kv_state)
+                k_state = kv_state.clone()
+                kv_state.advance()
+                for i in cutlass.range_constexpr(Q_STAGES):
+                    pipes[f"S{i}"].producer_acquire(s_state)
+                    _tcgen05_after_sync()
+                    self.gemm(tiled_mma_pv, outs[i], probs[i], tOrV[None, None, None, v_state.index],
+                              accumulate=block > 1)
+                    self.gemm(tiled_mma_qk, scores[i], tSrQ[None, None, None, i],
+                              tSrK[None, None, None, k_state.index], accumulate=False)
+                    pipes[f"S{i}"].producer_commit(s_state)
+                s_state.advance()
+                pipes["KV"].consumer_release(v_state)
+                pipes["KV"].consumer_release(k_state)
+            pipes["KV"].consumer_wait(kv_state)
+            if n_blocks == 1:
+                self.zero_v_past_keys(thr_pv, sV, kv_state.index, tile)
+            o_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            for i in cutlass.range_constexpr(Q_STAGES):
+                pipes[f"S{i}"].producer_acquire(s_state)
+                _tcgen05_after_sync()
+                self.gemm(tiled_mma_pv, outs[i], probs[i], tOrV[None, None, None, kv_state.index],
+                          accumulate=n_blocks > 1)
+                pipes[f"O{i}"].producer_commit(o_state)
+            pipes["KV"].consumer_release(kv_state)
+
+    @cute.jit
+    def gemm(self, tiled_mma, acc, frag_a, frag_b, accumulate):
+        """acc (+)= A·B, one tcgen05 MMA per k block; `accumulate` (runtime) for the first.
+
+        The accumulate flag is runtime state of the MMA atom, and setting it derives a new atom
+        value from the old: a fresh atom per call keeps a value made inside one loop or branch
+        from being read after it."""
+        mma = cute.make_tiled_mma(tiled_mma.op)
+        for k in cutlass.range_constexpr(cute.size(frag_a, mode=[2])):
+            mma.set(tcgen05.Field.ACCUMULATE, accumulate if k == 0 else True)
+            cute.gemm(mma, acc, frag_a[None, None, k], frag_b[None, None, k], acc)
+
+    @cute.jit
+    def zero_v_past_keys(self, thr_pv, sV, stage, tile):
+        """A ragged entry's last key block: V rows past its keys hold the next entry's values (or
+        anything), and P = 0 times a NaN there is NaN, so the MMA warp zeroes them in shared
+        memory before P·V reads the block (the first block visited, the tail)."""
+        if tile.ragged_k:
+            last_block = tile.n_block_min + tile.n_blocks - 1
+            valid_keys = tile.seqlen_k - last_block * self.tile_n
+            if valid_keys < self.tile_n:
+                # The stage's elements in the order of their (dv, key) coordinates' partition:
+                # V's shared layout is the P·V MMA's B partition, as the TMA load wrote it.
+                stage_v = sV[None, None, None, stage]
+                coords = thr_pv.partition_B(cute.make_identity_tensor((self.head_dim_v, self.tile_n)))
+                for e in cutlass.range(cute.arch.lane_idx(), cute.size(stage_v), plan.THREADS_PER_WARP,
+                                       unroll=1):
+                    if coords[e][1] >= valid_keys:
+                        stage_v[e] = self.dtype(0.0)
+                cute.arch.fence_view_async_shared()
+                cute.arch.sync_warp()
+
+    # --- softmax warp groups ---------------------------------------------------------------
+
+    @cute.jit
+    def softmax(self, stage: cutlass.Constexpr[int], tiled_mma_qk, tmem_ptr, row_stats, pipes, tile,
+                score_prescale, scale_log2):
+        """Softmax i: S_i from TMEM, one row per thread; P_i back into TMEM; row statistics to the
+        correction. The first block visited (the keys' tail), the blocks the causal/window band
+        crosses and those left of the window's edge take the mask; the rest run unmasked, each
+        kind in a loop of its own (a runtime choice between the two would keep both versions of
+        the row's 128 scores live)."""
+        n_blocks = tile.n_blocks
+        if n_blocks > 0:
+            row = cute.arch.thread_idx()[0] % ROWS_PER_STAGE
+            thr_qk = tiled_mma_qk.get_slice(0)
+            tStS = thr_qk.make_fragment_C(thr_qk.partition_shape_C((ROWS_PER_STAGE, self.tile_n)))
+            scores_tmem = cute.make_tensor(tmem_ptr + self.tmem.s(stage), tStS.layout)[(None, None), 0, 0]
+            probs_tmem = cute.make_tensor(
+                scores_tmem.iterator + self.tmem.p(stage) - self.tmem.s(stage),
+                cute.composition(scores_tmem.layout, cute.make_layout((ROWS_PER_STAGE, self.tile_n // 2))))
+            load_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(32)), Float32)
+            tiled_load = tcgen05.make_tmem_copy(load_atom, scores_tmem)
+            thr_load = tiled_load.get_slice(row)
+            store_atom = cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(16)), Float32)
+            thr_store = tcgen05.make_tmem_copy(store_atom, probs_tmem).get_slice(row)
+            coords = cute.make_identity_tensor((ROWS_PER_STAGE, self.tile_n))
+            scores = cute.make_rmem_tensor(thr_load.partition_D(coords).shape, Float32)
+            # P goes to TMEM a chunk of P_CHUNK keys at a time, so that the fp32 scores die as their
+            # 16-bit P forms: the whole row of both would not fit the softmax's 192 registers.
+            probs_chunk_f32 = cute.make_rmem_tensor(
+                thr_store.partition_S(cute.make_identity_tensor((ROWS_PER_STAGE, self.tile_n // 2)))[
+                    None, None, 0].shape, Float32)
+            row_view = cute.make_layout((1, self.tile_n))
+            block = _SoftmaxBlock(
+                thr_load=thr_load, scores_tmem=thr_load.partition_S(scores_tmem), scores=scores,
+                scores_row=cute.make_tensor(scores.iterator, row_view),
+                coords_row=cute.composition(tiled_load.get_slice(0).partition_D(coords), row_view),
+                thr_store=thr_store, probs_tmem=thr_store.partition_D(probs_tmem),
+                probs_chunk_f32=probs_chunk_f32,
+                probs_chunk=cute.make_tensor(cute.recast_ptr(probs_chunk_f32.iterator, dtype=self.dtype),
+                                             cute.make_layout(P_CHUNK)),
+                softmax=OnlineSoftmax.create(self.softmax_config, scale_log2, 1, lanes_per_row=1),
+                row_scale=cute.make_rmem_tensor((1,), Float32), row=row, row_stats=row_stats,
+                pipe_s=pipes[f"S{stage}"], pipe_stats=pipes[f"STATS{stage}"], score_prescale=score_prescale,
+            )
+            s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            stats_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            m_block = tile.m_block * Q_STAGES + stage
+            seqlen_q, seqlen_k, n_block_min = tile.seqlen_q, tile.seqlen_k, tile.n_block_min
+            stage_blocks = tile.stage_blocks
+            n_block = n_block_min + n_blocks - 1
+            step = functools.partial(self.softmax_block, stage, block, tile, m_block)
+            s_state, stats_state = step(s_state, stats_state, n_block, masked=True, first=True)
+            n_block -= 1
+            if cutlass.const_expr(self.causal or self.local):
+                right_masked = stage_blocks.n_block_min_right_masked(m_block, n_block_min, seqlen_q, seqlen_k)
+                for _ in cutlass.range(n_block + 1 - right_masked, unroll=1):
+                    s_state, stats_state = step(s_state, stats_state, n_block, masked=True)
+                    n_block -= 1
+            unmasked = stage_blocks.n_block_min_unmasked(m_block, n_block_min, seqlen_q, seqlen_k)
+            for _ in cutlass.range(n_block + 1 - unmasked, unroll=1):
+                s_state, stats_state = step(s_state, stats_state, n_block, masked=False)
+                n_block -= 1
+            if cutlass.const_expr(self.local):
+                for _ in cutlass.range(n_block + 1 - n_block_min, unroll=1):
+                    s_state, stats_state = step(s_state, stats_state, n_block, masked=True)
+                    n_block -= 1
+            pipes[f"STATS{stage}"].producer_acquire(stats_state)
+            row_stats[row, STAT_SUM, stage] = block.softmax.row_sum[0]
+            row_stats[row, STAT_MAX, stage] = block.softmax.row_max[0]
+            pipes[f"STATS{stage}"].producer_commit(stats_state)
+
+    @cute.jit
+    def softmax_block(self, stage: cutlass.Constexpr[int], block, tile, m_block, s_state, stats_state,
+                      n_block, masked: cutlass.Constexpr[bool], first: cutlass.Constexpr[bool] = False):
+        """One key block of softmax i (plan.role_events): wait for S_i, mask (statically), the
+        online softmax step, the row scale to the correction (not for the first block: O_i is
+        still empty), P_i into TMEM, S_i's columns released. Returns the advanced states."""
+        block.pipe_s.consumer_wait(s_state)
+        _tcgen05_after_sync()
+        cute.copy(block.thr_load, block.scores_tmem, block.scores)
+        cute.arch.fence_view_async_tmem_load()
+        if cutlass.const_expr(self.has_softcap):
+            for c in cutlass.range_constexpr(cute.size(block.scores)):
+                block.scores[c] = cute.math.tanh(block.scores[c] * block.score_prescale, fastmath=True)
+        if cutlass.const_expr(masked):
+            tile.mask.apply(block.scores_row, block.coords_row, block.row, Int32(0), m_block, n_block,
+                               tile.seqlen_q, tile.seqlen_k)
+        block.softmax.step(block.scores_row, block.row_scale)
+        if cutlass.const_expr(not first):
+            block.pipe_stats.producer_acquire(stats_state)
+            block.row_stats[block.row, STAT_SCALE, stage] = block.row_scale[0]
+            block.pipe_stats.producer_commit(stats_state)
+            stats_state.advance()
+        scores_flat = cute.make_tensor(block.scores.iterator, cute.make_layout(self.tile_n))
+        for chunk in cutlass.range_constexpr(self.tile_n // P_CHUNK):
+            block.probs_chunk.store(cute.local_tile(scores_flat, (P_CHUNK,), (chunk,)).load().to(self.dtype))
+            cute.copy(block.thr_store, block.probs_chunk_f32, block.probs_tmem[None, None, chunk])
+        cute.arch.fence_view_async_tmem_store()
+        _tcgen05_before_sync()
+        block.pipe_s.consumer_release(s_state)
+        s_state.advance()
+        return s_state, stats_state
+
+    # --- correction warp group ----------------------------------------------------------------
+
+    @cute.jit
+    def correction(self, tiled_mma_pv, tmem_ptr, row_stats, mO, mLSE, pipes, tile, scale_log2):
+        """O_i's rescales in TMEM, then O = O_i / ℓ and LSE to global memory, one row per thread."""
+        row = cute.arch.thread_idx()[0] % ROWS_PER_STAGE
+        n_blocks = tile.n_blocks
+        thr_pv = tiled_mma_pv.get_slice(0)
+        tOtO = thr_pv.make_fragment_C(thr_pv.partition_shape_C((ROWS_PER_STAGE, self.head_dim_v)))
+        outs = [cute.make_tensor(tmem_ptr + self.tmem.o(i), tOtO.layout)[(None, None), 0, 0]
+                for i in range(Q_STAGES)]
+        chunk_layout = cute.make_layout((ROWS_PER_STAGE, O_CHUNK))
+        chunk = cute.composition(outs[0], chunk_layout)
+        load_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(O_CHUNK)), Float32)
+        store_atom = cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(O_CHUNK)), Float32)
+        thr_load = tcgen05.make_tmem_copy(load_atom, chunk).get_slice(row)
+        thr_store = tcgen05.make_tmem_copy(store_atom, chunk).get_slice(row)
+        chunk_regs = cute.make_rmem_tensor(
+            thr_load.partition_D(cute.make_identity_tensor((ROWS_PER_STAGE, O_CHUNK))).shape, Float32)
+        loads = [thr_load.partition_S(cute.composition(outs[i], chunk_layout)) for i in range(Q_STAGES)]
+        stores = [thr_store.partition_D(cute.composition(outs[i], chunk_layout)) for i in range(Q_STAGES)]
+        if n_blocks > 0:
+            # The two stages' pipelines go through the same phases in step: one state each.
+            s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            stats_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            for i in cutlass.range_constexpr(Q_STAGES):
+                self.release_o(pipes, i, s_state)
+            s_state.advance()
+            for block in cutlass.range(1, n_blocks, unroll=1):
+                for i in cutlass.range_constexpr(Q_STAGES):
+                    pipes[f"STATS{i}"].consumer_wait(stats_state)
+                    scale = row_stats[row, STAT_SCALE, i]
+                    pipes[f"STATS{i}"].consumer_release(stats_state)
+                    # The warp's 32 rows share its TMEM lanes: rescale them all if any moved.
+                    if cute.arch.vote_any_sync(scale != Float32(1.0)):
+                        _tcgen05_after_sync()
+                        for c in cutlass.range_constexpr(self.head_dim_v // O_CHUNK):
+                            self.o_chunk_copy(thr_load, loads[i], chunk_regs, c, to_registers=True)
+                            for e in cutlass.range_constexpr(cute.size(chunk_regs)):
+                                chunk_regs[e] = chunk_regs[e] * scale
+                            self.o_chunk_copy(thr_store, stores[i], chunk_regs, c, to_registers=False)
+                        cute.arch.fence_view_async_tmem_store()
+                    self.release_o(pipes, i, s_state)
+                stats_state.advance()
+                s_state.advance()
+            o_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            for i in cutlass.range_constexpr(Q_STAGES):
+                pipes[f"STATS{i}"].consumer_wait(stats_state)
+                stats = OnlineSoftmax.create(self.softmax_config, scale_log2, 1, lanes_per_row=1)
+                stats.row_sum[0] = row_stats[row, STAT_SUM, i]
+                stats.row_max[0] = row_stats[row, STAT_MAX, i]
+                pipes[f"STATS{i}"].consumer_release(stats_state)
+                pipes[f"O{i}"].consumer_wait(o_state)
+                _tcgen05_after_sync()
+                inv_sum = cute.make_rmem_tensor((1,), Float32)
+                lse = cute.make_rmem_tensor((1,), Float32)
+                stats.finalize(inv_sum, lse)
+                self.store_rows(thr_load, loads[i], chunk_regs, mO, mLSE, tile, i, row, inv_sum[0], lse[0])
+        else:
+            for i in cutlass.range_constexpr(Q_STAGES):
+                self.store_rows(thr_load, loads[i], chunk_regs, mO, mLSE, tile, i, row, Float32(0.0),
+                                Float32(-math.inf), from_tmem=False)
+
+    @cute.jit
+    def release_o(self, pipes, stage: cutlass.Constexpr[int], state):
+        """O_i is rescaled for the next P_i·V (arrives on S_i's empty barrier)."""
+        _tcgen05_before_sync()
+        pipes[f"S{stage}"].consumer_release(state)
+
+    @cute.jit
+    def o_chunk_copy(self, thr_copy, tmem_part, regs, chunk: cutlass.Constexpr[int],
+                     to_registers: cutlass.Constexpr[bool]):
+        """Columns [chunk·16, chunk·16 + 16) of this thread's O row, TMEM <-> registers."""
+        shifted = cute.make_tensor(tmem_part.iterator + chunk * O_CHUNK, tmem_part.layout)
+        if cutlass.const_expr(to_registers):
+            cute.copy(thr_copy, shifted, regs)
+            cute.arch.fence_view_async_tmem_load()
+        else:
+            cute.copy(thr_copy, regs, shifted)
+
+    @cute.jit
+    def store_rows(self, thr_load, tmem_part, chunk_regs, mO, mLSE, tile, stage: cutlass.Constexpr[int],
+                   row_in_stage, inv_sum, lse, from_tmem: cutlass.Constexpr[bool] = True):
+        """Row `row_in_stage` of stage i: O·(1/ℓ) and LSE, or 0 and −inf past the entry's rows;
+        nothing past the buffer's."""
+        row = (tile.m_block * Q_STAGES + stage) * ROWS_PER_STAGE + row_in_stage
+        if tile.valid and row < tile.seqlen_q_buf:
+            live = row < tile.seqlen_q
+            if not live:
+                inv_sum = Float32(0.0)
+                lse = Float32(-math.inf)
+            out_row = mO[row, None, tile.head, tile.batch]
+            out_chunk = cute.make_rmem_tensor((O_CHUNK,), self.dtype)
+            for c in cutlass.range_constexpr(self.head_dim_v // O_CHUNK):
+                if cutlass.const_expr(from_tmem):
+                    self.o_chunk_copy(thr_load, tmem_part, chunk_regs, c, to_registers=True)
+                    for e in cutlass.range_constexpr(O_CHUNK):
+                        out_chunk[e] = (chunk_regs[e] * inv_sum).to(self.dtype)
+                    if not live:
+                        out_chunk.fill(0.0)
+                else:
+                    out_chunk.fill(0.0)
+                cute.autovec_copy(out_chunk, cute.local_tile(out_row, (O_CHUNK,), (c,)))
+            mLSE[row, tile.head, tile.batch] = lse

@@ -1,0 +1,313 @@
+"""The Blackwell forward's static plan: tile table, warp roles, TMEM map, barriers and the
+pipeline protocol, as plain Python (no DSL).
+
+The kernel (fwd.py) sizes itself from these tables, and tests/test_sm100_plan.py checks them
+without a GPU: the register budgets against the register file, the TMEM map against the 512
+columns, and the protocol (`role_events`) searched exhaustively for deadlock and for a wait or
+arrival that lands in the wrong phase of an mbarrier.
+
+One CTA computes two 128-row query tiles ("stages" 0 and 1) of one (head, batch) against the
+same key blocks: 256 rows. Per key block j (visited from the highest to the lowest), the MMA
+warp issues S_i = Q_i·K_jᵀ into TMEM for both stages; softmax warp group i reads S_i, writes
+P_i (16-bit) over the second half of S_i's own columns, and hands the MMA warp P_i; the MMA warp
+then issues O_i += P_i·V_j with P_i read from TMEM. The correction warp group rescales O_i in
+TMEM when softmax i moved its row maximum (FA4's conditional rescaling), and at the end divides
+by the row sums and writes O and LSE.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from fa4_jax.kernels.sm100 import hardware
+
+# Query rows of one tcgen05 MMA (cta_group 1, M = 128): one TMEM lane per row.
+ROWS_PER_STAGE = 128
+# Query tiles per CTA: the two softmax warp groups ping-pong between them, so that one's
+# exponentials overlap the other's GEMMs on the tensor core.
+Q_STAGES = 2
+THREADS_PER_WARP = 32
+WARPS_PER_GROUP = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """One head dim's static kernel shape. The defaults are the shipped values most head dims
+    share; TILE_CONFIGS says where and why an entry differs."""
+
+    # Keys per block: S_i is 128 x tile_n fp32 in TMEM, one column per key.
+    tile_n: int = 128
+    # Depth of the K/V ring (K_j and V_j take one stage each, in that order).
+    kv_stages: int = 4
+    # FA4's conditional rescaling threshold (log2 units): the row maximum moves, and O is
+    # rescaled, only when a block's maximum outgrows it by more than 2^8.
+    rescale_threshold: float = 8.0
+    # Share of each row's exponentials on the FMA pipes (kernels/common/exp2.py).
+    exp2_poly_share: float = 0.0
+
+    def smem_bytes(self, head_dim: int, head_dim_v: int, elem_bytes: int = 2) -> int:
+        """Q's two stages plus the K/V ring (one buffer per stage sized for the wider of K, V)."""
+        q = Q_STAGES * ROWS_PER_STAGE * head_dim
+        kv = self.kv_stages * self.tile_n * max(head_dim, head_dim_v)
+        return elem_bytes * (q + kv)
+
+
+# Keyed by (head_dim, head_dim_v). TMEM bounds dv: two S tiles of tile_n columns and two O tiles
+# of dv columns fill at most 512 (`TmemMap`); shared memory bounds the ring depth.
+TILE_CONFIGS = {
+    # 16 KB per K/V stage: six stages keep the tensor core fed at d64's short GEMMs.
+    (64, 64): TileConfig(kv_stages=6),
+    # 24 KB per stage: five fit beside Q's 48 KB.
+    (96, 96): TileConfig(kv_stages=5),
+    # 32 KB per stage: four fit beside Q's 64 KB (FA4 upstream's d128 runs three, with 64 KB of
+    # O staging that this kernel does not use: O goes from registers to global memory).
+    (128, 128): TileConfig(kv_stages=4),
+}
+# Barriers, alignment padding and the scale exchange come on top of TileConfig.smem_bytes.
+SMEM_MARGIN = 4096
+
+
+class Role(enum.Enum):
+    SOFTMAX0 = "softmax0"
+    SOFTMAX1 = "softmax1"
+    CORRECTION = "correction"
+    MMA = "mma"
+    LOAD = "load"
+    IDLE = "idle"
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleAssignment:
+    role: Role
+    warps: tuple[int, ...]
+    # setmaxnreg budget per thread (a multiple of 8): per warp group, they sum to the register
+    # file (`hardware.REGISTERS_PER_SM`), tests/test_sm100_plan.py checks.
+    registers: int
+
+
+# The warp-role table. The TMEM lanes a warp may read are fixed by its index within its warp
+# group (warp w reads lanes 32·(w % 4) to 32·(w % 4) + 31), so each softmax and correction warp
+# group covers the 128 rows of a stage. Softmax takes the registers: a 128-column row of S in
+# fp32 plus its P; correction streams O through 16 columns at a time.
+ROLES = (
+    RoleAssignment(Role.SOFTMAX0, (0, 1, 2, 3), 192),
+    RoleAssignment(Role.SOFTMAX1, (4, 5, 6, 7), 192),
+    RoleAssignment(Role.CORRECTION, (8, 9, 10, 11), 80),
+    RoleAssignment(Role.MMA, (12,), 48),
+    RoleAssignment(Role.LOAD, (13,), 48),
+    RoleAssignment(Role.IDLE, (14, 15), 48),
+)
+NUM_WARPS = sum(len(r.warps) for r in ROLES)
+NUM_THREADS = NUM_WARPS * THREADS_PER_WARP
+
+
+def role(name: Role) -> RoleAssignment:
+    return next(r for r in ROLES if r.role == name)
+
+
+SOFTMAX_ROLES = (Role.SOFTMAX0, Role.SOFTMAX1)
+
+
+@dataclasses.dataclass(frozen=True)
+class TmemMap:
+    """Column offsets (32-bit columns; every row's lane is its query row) of one CTA's tensor
+    memory. P_i (16-bit, two per column) overwrites the second half of S_i once softmax i holds
+    S_i in registers, so the next S_i GEMM, issued after P_i·V, finds it free."""
+
+    tile_n: int
+    head_dim_v: int
+
+    def s(self, stage: int) -> int:
+        return stage * self.tile_n
+
+    def p(self, stage: int) -> int:
+        return self.s(stage) + self.tile_n // 2
+
+    def o(self, stage: int) -> int:
+        return Q_STAGES * self.tile_n + stage * self.head_dim_v
+
+    @property
+    def used_columns(self) -> int:
+        return self.o(Q_STAGES - 1) + self.head_dim_v
+
+    @property
+    def alloc_columns(self) -> int:
+        """The allocation: a power of two, at least 32 columns."""
+        columns = 32
+        while columns < self.used_columns:
+            columns *= 2
+        return columns
+
+    def regions(self) -> dict[str, tuple[int, int]]:
+        """name -> [first, last + 1) columns."""
+        out = {}
+        for stage in range(Q_STAGES):
+            out[f"S{stage}"] = (self.s(stage), self.s(stage) + self.tile_n)
+            out[f"P{stage}"] = (self.p(stage), self.p(stage) + self.tile_n // 2)
+            out[f"O{stage}"] = (self.o(stage), self.o(stage) + self.head_dim_v)
+        return out
+
+
+class Barrier(enum.IntEnum):
+    """Named barriers (0 is __syncthreads)."""
+
+    # The MMA warp allocates TMEM and publishes its address; the softmax and correction warps
+    # wait for it, and at the end tell the MMA warp they are done with it before it frees it.
+    TMEM = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    """One mbarrier pipeline: `full` barriers the producer arrives on, `empty` ones the
+    consumers arrive on. Arrivals per phase: producer_arrivals on full, consumer_arrivals on
+    empty (roles here; the kernel counts their threads, or one for TMA and tcgen05.commit)."""
+
+    name: str
+    stages: int
+    producer: tuple[Role, ...]
+    consumers: tuple[Role, ...]
+
+
+def pipelines(config: TileConfig) -> tuple[Pipeline, ...]:
+    """The forward's mbarrier pipelines; the kernel creates one of each."""
+    out = [
+        Pipeline("Q", Q_STAGES, (Role.LOAD,), (Role.MMA,)),
+        Pipeline("KV", config.kv_stages, (Role.LOAD,), (Role.MMA,)),
+    ]
+    for stage, softmax in enumerate(SOFTMAX_ROLES):
+        # full: S_i is in TMEM (a tcgen05.commit); empty: P_i is in TMEM and O_i is rescaled.
+        out.append(Pipeline(f"S{stage}", 1, (Role.MMA,), (softmax, Role.CORRECTION)))
+        # Softmax i's row scales for the correction (full), read (empty).
+        out.append(Pipeline(f"STATS{stage}", 1, (softmax,), (Role.CORRECTION,)))
+        # full: the last P_i·V is done, O_i is final.
+        out.append(Pipeline(f"O{stage}", 1, (Role.MMA,), (Role.CORRECTION,)))
+    return tuple(out)
+
+
+# --- The protocol, as each role's sequence of barrier events ------------------------------
+#
+# ("arrive", pipeline, side, stage, round) and ("wait", pipeline, side, stage, round): side is
+# "full" or "empty"; round r of a pipeline stage is its r-th use, i.e. its mbarrier's phase r.
+# A producer's first acquire of a stage waits for nothing (the ring starts empty), so it has no
+# event. Arrivals by the TMA unit and tcgen05.commit are issued by the load and MMA warps and
+# land later, in issue order: they are marked "async" and the model delivers them through a
+# queue per issuing role.
+
+def _ring(stages: int, index: int) -> tuple[int, int]:
+    """(stage, round) of the index-th use of a ring of `stages`."""
+    return index % stages, index // stages
+
+
+def role_events(config: TileConfig, n_blocks: int) -> dict[Role, list[tuple]]:
+    """Each role's barrier events for one CTA tile that visits n_blocks >= 1 key blocks."""
+    kv = config.kv_stages
+    events: dict[Role, list[tuple]] = {r.role: [] for r in ROLES if r.role != Role.IDLE}
+
+    def producer_acquire(role, pipe, stages, index):
+        stage, rnd = _ring(stages, index)
+        if rnd > 0:
+            events[role].append(("wait", pipe, "empty", stage, rnd - 1))
+
+    # Load warp: K_{n-1}, Q0, Q1, V_{n-1}, then K_j, V_j for the lower blocks: the ring holds K
+    # and V of a block in consecutive stages (uses 2j and 2j + 1 of block j in visiting order).
+    load = Role.LOAD
+    kv_uses = 0
+
+    def load_kv():
+        nonlocal kv_uses
+        producer_acquire(load, "KV", kv, kv_uses)
+        events[load].append(("arrive", "KV", "full", *_ring(kv, kv_uses), "async"))
+        kv_uses += 1
+
+    load_kv()
+    for stage in range(Q_STAGES):
+        events[load].append(("arrive", "Q", "full", stage, 0, "async"))
+    load_kv()
+    for _ in range(1, n_blocks):
+        load_kv()
+        load_kv()
+
+    # MMA warp.
+    mma = Role.MMA
+    kv_reads = 0
+
+    def wait_kv():
+        nonlocal kv_reads
+        events[mma].append(("wait", "KV", "full", *_ring(kv, kv_reads)))
+        kv_reads += 1
+        return kv_reads - 1
+
+    def release_kv(index):
+        events[mma].append(("arrive", "KV", "empty", *_ring(kv, index), "async"))
+
+    k_use = wait_kv()
+    for stage in range(Q_STAGES):
+        events[mma].append(("wait", "Q", "full", stage, 0))
+        events[mma].append(("arrive", f"S{stage}", "full", 0, 0, "async"))
+    release_kv(k_use)
+    for block in range(1, n_blocks):
+        v_use = wait_kv()
+        k_use = wait_kv()
+        for stage in range(Q_STAGES):
+            # P_i of the previous block written and O_i rescaled: O_i += P_i·V, then S_i = Q_i·Kᵀ.
+            events[mma].append(("wait", f"S{stage}", "empty", 0, block - 1))
+            events[mma].append(("arrive", f"S{stage}", "full", 0, block, "async"))
+        release_kv(v_use)
+        release_kv(k_use)
+    v_use = wait_kv()
+    for stage in range(Q_STAGES):
+        events[mma].append(("wait", f"S{stage}", "empty", 0, n_blocks - 1))
+        events[mma].append(("arrive", f"O{stage}", "full", 0, 0, "async"))
+    release_kv(v_use)
+
+    # Softmax warp group i: per block, S_i in, row scale out (from the second block on), P_i
+    # in; after the last block, the row sum and maximum.
+    for stage, softmax in enumerate(SOFTMAX_ROLES):
+        stats = 0
+        for block in range(n_blocks):
+            events[softmax].append(("wait", f"S{stage}", "full", 0, block))
+            if block > 0:
+                producer_acquire(softmax, f"STATS{stage}", 1, stats)
+                events[softmax].append(("arrive", f"STATS{stage}", "full", 0, stats))
+                stats += 1
+            events[softmax].append(("arrive", f"S{stage}", "empty", 0, block))
+        producer_acquire(softmax, f"STATS{stage}", 1, stats)
+        events[softmax].append(("arrive", f"STATS{stage}", "full", 0, stats))
+
+    # Correction warp group: both stages' rescales per block, then both epilogues.
+    correction = Role.CORRECTION
+    for stage in range(Q_STAGES):
+        events[correction].append(("arrive", f"S{stage}", "empty", 0, 0))
+    for block in range(1, n_blocks):
+        for stage in range(Q_STAGES):
+            events[correction].append(("wait", f"STATS{stage}", "full", 0, block - 1))
+            events[correction].append(("arrive", f"STATS{stage}", "empty", 0, block - 1))
+            events[correction].append(("arrive", f"S{stage}", "empty", 0, block))
+    for stage in range(Q_STAGES):
+        events[correction].append(("wait", f"STATS{stage}", "full", 0, n_blocks - 1))
+        events[correction].append(("arrive", f"STATS{stage}", "empty", 0, n_blocks - 1))
+        events[correction].append(("wait", f"O{stage}", "full", 0, 0))
+    return events
+
+
+def expected_arrivals(config: TileConfig) -> dict[tuple[str, str], int]:
+    """(pipeline, side) -> arrivals that complete a phase, in roles."""
+    out = {}
+    for pipe in pipelines(config):
+        out[(pipe.name, "full")] = len(pipe.producer)
+        out[(pipe.name, "empty")] = len(pipe.consumers)
+    return out
+
+
+def check_budgets() -> None:
+    """Raises if the warp-role table breaks a hardware limit (run at kernel construction)."""
+    warps = sorted(w for r in ROLES for w in r.warps)
+    if warps != list(range(NUM_WARPS)) or NUM_WARPS % WARPS_PER_GROUP:
+        raise ValueError(f"warp roles must cover whole warp groups once: {warps}")
+    for group in range(NUM_WARPS // WARPS_PER_GROUP):
+        budgets = {r.registers for r in ROLES for w in r.warps if w // WARPS_PER_GROUP == group}
+        if len(budgets) != 1:
+            raise ValueError(f"warp group {group} mixes setmaxnreg budgets {budgets}")
+    total = sum(r.registers * len(r.warps) * THREADS_PER_WARP for r in ROLES)
+    if total > hardware.REGISTERS_PER_SM or any(r.registers % 8 or r.registers > 256 for r in ROLES):
+        raise ValueError(f"setmaxnreg budgets take {total} registers of {hardware.REGISTERS_PER_SM}")

@@ -1,0 +1,134 @@
+"""First-use checks of kernels that no GPU of their arch has run before users do.
+
+An arch menu whose VERIFIED is False (kernels/sm100/menu.py: Blackwell's, compiled and
+statically checked here, never executed; the build writes the flag into the library's manifest)
+ships kernels that could be wrong on the hardware in ways no check without it can see. So before the dispatch lets a call run one of them, the
+variant is run in this process on a few small problems (`PROBES`, milliseconds) and compared
+with the reference under the numerics rule (`fa4_jax.selftest`'s checks). A variant that
+passes serves every call after it; one that fails is never used in this process: the dispatch
+says why with a `FallbackWarning` and the call runs on cuDNN or the reference. Never a wrong
+answer.
+
+    FA4_JAX_TRUST_UNVERIFIED=1        skip the checks (you have run `python -m fa4_jax.selftest`
+                                      on this GPU and it passed)
+    FA4_JAX_UNVERIFIED_ARCHES=sm_90a  also check the kernels of these archs (comma-separated;
+                                      how the GPU tier exercises this on a Hopper GPU)
+
+`python -m fa4_jax.selftest` runs the full check on any GPU and prints a report to paste into
+an issue.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+
+from fa4_jax import notices, routing
+
+# (seqlen_q, seqlen_k) of each check: odd lengths over two 256-row CTA tiles and three key
+# blocks (tails on both sides, a diagonal that crosses blocks), and one decode row.
+PROBES = ((300, 333), (1, 777))
+
+_results: dict[str, str | None] = {}
+# Variants whose check is running, and the threads that run checks (whose own calls the
+# variants under check serve).
+_pending: dict[str, threading.Event] = {}
+_checker_threads: set[int] = set()
+_lock = threading.Lock()
+
+
+def unverified_arches(library) -> frozenset[str]:
+    """The archs whose kernels are checked on first use: those the library's manifest marks
+    unverified (an arch menu's VERIFIED = False), and FA4_JAX_UNVERIFIED_ARCHES."""
+    marked = set(library.unverified_arches)
+    extra = {a.strip() for a in os.environ.get("FA4_JAX_UNVERIFIED_ARCHES", "").split(",") if a.strip()}
+    return frozenset(marked | extra)
+
+
+def trusted() -> bool:
+    return os.environ.get("FA4_JAX_TRUST_UNVERIFIED", "") not in ("", "0")
+
+
+def failure_reason(variant: routing.Variant, library) -> str | None:
+    """None when `variant` (of `library`, an `fa4_jax.ffi.Library`) may serve calls on this GPU:
+    its arch is verified, the check is turned off, or the variant passed its first-use check in
+    this process; else why not. The first caller runs the check; others wait for its verdict."""
+    if variant.arch not in unverified_arches(library) or trusted():
+        return None
+    name = variant.name
+    with _lock:
+        if name in _results:
+            return _results[name]
+        if threading.get_ident() in _checker_threads:
+            return None
+        done = _pending.get(name)
+        if done is None:
+            done = _pending[name] = threading.Event()
+            owner = True
+        else:
+            owner = False
+    if not owner:
+        done.wait()
+        return _results[name]
+    reason = _check_on_a_fresh_thread(variant)
+    with _lock:
+        _results[name] = reason
+        del _pending[name]
+    done.set()
+    if reason is not None:
+        notices.logger.warning("fa4_jax: %s failed its first-use check: %s", name, reason)
+    return reason
+
+
+def _check_on_a_fresh_thread(variant: routing.Variant) -> str | None:
+    """Runs `_check` on a thread of its own: the caller is usually tracing a jit (the dispatch
+    decides at trace time), and JAX's trace state is per thread, so there the check's calls run
+    as plain eager calls on concrete arrays."""
+    def work():
+        ident = threading.get_ident()
+        with _lock:
+            _checker_threads.add(ident)
+        try:
+            return _check(variant)
+        except Exception as error:  # a kernel that cannot even run is not used either
+            return f"its first-use check raised {type(error).__name__}: {error}"
+        finally:
+            with _lock:
+                _checker_threads.discard(ident)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(work).result()
+
+
+def results() -> dict[str, str | None]:
+    """variant name -> None (passed) or why it failed, for the variants checked so far."""
+    with _lock:
+        return dict(_results)
+
+
+def forget() -> None:
+    """Drops the checks' results (tests)."""
+    with _lock:
+        _results.clear()
+
+
+def _check(variant: routing.Variant) -> str | None:
+    """Runs PROBES through the public API and compares what `variant` computes with the
+    reference: out and lse for a forward variant, the gradients for a backward one."""
+    import jax.numpy as jnp
+
+    from fa4_jax import selftest
+
+    dtype = {"bf16": jnp.bfloat16, "fp16": jnp.float16}[variant.dtype]
+    options = dict(selftest.MASK_OPTIONS[variant.mask], **({"softcap": selftest.SOFTCAP} if variant.softcap else {}))
+    judged = ("out", "lse") if variant.kind == "fwd" else ("dq", "dk", "dv")
+    failures = []
+    for seed, (seqlen_q, seqlen_k) in enumerate(PROBES):
+        # implementation=None: a forward-only arch's backward runs on the reference.
+        check = selftest._check_call(variant.name, dtype, variant.head_dim, variant.head_dim_v, options,
+                                     seqlen_q, seqlen_k, seed, implementation=None)
+        wrong = {name: check.errors[name] for name in judged if check.errors[name][0] > check.errors[name][1]}
+        if wrong:
+            failures.append(f"{variant.name} sq={seqlen_q} sk={seqlen_k}: " + ", ".join(
+                f"{name} error {error:.3g} > {bound:.3g}" for name, (error, bound) in wrong.items()))
+    return None if not failures else "; ".join(failures)

@@ -1,0 +1,151 @@
+"""What a compiled kernel's SASS and ELF attributes say about it, without running it: instruction
+families (overall and per loop), setmaxnreg budgets, named barriers, local-memory traffic and
+launch facts. The Blackwell checks (tests/test_sm100_sass.py) and the static comparison with FA4
+upstream (scripts/upstream_peer/sm100_static.py) read kernels through it.
+
+    python scripts/sass_facts.py CUBIN [CUBIN ...]     # one JSON line per cubin
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+# Instruction families counted; a key counts the instructions whose text contains it.
+FAMILIES = {
+    "utchmma": "UTCHMMA",          # tcgen05.mma, 16-bit inputs
+    "utchmma_2cta": "UTCHMMA.2CTA",
+    "ldtm": "LDTM",                # tcgen05.ld
+    "sttm": "STTM",                # tcgen05.st
+    "utcbar": "UTCBAR",            # tcgen05.commit
+    "tmem_alloc": "UTCATOMSWS.FIND_AND_SET",
+    "tmem_dealloc": "UTCATOMSWS.AND",
+    "mufu_ex2": "MUFU.EX2",
+    "mufu_tanh": "MUFU.TANH",
+    "ffma2": "FFMA2",
+    "fmul2": "FMUL2",
+    "ffma": "FFMA ",
+    "local_load": "LDL",
+    "local_store": "STL",
+    "tma_load": "UTMALDG",
+    "tma_store": "UTMASTG",
+    "global_store": "STG",
+    "bar_sync": "BAR.SYNC",
+    "mbarrier_wait": "SYNCS.PHASECHK",
+}
+_INSTRUCTION = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_BRANCH = re.compile(r"\bBRA(?:\.U)?\s+(?:!?U?P[T0-9]+,\s*)?0x([0-9a-f]+)")
+
+
+def tool(name: str) -> str:
+    """cuobjdump or nvdisasm: CUDA_HOME's, the nvidia-cu13 wheels', or PATH's."""
+    candidates = [os.path.join(os.environ["CUDA_HOME"], "bin", name)] if os.environ.get("CUDA_HOME") else []
+    try:
+        import nvidia.cu13
+
+        candidates.append(os.path.join(list(nvidia.cu13.__path__)[0], "bin", name))
+    except ImportError:
+        pass
+    candidates.append(shutil.which(name) or "")
+    found = next((c for c in candidates if c and os.access(c, os.X_OK)), None)
+    if found is None:
+        raise FileNotFoundError(f"no {name}: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm, "
+                                "or set CUDA_HOME")
+    return found
+
+
+def _cuobjdump(*args: str) -> str:
+    cuobjdump = tool("cuobjdump")
+    # --dump-sass runs nvdisasm, which the wheels install beside cuobjdump.
+    env = dict(os.environ, PATH=os.pathsep.join([os.path.dirname(cuobjdump), os.environ.get("PATH", "")]))
+    proc = subprocess.run([cuobjdump, *args], capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"cuobjdump {' '.join(args)} failed:\n{proc.stderr}")
+    return proc.stdout
+
+
+def instructions(sass: str) -> list[tuple[int, str]]:
+    return [(int(m.group(1), 16), m.group(2)) for m in map(_INSTRUCTION.match, sass.splitlines()) if m]
+
+
+def loops(code: list[tuple[int, str]]) -> list[tuple[int, int]]:
+    """[first, last] addresses of each loop: a backward branch before the function's last EXIT
+    (after it, ptxas places the retry paths of mbarrier waits, which branch back to the wait)."""
+    exits = [a for a, t in code if t.split()[-1:] == ["EXIT"] or t.endswith("EXIT")]
+    body_end = max(exits) if exits else max(a for a, _ in code)
+    found = []
+    for address, text in code:
+        match = _BRANCH.search(text)
+        if match and address < body_end and int(match.group(1), 16) < address:
+            found.append((int(match.group(1), 16), address))
+    return found
+
+
+def count(code, key: str, lo: int = 0, hi: int = 1 << 62) -> int:
+    return sum(key in text for address, text in code if lo <= address <= hi)
+
+
+@dataclasses.dataclass
+class Facts:
+    families: dict
+    # Per loop (outermost first by start address): its instruction families.
+    loop_families: list
+    setmaxnreg: list  # (kind, registers): "DEALLOC" / "TRY_ALLOC"
+    named_barriers: list  # (id, threads) of BAR.SYNC / BAR.ARV with a thread count
+    mma_forms: dict  # "ss": both operands from shared memory, "ts": A from TMEM
+    launch: dict  # registers, threads (REQNTID), named barriers the module declares
+
+
+def sass_facts(sass: str) -> tuple:
+    code = instructions(sass)
+    families = {name: count(code, key) for name, key in FAMILIES.items()}
+    loop_families = [dict(first=lo, last=hi, **{name: count(code, key, lo, hi) for name, key in FAMILIES.items()})
+                     for lo, hi in loops(code)]
+    setmaxnreg = [(m.group(1), int(m.group(2), 16))
+                  for m in (re.search(r"USETMAXREG\.(DEALLOC|TRY_ALLOC)\S*\s+(?:U?P\d+,\s*)?0x([0-9a-f]+)", t)
+                            for _, t in code) if m]
+    barriers = sorted({(int(m.group(1), 16), int(m.group(2), 16))
+                       for m in (re.search(r"BAR\.(?:SYNC\S*|ARV)\s+0x([0-9a-f]+),\s*0x([0-9a-f]+)", t)
+                                 for _, t in code) if m})
+    mma = [t for _, t in code if "UTCHMMA" in t]
+    forms = {"ss": sum(bool(re.search(r"UTCHMMA\S*\s+gdesc\[", t)) for t in mma),
+             "ts": sum(bool(re.search(r"UTCHMMA\S*\s+tmem\[", t)) for t in mma)}
+    return families, loop_families, setmaxnreg, barriers, forms
+
+
+def launch_facts(cubin: str) -> dict:
+    """REGCOUNT, REQNTID (the block size the kernel was compiled for) and NUM_BARRIERS from the
+    cubin's ELF attributes."""
+    elf = _cuobjdump("-elf", cubin)
+
+    def attribute(name):
+        match = re.search(rf"Attribute:\s*{name}\s*\n\s*Format:.*\n\s*Value:\s*(.*)", elf)
+        return match.group(1).strip() if match else None
+
+    regcount = attribute("EIATTR_REGCOUNT")
+    reqntid = attribute("EIATTR_REQNTID")
+    barriers = attribute("EIATTR_NUM_BARRIERS")
+    return {
+        "registers": int(regcount.rsplit(":", 1)[1]) if regcount else None,
+        "threads": [int(x, 16) for x in reqntid.split()] if reqntid else None,
+        "num_barriers": int(barriers, 16) if barriers else None,
+    }
+
+
+def facts(cubin: str) -> Facts:
+    families, loop_families, setmaxnreg, barriers, forms = sass_facts(_cuobjdump("--dump-sass", cubin))
+    return Facts(families, loop_families, setmaxnreg, barriers, forms, launch_facts(cubin))
+
+
+def main(argv: list[str]) -> int:
+    for cubin in argv:
+        print(json.dumps({"cubin": cubin, **dataclasses.asdict(facts(cubin))}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,94 @@
+"""CPU tier: every Blackwell forward variant of the shipping menu, as compiled (the build cache's
+cubins), holds what the plan (kernels/sm100/plan.py) says it must, and nothing it must not.
+
+No Blackwell GPU has run these kernels; these checks read what ptxas made of them: the tcgen05
+instruction families (both MMA forms, TMEM loads and stores, allocation paired with release),
+the launch facts against the plan's tables, local memory, and the exponentials of each softmax
+loop against the tile width.
+"""
+import sys
+from pathlib import Path
+
+import pytest
+
+from fa4_jax.aot import build
+from fa4_jax.kernels.sm100 import hardware, menu as sm100, plan
+from fa4_jax.kernels.sm100.plan import Barrier, Role
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import sass_facts  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def all_facts():
+    found = build.cubins(sm100.MENU)
+    missing = sorted(name for name, cubins in found.items() if len(cubins) != 1)
+    if missing:
+        pytest.fail(f"no single cached cubin for {missing}: run python -m fa4_jax.aot.build")
+    return {name: sass_facts.facts(str(cubins[0])) for name, cubins in found.items()}
+
+
+@pytest.mark.parametrize("variant", sm100.MENU, ids=lambda v: v.name)
+def test_tcgen05_families(all_facts, variant):
+    facts = all_facts[variant.name]
+    fam = facts.families
+    k_steps_qk, k_steps_pv = variant.head_dim // 16, plan.TILE_CONFIGS[(variant.head_dim, variant.head_dim_v)].tile_n // 16
+    # S = Q·Kᵀ from shared memory (SS) and O += P·V with P from TMEM (TS), one MMA per k16 step
+    # per stage, in the first block's and the loop's copies.
+    assert facts.mma_forms["ss"] >= 2 * plan.Q_STAGES * k_steps_qk
+    assert facts.mma_forms["ts"] >= 2 * plan.Q_STAGES * k_steps_pv
+    assert facts.mma_forms["ss"] + facts.mma_forms["ts"] == fam["utchmma"]
+    assert fam["utchmma_2cta"] == 0  # one-CTA kernels
+    assert fam["ldtm"] > 0 and fam["sttm"] > 0 and fam["utcbar"] > 0
+    # TMEM is allocated (with the retry of a failed allocation) and released once.
+    assert fam["tmem_alloc"] >= 1 and fam["tmem_dealloc"] == 1
+    # O leaves from registers; nothing goes through a TMA store.
+    assert fam["tma_store"] == 0 and fam["tma_load"] > 0
+
+
+@pytest.mark.parametrize("variant", sm100.MENU, ids=lambda v: v.name)
+def test_launch_facts_match_the_plan(all_facts, variant):
+    facts = all_facts[variant.name]
+    assert facts.launch["threads"] == [plan.NUM_THREADS, 1, 1]
+    assert facts.launch["registers"] * plan.NUM_THREADS <= hardware.REGISTERS_PER_SM
+    assert facts.launch["num_barriers"] <= hardware.NAMED_BARRIERS
+    assert facts.launch["num_barriers"] == max(Barrier) + 1
+    # setmaxnreg: the last warp group and the correction give registers up, the softmax warp
+    # groups take them, at the table's budgets.
+    budgets = {(("TRY_ALLOC" if plan.role(r).registers > 128 else "DEALLOC"), plan.role(r).registers)
+               for r in (Role.SOFTMAX0, Role.CORRECTION, Role.MMA)}
+    assert set(facts.setmaxnreg) == budgets
+    tmem_users = sum(len(plan.role(r).warps) for r in (Role.MMA, *plan.SOFTMAX_ROLES, Role.CORRECTION))
+    assert facts.named_barriers == [(int(Barrier.TMEM), tmem_users * plan.THREADS_PER_WARP)]
+
+
+@pytest.mark.parametrize("variant", sm100.MENU, ids=lambda v: v.name)
+def test_no_local_memory_in_any_loop(all_facts, variant):
+    facts = all_facts[variant.name]
+    for loop in facts.loop_families:
+        assert loop["local_load"] == loop["local_store"] == 0, (variant.name, loop)
+    # Outside the loops ptxas keeps at most a few values in local memory across the warps'
+    # register drops (docs/blackwell.md, "Static comparison").
+    assert facts.families["local_load"] + facts.families["local_store"] <= 16
+
+
+@pytest.mark.parametrize("variant", sm100.MENU, ids=lambda v: v.name)
+def test_each_softmax_loop_runs_one_exponential_per_key_and_one_row_scale(all_facts, variant):
+    config = plan.TILE_CONFIGS[(variant.head_dim, variant.head_dim_v)]
+    facts = all_facts[variant.name]
+    softmax_loops = [loop for loop in facts.loop_families if loop["mufu_ex2"]]
+    # Both softmax warp groups, each with its unmasked loop, and masked loops per mask kind.
+    expected_loops = {"none": 2, "causal": 4, "local": 6}[variant.mask]
+    assert len(softmax_loops) == expected_loops
+    on_mufu = config.tile_n - sum(plan_uses_poly(config, c) for c in range(config.tile_n))
+    for loop in softmax_loops:
+        assert loop["mufu_ex2"] == on_mufu + 1, loop
+        assert loop["ldtm"] == config.tile_n // 32 and loop["sttm"] == config.tile_n // 32
+        if variant.softcap:
+            assert loop["mufu_tanh"] == config.tile_n
+
+
+def plan_uses_poly(config, column):
+    from fa4_jax.kernels.common.exp2 import uses_poly
+
+    return uses_poly(config.exp2_poly_share, column)
