@@ -3,8 +3,9 @@
 An arch menu whose VERIFIED is False (kernels/sm100/menu.py: Blackwell's, compiled and
 statically checked here, never executed; the build writes the flag into the library's manifest)
 ships kernels that could be wrong on the hardware in ways no check without it can see. So before the dispatch lets a call run one of them, the
-variant is run in this process on a few small problems (`PROBES`, milliseconds) and compared
-with the reference under the numerics rule (`fa4_jax.selftest`'s checks). A variant that
+variant is run in this process on a few small problems (`PROBES`, and for a forward a ragged
+batch whose K and V padding is NaN, `RAGGED_PROBE`; milliseconds) and compared with the
+reference under the numerics rule (`fa4_jax.selftest`'s checks). A variant that
 passes serves every call after it; one that fails is never used in this process: the dispatch
 says why with a `FallbackWarning` and the call runs on cuDNN or the reference. Never a wrong
 answer.
@@ -28,6 +29,10 @@ from fa4_jax import notices, routing
 # (seqlen_q, seqlen_k) of each check: odd lengths over two 256-row CTA tiles and three key
 # blocks (tails on both sides, a diagonal that crosses blocks), and one decode row.
 PROBES = ((300, 333), (1, 777))
+# A forward variant's ragged check: buffers of (300, 333) rows and keys, each batch entry's
+# valid (query rows, keys). The second entry ends inside a key block whose padding holds NaN:
+# a kernel that let it reach P·V (instead of zeroing those V rows) returns NaN.
+RAGGED_PROBE = ((300, 333), ((300, 333), (150, 200)))
 
 _results: dict[str, str | None] = {}
 # Variants whose check is running, and the threads that run checks (whose own calls the
@@ -114,7 +119,8 @@ def forget() -> None:
 
 def _check(variant: routing.Variant) -> str | None:
     """Runs PROBES through the public API and compares what `variant` computes with the
-    reference: out and lse for a forward variant, the gradients for a backward one."""
+    reference: out and lse for a forward variant (and RAGGED_PROBE's), the gradients for a
+    backward one."""
     import jax.numpy as jnp
 
     from fa4_jax import selftest
@@ -131,4 +137,52 @@ def _check(variant: routing.Variant) -> str | None:
         if wrong:
             failures.append(f"{variant.name} sq={seqlen_q} sk={seqlen_k}: " + ", ".join(
                 f"{name} error {error:.3g} > {bound:.3g}" for name, (error, bound) in wrong.items()))
+    if variant.kind == "fwd":
+        failures += _ragged_failures(variant, dtype, options)
     return None if not failures else "; ".join(failures)
+
+
+def _ragged_failures(variant: routing.Variant, dtype, options) -> list[str]:
+    """RAGGED_PROBE through the public API with NaN in K's and V's padding: each entry's valid
+    rows against the reference on that entry alone, rows past it 0 with lse −inf."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import fa4_jax
+    from fa4_jax import selftest
+    from fa4_jax.reference import dense_attention
+
+    (seqlen_q, seqlen_k), lengths = RAGGED_PROBE
+    q_len, kv_len = (jnp.array(side, jnp.int32) for side in zip(*lengths))
+    keys = jax.random.split(jax.random.key(len(PROBES)), 3)
+    batch = len(lengths)
+    q = jax.random.normal(keys[0], (batch, seqlen_q, selftest.HEADS_Q, variant.head_dim), dtype)
+    k, v = (jax.random.normal(key, (batch, seqlen_k, selftest.HEADS_KV, dim), dtype)
+            for key, dim in ((keys[1], variant.head_dim), (keys[2], variant.head_dim_v)))
+    padding = jnp.arange(seqlen_k)[None, :, None, None] >= kv_len[:, None, None, None]
+    k, v = (jnp.where(padding, jnp.nan, x).astype(dtype) for x in (k, v))
+    out, lse = jax.jit(lambda q, k, v: fa4_jax.attention(
+        q, k, v, return_lse=True, query_seq_lengths=q_len, key_value_seq_lengths=kv_len, **options))(q, k, v)
+    window_left, window_right = options.get("window_size", (None, None))
+    failures = []
+    for b, (rows, keys_b) in enumerate(lengths):
+        entry = (q[b:b + 1, :rows], k[b:b + 1, :keys_b], v[b:b + 1, :keys_b])
+
+        def reference(compute_dtype):
+            return dense_attention(*entry, compute_dtype=compute_dtype, causal=options.get("causal", False),
+                                   window_left=window_left, window_right=window_right,
+                                   softcap=options.get("softcap"))
+
+        (ref_out, ref_lse), (low_out, low_lse) = reference(jnp.float32), reference(dtype)
+        factor = 3 if options.get("softcap") else 2
+        for name, ours, ref, low in (("out", out[b:b + 1, :rows], ref_out, low_out),
+                                     ("lse", lse[b:b + 1, :, :rows], ref_lse, low_lse)):
+            error, bound = selftest._bound_by_rule(ours, ref, low, factor, dtype)
+            if error > bound:
+                failures.append(f"{variant.name} ragged entry {b}: {name} error {error:.3g} > {bound:.3g}")
+        past_out = np.asarray(out[b, rows:], np.float32)
+        past_lse = np.asarray(lse[b, :, rows:])
+        if past_out.size and not ((past_out == 0).all() and np.isneginf(past_lse).all()):
+            failures.append(f"{variant.name} ragged entry {b}: rows past its length are not 0 with lse -inf")
+    return failures

@@ -80,9 +80,13 @@ def test_each_softmax_loop_runs_one_exponential_per_key_and_one_row_scale(all_fa
     # Both softmax warp groups, each with its unmasked loop, and masked loops per mask kind.
     expected_loops = {"none": 2, "causal": 4, "local": 6}[variant.mask]
     assert len(softmax_loops) == expected_loops
-    on_mufu = config.tile_n - sum(plan_uses_poly(config, c) for c in range(config.tile_n))
+    # Columns go in pairs: the scaling is one FFMA2 per pair, and a pair on the polynomial is
+    # three FFMA2 (Horner) and one FMUL2 (times 2^floor) instead of two MUFU.EX2.
+    poly_pairs = sum(plan_uses_poly(config, pair) for pair in range(config.tile_n // 2))
     for loop in softmax_loops:
-        assert loop["mufu_ex2"] == on_mufu + 1, loop
+        assert loop["mufu_ex2"] == config.tile_n - 2 * poly_pairs + 1, loop
+        assert loop["ffma2"] == config.tile_n // 2 + 3 * poly_pairs, loop
+        assert loop["fmul2"] == poly_pairs, loop
         assert loop["ldtm"] == config.tile_n // 32 and loop["sttm"] == config.tile_n // 32
         if variant.softcap:
             assert loop["mufu_tanh"] == config.tile_n

@@ -50,6 +50,8 @@ def blackwell(monkeypatch):
     monkeypatch.setattr(verification, "_check", fake_check)
     monkeypatch.delenv("FA4_JAX_TRUST_UNVERIFIED", raising=False)
     verification.forget()
+    # Traces of the same shapes from earlier tests would hold another stand-in kernel.
+    jax.clear_caches()
     yield checked, verdict
     verification.forget()
 
@@ -147,3 +149,35 @@ def test_the_real_check_runs_inside_a_jit_trace_and_catches_a_wrong_kernel(black
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(reference, np.float32), atol=2e-2)
     reason = verification.results()["fwd_sm100f_bf16_d64_dv64_causal"]
     assert "out error inf" in reason and "sq=300 sk=333" in reason
+
+
+def _stand_in_kernel(respect_key_lengths: bool):
+    """A forward 'kernel' computed by the fp32 reference from the custom call's attributes: a
+    correct one, or one that ignores the entries' key lengths (and so lets the NaN padding of
+    the ragged probe's K and V into its rows, as a kernel that forgot to zero V's would)."""
+    from fa4_jax.params import AttentionParams
+
+    def kernel(library, q, k, v, lengths, attrs, tuning=None, segments=None):
+        window = tuple(None if w < 0 else int(w) for w in (attrs["window_left"], attrs["window_right"]))
+        params = AttentionParams(softmax_scale=float(attrs["softmax_scale"]), causal=bool(attrs["causal"]),
+                                 window_left=window[0], window_right=window[1],
+                                 softcap=float(attrs["softcap"]) or None, top_left=bool(attrs["top_left"]))
+        ragged = lengths[0].shape[0] > 0
+        if ragged and not respect_key_lengths:
+            lengths = (lengths[0], jnp.full_like(lengths[1], k.shape[1]))
+        return _reference_fp32(q, k, v, params, lengths if ragged else None)
+
+    return kernel
+
+
+@pytest.mark.parametrize("respect_key_lengths", [True, False])
+def test_the_ragged_probe_passes_a_correct_kernel_and_catches_one_that_reads_the_padding(
+        blackwell, monkeypatch, respect_key_lengths):
+    monkeypatch.setattr(verification, "_check", _REAL_CHECK)
+    monkeypatch.setattr(ffi, "forward_call", _stand_in_kernel(respect_key_lengths))
+    variant = next(v for v in sm100.MENU if v.name == "fwd_sm100f_bf16_d64_dv64_local")
+    reason = verification.failure_reason(variant, _LIBRARY)
+    if respect_key_lengths:
+        assert reason is None
+    else:
+        assert reason is not None and "ragged entry 1" in reason and "sq=300" not in reason

@@ -11,7 +11,8 @@ UPSTREAM_VENV as for build.py (nvidia-cutlass-dsl[cu13] at fa4_jax's version, qu
 apache-tvm-ffi with --no-deps, einops; no torch). Upstream's FlashAttentionForwardSm100 is
 compiled unchanged (flash-attn-4 4.0.0b36) with CUTE_DSL_ARCH naming the target, at upstream's
 own choices for a long bf16 call (q_stage 2, 128 x 128 tiles; the static persistent scheduler
-without a mask, LPT with one; 2-CTA where upstream's interface picks it: d128 without a mask),
+without a mask, LPT with one; 2-CTA where upstream's interface picks it: d128 and d192/dv128
+without a mask),
 and, at d128 without a mask, also 1-CTA, the shape fa4_jax ships. fa4_jax's side is the shipping
 library's cubins from the build cache (`python -m fa4_jax.aot.build` first).
 """
@@ -32,7 +33,8 @@ from fa4_jax.kernels.sm100 import hardware  # noqa: E402
 
 # (head_dim, causal, 2-CTA) of upstream's kernels compiled.
 UPSTREAM = ((64, False, False), (64, True, False), (96, False, False), (96, True, False),
-            (128, False, True), (128, False, False), (128, True, False))
+            (128, False, True), (128, False, False), (128, True, False), (192, False, True),
+            (192, True, False))
 TARGET = "sm_100a"
 
 _CHILD = """
@@ -63,11 +65,13 @@ cutlass.utils.HardwareInfo = B200Info
 from flash_attn.cute.flash_fwd_sm100 import FlashAttentionForwardSm100
 from quack.compile_utils import make_fake_tensor
 head_dim, causal, two_cta = {job!r}
-kernel = FlashAttentionForwardSm100(head_dim, head_dim, qhead_per_kvhead=1, is_causal=causal,
+head_dim_v = 128 if head_dim == 192 else head_dim
+kernel = FlashAttentionForwardSm100(head_dim, head_dim_v, qhead_per_kvhead=1, is_causal=causal,
                                     is_local=False, m_block_size=128, n_block_size=128, q_stage=2,
                                     is_static_persistent=not causal, use_2cta_instrs=two_cta)
 b, sq, sk, h, d = (cute.sym_int() for _ in range(5))
-mQ, mK, mV, mO = (make_fake_tensor(BFloat16, (b, s, h, head_dim), divisibility=8) for s in (sq, sk, sk, sq))
+mQ, mK = (make_fake_tensor(BFloat16, (b, s, h, head_dim), divisibility=8) for s in (sq, sk))
+mV, mO = (make_fake_tensor(BFloat16, (b, s, h, head_dim_v), divisibility=8) for s in (sk, sq))
 mLSE = make_fake_tensor(Float32, (b, h, sq), divisibility=1)
 
 @cute.jit

@@ -80,3 +80,54 @@ def exp2_poly(x: Float32) -> Float32:
             asm_dialect=llvm.AsmDialect.AD_ATT,
         )
     )
+
+
+# The same sequence on two lanes at once with Blackwell's packed f32x2 FMA-pipe instructions
+# (FADD2/FFMA2/FMUL2: one instruction for both), lane by lane identical to _EXP2_POLY_PTX; the
+# clamp and the exponent shift stay per lane. sm_100 and later only: sm_90 has no f32x2.
+_EXP2_POLY_PAIR_PTX = f"""{{
+.reg .f32 x0, x1, lo, hi, shift_f, c1, c2, c3, one;
+.reg .b64 x, shift, shifted, whole, f, p, c1x2, c2x2, c3x2, onex2, scale;
+.reg .b32 bits0, bits1;
+max.ftz.NaN.f32 x0, $2, {_ptx_f32(EXP2_MIN_EXPONENT)};
+max.ftz.NaN.f32 x1, $3, {_ptx_f32(EXP2_MIN_EXPONENT)};
+mov.b64 x, {{x0, x1}};
+mov.f32 shift_f, {_ptx_f32(FLOOR_SHIFT)};
+mov.b64 shift, {{shift_f, shift_f}};
+mov.f32 c1, {_C1};
+mov.f32 c2, {_C2};
+mov.f32 c3, {_C3};
+mov.f32 one, {_ptx_f32(1.0)};
+mov.b64 c1x2, {{c1, c1}};
+mov.b64 c2x2, {{c2, c2}};
+mov.b64 c3x2, {{c3, c3}};
+mov.b64 onex2, {{one, one}};
+add.rm.ftz.f32x2 shifted, x, shift;
+sub.rn.ftz.f32x2 whole, shifted, shift;
+sub.rn.ftz.f32x2 f, x, whole;
+fma.rn.ftz.f32x2 p, f, c3x2, c2x2;
+fma.rn.ftz.f32x2 p, p, f, c1x2;
+fma.rn.ftz.f32x2 p, p, f, onex2;
+mov.b64 {{bits0, bits1}}, shifted;
+shl.b32 bits0, bits0, 23;
+shl.b32 bits1, bits1, 23;
+mov.b64 scale, {{bits0, bits1}};
+mul.rn.ftz.f32x2 p, p, scale;
+mov.b64 {{lo, hi}}, p;
+mov.f32 $0, lo;
+mov.f32 $1, hi;
+}}"""
+
+
+def exp2_poly_pair(x0: Float32, x1: Float32) -> tuple[Float32, Float32]:
+    """(2^x0, 2^x1) by `exp2_poly`'s sequence on packed f32x2 instructions (sm_100+)."""
+    pair = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32(), T.f32()]),
+        [Float32(x0).ir_value(), Float32(x1).ir_value()],
+        _EXP2_POLY_PAIR_PTX,
+        "=f,=f,f,f",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return (Float32(llvm.extractvalue(T.f32(), pair, [0])), Float32(llvm.extractvalue(T.f32(), pair, [1])))

@@ -33,7 +33,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32
 
-from fa4_jax.kernels.common.exp2 import exp2_poly, uses_poly
+from fa4_jax.kernels.common.exp2 import exp2_poly, exp2_poly_pair, uses_poly
 
 # The four lanes of a quad hold one accumulator row between them (Hopper's WGMMA C layout);
 # on Blackwell one thread holds a whole row (one TMEM lane).
@@ -64,6 +64,10 @@ class SoftmaxConfig:
     rescale_threshold: float = 8.0
     exp2_poly_share: float = 0.0
     max_tree: bool = False
+    # Blackwell: the scaling, the polynomial exponentials and the row sum on packed f32x2
+    # instructions, two columns each (sm_100+; FA4's FFMA2 form). Pairs of adjacent columns then
+    # take the polynomial together: pair j when `uses_poly` picks j, so the share holds.
+    packed_pairs: bool = False
 
     def uses_poly(self, col: int) -> bool:
         return uses_poly(self.exp2_poly_share, col)
@@ -125,17 +129,43 @@ class OnlineSoftmax:
             if new_max != old_max:
                 moved = Boolean(True)
             self.row_max[r] = new_max
-            block_sum = Float32(0.0)
-            for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-                x = scores[r, c] * self.scale_log2 - max_scaled
-                if cutlass.const_expr(self.config.uses_poly(c)):
-                    p = exp2_poly(x)
-                else:
-                    p = cute.math.exp2(x, fastmath=True)
-                scores[r, c] = p
-                block_sum += p
+            if cutlass.const_expr(self.config.packed_pairs):
+                block_sum = self._exp2_pairs(scores, r, max_scaled)
+            else:
+                block_sum = self._exp2_columns(scores, r, max_scaled)
             self.row_sum[r] = self.row_sum[r] * row_scale[r] + block_sum
         return moved
+
+    @cute.jit
+    def _exp2_columns(self, scores: cute.Tensor, r: int, max_scaled: Float32) -> Float32:
+        """Row r's probabilities in place, one column at a time; returns their sum."""
+        block_sum = Float32(0.0)
+        for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+            x = scores[r, c] * self.scale_log2 - max_scaled
+            if cutlass.const_expr(self.config.uses_poly(c)):
+                p = exp2_poly(x)
+            else:
+                p = cute.math.exp2(x, fastmath=True)
+            scores[r, c] = p
+            block_sum += p
+        return block_sum
+
+    @cute.jit
+    def _exp2_pairs(self, scores: cute.Tensor, r: int, max_scaled: Float32) -> Float32:
+        """Row r's probabilities in place, two columns per packed instruction; returns their sum
+        (two running partial sums, one per lane, added at the end)."""
+        scale = (self.scale_log2, self.scale_log2)
+        bias = (-max_scaled, -max_scaled)
+        sums = (Float32(0.0), Float32(0.0))
+        for c in cutlass.range_constexpr(0, cute.size(scores, mode=[1]), 2):
+            x0, x1 = cute.arch.fma_packed_f32x2((scores[r, c], scores[r, c + 1]), scale, bias)
+            if cutlass.const_expr(self.config.uses_poly(c // 2)):
+                p0, p1 = exp2_poly_pair(x0, x1)
+            else:
+                p0, p1 = cute.math.exp2(x0, fastmath=True), cute.math.exp2(x1, fastmath=True)
+            scores[r, c], scores[r, c + 1] = p0, p1
+            sums = cute.arch.add_packed_f32x2(sums, (p0, p1))
+        return sums[0] + sums[1]
 
     @cute.jit
     def finalize(self, row_scale: cute.Tensor, lse: cute.Tensor):

@@ -135,8 +135,8 @@ class FlashAttentionForwardSm100:
             raise TypeError(f"unknown tuning knobs {sorted(unknown)}; known: {TUNING_KNOBS}")
         plan.check_budgets()
         config = dataclasses.replace(plan.TILE_CONFIGS[(head_dim, head_dim_v)], **tuning)
-        if head_dim != head_dim_v:
-            raise ValueError("K and V share one ring of equal stages: head_dim must equal head_dim_v")
+        if head_dim_v > head_dim:
+            raise ValueError("V's stages sit at K's stage offsets in one ring: head_dim_v must not exceed head_dim")
         if config.tile_n != 128:
             raise ValueError(f"{config}: the softmax's row loads and P's TMEM columns assume 128-key blocks")
         self.tmem = plan.TmemMap(config.tile_n, head_dim_v)
@@ -154,7 +154,7 @@ class FlashAttentionForwardSm100:
         self.tile_n = config.tile_n
         self.kv_stages = config.kv_stages
         self.softmax_config = SoftmaxConfig(rescale_threshold=config.rescale_threshold,
-                                            exp2_poly_share=config.exp2_poly_share)
+                                            exp2_poly_share=config.exp2_poly_share, packed_pairs=True)
         self.cta_m = Q_STAGES * ROWS_PER_STAGE
         masked = self.causal or self.local
         self.scheduler = TileScheduler(
@@ -215,6 +215,11 @@ class FlashAttentionForwardSm100:
         sK_layout = sm100_utils.make_smem_layout_b(tiled_mma_qk, mma_tiler_qk, self.dtype, self.kv_stages)
         tP_layout = sm100_utils.make_smem_layout_a(tiled_mma_pv, mma_tiler_pv, self.dtype, 1)
         sV_layout = sm100_utils.make_smem_layout_b(tiled_mma_pv, mma_tiler_pv, self.dtype, self.kv_stages)
+        if cutlass.const_expr(self.head_dim_v != self.head_dim):
+            # K and V take turns in one ring: V's stages at K's (wider) stage stride.
+            sV_layout = cute.append(
+                cute.select(sV_layout, mode=[0, 1, 2]),
+                cute.make_layout(self.kv_stages, stride=cute.cosize(cute.select(sK_layout, mode=[0, 1, 2]))))
 
         cluster = cute.tiled_divide(cute.make_layout((1, 1, 1)), (tiled_mma_qk.thr_id.shape,))
         load_op = cpasync.CopyBulkTensorTileG2SOp(cta_group)
@@ -226,6 +231,7 @@ class FlashAttentionForwardSm100:
             load_op, mV, cute.select(sV_layout, mode=[0, 1, 2]), mma_tiler_pv, tiled_mma_pv, cluster.shape)
         self.tma_bytes_q = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1, 2]))
         self.tma_bytes_kv = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1, 2]))
+        self.tma_bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1, 2]))
 
         pipes, kv_stages, dtype = self.pipes, self.kv_stages, self.dtype
 
@@ -307,7 +313,7 @@ class FlashAttentionForwardSm100:
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sKV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        # V's stages are K's bytes (head_dim == head_dim_v), seen through V's own layout.
+        # V's stages are K's bytes (at K's stage stride), seen through V's own layout.
         sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
         row_stats = storage.row_stats.get_tensor(
             cute.make_layout((ROWS_PER_STAGE, NUM_STATS, Q_STAGES)))
@@ -435,19 +441,24 @@ class FlashAttentionForwardSm100:
                 cute.copy(tma_atom_q, tQgQ[None, tile.m_block * Q_STAGES + stage, 0], tQsQ[None, stage],
                           tma_bar_ptr=pipes["Q"].producer_get_barrier(q_state))
                 q_state.advance()
-            self.load_block(pipes["KV"], kv_state, tma_atom_v, tVgV[None, 0, n_block], tVsV)
+            self.load_block(pipes["KV"], kv_state, tma_atom_v, tVgV[None, 0, n_block], tVsV, self.tma_bytes_v)
             kv_state.advance()
             for i in cutlass.range(n_blocks - 1, unroll=1):
                 n_block = tile.n_block_min + n_blocks - 2 - i
                 self.load_block(pipes["KV"], kv_state, tma_atom_k, tKgK[None, n_block, 0], tKsK)
                 kv_state.advance()
-                self.load_block(pipes["KV"], kv_state, tma_atom_v, tVgV[None, 0, n_block], tVsV)
+                self.load_block(pipes["KV"], kv_state, tma_atom_v, tVgV[None, 0, n_block], tVsV, self.tma_bytes_v)
                 kv_state.advance()
             pipes["KV"].producer_tail(kv_state)
 
     @cute.jit
-    def load_block(self, pipe, state, atom, src, dst):
-        pipe.producer_acquire(state)
+    def load_block(self, pipe, state, atom, src, dst, tx_bytes=None):
+        """One K or V block into the ring's next stage; V's narrower block (head_dim_v <
+        head_dim) expects its own byte count on the stage's barrier."""
+        if cutlass.const_expr(tx_bytes is None or tx_bytes == self.tma_bytes_kv):
+            pipe.producer_acquire(state)
+        else:
+            pipe.producer_acquire(state, expected_tx=tx_bytes)
         cute.copy(atom, src, dst[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
 
     # --- MMA warp ------------------------------------------------------------------------------

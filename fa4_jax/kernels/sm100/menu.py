@@ -19,10 +19,10 @@ ARCH = "sm_100f"
 VERIFIED = False
 KERNELS = {"fwd": "fa4_jax.kernels.sm100.fwd:FlashAttentionForwardSm100"}
 # (head_dim, head_dim_v) of the forward kernels, each with an entry in plan.TILE_CONFIGS. TMEM
-# holds two 128-key S tiles and two O tiles, so dv <= 128; 192 and 256 need the 2-CTA kernels
-# (FA4 upstream's) that this folder does not have yet. Other dims up to 128 run zero-padded on
-# the narrowest wider pair (routing.serving_head_dims).
-HEAD_DIMS = ((64, 64), (96, 96), (128, 128))
+# holds two 128-key S tiles and two O tiles, so dv <= 128 (DeepSeek's 192/128 included); d256
+# needs the 2-CTA kernels (FA4 upstream's) that this folder does not have yet. Other dims run
+# zero-padded on the narrowest wider pair (routing.serving_head_dims).
+HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128))
 TUNINGS: dict[str, dict] = {"default": {}}
 ROUTES: tuple[Route, ...] = ()
 DQ_COPIES_MAX_KEYS: dict[int, int] = {}

@@ -42,8 +42,13 @@ class TileConfig:
     # FA4's conditional rescaling threshold (log2 units): the row maximum moves, and O is
     # rescaled, only when a block's maximum outgrows it by more than 2^8.
     rescale_threshold: float = 8.0
-    # Share of each row's exponentials on the FMA pipes (kernels/common/exp2.py).
-    exp2_poly_share: float = 0.0
+    # Share of each row's exponentials on the FMA pipes (kernels/common/exp2.py, as packed
+    # FFMA2 pairs). A row's 128 exponentials on MUFU (16 per clock) take 1032 cycles per block,
+    # level with d128's two GEMMs on the tensor core (1024): an eighth on the polynomial puts
+    # MUFU under it, FA4 upstream's own split (benchmarks/sm100_prediction.py; not measured).
+    # More would pay where the GEMMs are shorter (d64, d96), but three eighths spilled inside the
+    # masked loops and a quarter inside d128's unmasked one.
+    exp2_poly_share: float = 0.125
 
     def smem_bytes(self, head_dim: int, head_dim_v: int, elem_bytes: int = 2) -> int:
         """Q's two stages plus the K/V ring (one buffer per stage sized for the wider of K, V)."""
@@ -59,6 +64,10 @@ TILE_CONFIGS = {
     (64, 64): TileConfig(kv_stages=6),
     # 24 KB per stage: five fit beside Q's 48 KB.
     (96, 96): TileConfig(kv_stages=5),
+    # DeepSeek's shape. TMEM holds it (two 128-column O tiles); K's 48 KB stages take the ring
+    # (V's 32 KB sit at their offsets), two of them beside Q's 96 KB. Its GEMMs take 1280 cycles
+    # per block, above MUFU's 1032 with every exponential there: no polynomial.
+    (192, 128): TileConfig(kv_stages=2, exp2_poly_share=0.0),
     # 32 KB per stage: four fit beside Q's 64 KB (FA4 upstream's d128 runs three, with 64 KB of
     # O staging that this kernel does not use: O goes from registers to global memory).
     (128, 128): TileConfig(kv_stages=4),
