@@ -162,7 +162,6 @@ class FlashAttentionForwardSm100:
             kv_bytes_per_key=(head_dim + head_dim_v) * dtype.width // 8, num_sms=hardware.NUM_SMS,
         )
         self.warps = {assignment.role: assignment for assignment in plan.ROLES}
-        self.pipes = {pipe.name: pipe for pipe in plan.pipelines(config)}
 
     # --- host side -----------------------------------------------------------------------
 
@@ -233,15 +232,13 @@ class FlashAttentionForwardSm100:
         self.tma_bytes_kv = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1, 2]))
         self.tma_bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1, 2]))
 
-        pipes, kv_stages, dtype = self.pipes, self.kv_stages, self.dtype
+        dtype = self.dtype
+        # A full and an empty barrier per stage of every pipeline of the plan.
+        num_mbarriers = 2 * sum(pipe.stages for pipe in plan.pipelines(self.config))
 
         @cute.struct
         class SharedStorage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * pipes["Q"].stages]
-            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2 * kv_stages]
-            mbar_s: cute.struct.MemRange[cutlass.Int64, 2 * Q_STAGES]
-            mbar_stats: cute.struct.MemRange[cutlass.Int64, 2 * Q_STAGES]
-            mbar_o: cute.struct.MemRange[cutlass.Int64, 2 * Q_STAGES]
+            mbarriers: cute.struct.MemRange[cutlass.Int64, num_mbarriers]
             tmem_address: Int32
             row_stats: cute.struct.MemRange[Float32, Q_STAGES * NUM_STATS * ROWS_PER_STAGE]
             sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
@@ -358,32 +355,31 @@ class FlashAttentionForwardSm100:
             _tcgen05_before_sync()
             tmem_barrier.arrive()
 
+    def _arrivals(self, roles) -> pipeline.CooperativeGroup:
+        """The arrivals that complete a pipeline barrier's phase for `roles`: one for the load
+        warp (its TMA unit's transaction) and the MMA warp (one elected tcgen05.commit), else
+        every thread of the roles."""
+        if roles in ((Role.LOAD,), (Role.MMA,)):
+            return pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        return self._group(*roles)
+
     def make_pipelines(self, storage) -> dict:
-        """The plan's pipelines (plan.pipelines), over the shared barriers."""
-        # The TMA unit and tcgen05.commit arrive once per phase, for the load and MMA warps.
-        tma_producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        mma = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        out = {
-            "Q": pipeline.PipelineTmaUmma.create(
-                num_stages=Q_STAGES, producer_group=tma_producer, consumer_group=mma,
-                tx_count=self.tma_bytes_q, barrier_storage=storage.mbar_q.data_ptr(), defer_sync=True),
-            "KV": pipeline.PipelineTmaUmma.create(
-                num_stages=self.kv_stages, producer_group=tma_producer, consumer_group=mma,
-                tx_count=self.tma_bytes_kv, barrier_storage=storage.mbar_kv.data_ptr(), defer_sync=True),
-        }
-        for stage, softmax_role in enumerate(plan.SOFTMAX_ROLES):
-            out[f"S{stage}"] = pipeline.PipelineUmmaAsync.create(
-                num_stages=1, producer_group=mma,
-                consumer_group=self._group(*self.pipes[f"S{stage}"].consumers),
-                barrier_storage=storage.mbar_s.data_ptr() + 2 * stage, defer_sync=True)
-            out[f"STATS{stage}"] = pipeline.PipelineAsync.create(
-                num_stages=1, producer_group=self._group(softmax_role),
-                consumer_group=self._group(Role.CORRECTION),
-                barrier_storage=storage.mbar_stats.data_ptr() + 2 * stage, defer_sync=True)
-            out[f"O{stage}"] = pipeline.PipelineUmmaAsync.create(
-                num_stages=1, producer_group=mma, consumer_group=self._group(Role.CORRECTION),
-                barrier_storage=storage.mbar_o.data_ptr() + 2 * stage, defer_sync=True)
-        return out
+        """One pipeline per entry of plan.pipelines, in its order over the shared barriers: TMA
+        into the MMA warp, the MMA warp's commits out to threads, and thread to thread."""
+        pipes, barriers = {}, storage.mbarriers.data_ptr()
+        tx_bytes = {"Q": self.tma_bytes_q, "KV": self.tma_bytes_kv}
+        for pipe in plan.pipelines(self.config):
+            groups = dict(num_stages=pipe.stages, producer_group=self._arrivals(pipe.producer),
+                          consumer_group=self._arrivals(pipe.consumers), barrier_storage=barriers,
+                          defer_sync=True)
+            if pipe.producer == (Role.LOAD,):
+                pipes[pipe.name] = pipeline.PipelineTmaUmma.create(tx_count=tx_bytes[pipe.name], **groups)
+            elif pipe.producer == (Role.MMA,):
+                pipes[pipe.name] = pipeline.PipelineUmmaAsync.create(**groups)
+            else:
+                pipes[pipe.name] = pipeline.PipelineAsync.create(**groups)
+            barriers = barriers + 2 * pipe.stages
+        return pipes
 
     @cute.jit
     def tile_problem(self, mQ, mK, mSeqUsedQ, mSeqUsedK, window_left, window_right, top_left):
