@@ -65,3 +65,31 @@ def test_floor_by_rounded_add_matches_floor(seed):
 def test_masked_and_nan_scores():
     assert exp2_poly_f32(np.float32(-np.inf)) < 1e-37  # a masked score contributes nothing
     assert np.isnan(exp2_poly_f32(np.float32(np.nan)))
+
+
+def _ops(ptx: str) -> list[str]:
+    """The instructions of a PTX block, register declarations and moves left out."""
+    ops = []
+    for line in ptx.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line.startswith((".reg", "{", "}", "mov")):
+            continue
+        ops.append(line.split()[0])
+    return ops
+
+
+def test_the_packed_pair_is_the_scalar_sequence_lane_by_lane():
+    # Blackwell's pair (exp2_poly_pair) has no numpy model of its own: it must be the scalar
+    # sequence above, each FMA-pipe step on f32x2, the clamp and the exponent shift per lane.
+    from fa4_jax.kernels.common import exp2
+
+    scalar, pair = _ops(exp2._EXP2_POLY_PTX), _ops(exp2._EXP2_POLY_PAIR_PTX)
+    expected = []
+    for op in scalar:
+        if op.startswith(("max", "shl")):
+            expected += [op, op]
+        else:
+            expected.append(op.replace(".f32", ".f32x2"))
+    assert pair == expected
+    assert scalar == ["max.ftz.NaN.f32", "add.rm.ftz.f32", "sub.rn.ftz.f32", "sub.rn.ftz.f32",
+                      "fma.rn.ftz.f32", "fma.rn.ftz.f32", "fma.rn.ftz.f32", "shl.b32", "mul.rn.ftz.f32"]
