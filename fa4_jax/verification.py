@@ -12,8 +12,13 @@ answer.
 
     FA4_JAX_TRUST_UNVERIFIED=1        skip the checks (you have run `python -m fa4_jax.selftest`
                                       on this GPU and it passed)
+    FA4_JAX_CACHE_DIR=DIR             where verdicts are kept (default ~/.cache/fa4_jax)
     FA4_JAX_UNVERIFIED_ARCHES=sm_90a  also check the kernels of these archs (comma-separated;
                                       how the GPU tier exercises this on a Hopper GPU)
+
+Verdicts are kept on disk (`verified.json` in the cache directory), keyed by the library's
+bytes, the GPU's name and the driver's version, so a process pays for a variant's check only
+the first time that library meets that GPU and driver.
 
 `python -m fa4_jax.selftest` runs the full check on any GPU and prints a report to paste into
 an issue.
@@ -21,8 +26,13 @@ an issue.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
+import hashlib
+import json
 import os
+import tempfile
 import threading
+from pathlib import Path
 
 from fa4_jax import notices, routing
 
@@ -75,7 +85,13 @@ def failure_reason(variant: routing.Variant, library) -> str | None:
     if not owner:
         done.wait()
         return _results[name]
-    reason = _check_on_a_fresh_thread(variant)
+    key = _disk_key(library, name)
+    saved = _load_verdicts()
+    if key in saved:
+        reason = saved[key]
+    else:
+        reason = _check_on_a_fresh_thread(variant)
+        _save_verdict(key, reason)
     with _lock:
         _results[name] = reason
         del _pending[name]
@@ -103,6 +119,49 @@ def _check_on_a_fresh_thread(variant: routing.Variant) -> str | None:
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         return pool.submit(work).result()
+
+
+def _verdicts_path() -> Path:
+    return Path(os.environ.get("FA4_JAX_CACHE_DIR") or Path.home() / ".cache" / "fa4_jax") / "verified.json"
+
+
+@functools.cache
+def _library_digest(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _disk_key(library, name: str) -> str:
+    """What a verdict holds for: this library's bytes, this GPU and driver, this variant."""
+    import jax
+
+    device = jax.devices()[0]
+    library_id = _library_digest(library.path) if os.path.exists(library.path) else library.path
+    return "|".join([library_id, device.device_kind, device.client.platform_version, name])
+
+
+def _load_verdicts() -> dict:
+    try:
+        return json.loads(_verdicts_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_verdict(key: str, reason: str | None) -> None:
+    """Adds one verdict to the file (a whole-file replace, so a reader never sees half of it);
+    a cache that cannot be written only costs the next process a check."""
+    path = _verdicts_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        verdicts = {**_load_verdicts(), key: reason}
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+            json.dump(verdicts, f, indent=1)
+        os.replace(f.name, path)
+    except OSError:
+        pass
 
 
 def results() -> dict[str, str | None]:

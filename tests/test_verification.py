@@ -29,7 +29,7 @@ _LIBRARY = ffi.Library(
 
 
 @pytest.fixture
-def blackwell(monkeypatch):
+def blackwell(monkeypatch, tmp_path):
     """A fake sm_100f device whose forward kernel returns NaN (so a call it served shows), and
     a first-use check whose verdict the test sets; returns the variants checked, in order."""
     checked = []
@@ -49,6 +49,7 @@ def blackwell(monkeypatch):
     monkeypatch.setattr(ffi, "forward_call", poisoned_kernel)
     monkeypatch.setattr(verification, "_check", fake_check)
     monkeypatch.delenv("FA4_JAX_TRUST_UNVERIFIED", raising=False)
+    monkeypatch.setenv("FA4_JAX_CACHE_DIR", str(tmp_path))
     verification.forget()
     # Traces of the same shapes from earlier tests would hold another stand-in kernel.
     jax.clear_caches()
@@ -181,3 +182,18 @@ def test_the_ragged_probe_passes_a_correct_kernel_and_catches_one_that_reads_the
         assert reason is None
     else:
         assert reason is not None and "ragged entry 1" in reason and "sq=300" not in reason
+
+
+def test_verdicts_are_kept_on_disk_for_the_same_library_gpu_and_driver(blackwell, monkeypatch):
+    checked, verdict = blackwell
+    verdict["reason"] = "FAIL out"
+    variant = sm100.MENU[0]
+    assert verification.failure_reason(variant, _LIBRARY) == "FAIL out"
+    # A new process (the in-memory verdicts forgotten) reads the disk's and checks nothing.
+    verification.forget()
+    assert verification.failure_reason(variant, _LIBRARY) == "FAIL out" and len(checked) == 1
+    # Another library build is checked anew.
+    rebuilt = dataclasses.replace(_LIBRARY, path="(another build)")
+    verification.forget()
+    verdict["reason"] = None
+    assert verification.failure_reason(variant, rebuilt) is None and len(checked) == 2

@@ -19,12 +19,13 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture
-def hopper_unverified(monkeypatch):
+def hopper_unverified(monkeypatch, tmp_path):
     arch, reason = dispatch.device_arch()
     if reason is not None or arch != "sm_90a":
         pytest.skip(reason or f"needs a Hopper GPU, not {arch}")
     monkeypatch.setenv("FA4_JAX_UNVERIFIED_ARCHES", "sm_90a")
     monkeypatch.delenv("FA4_JAX_TRUST_UNVERIFIED", raising=False)
+    monkeypatch.setenv("FA4_JAX_CACHE_DIR", str(tmp_path))
     verification.forget()
     yield
     verification.forget()
