@@ -31,7 +31,7 @@ def test_the_probes_reach_every_shipped_variant(monkeypatch):
     monkeypatch.setattr(dispatch, "device_arch", lambda: (sm90.ARCH, None))
     monkeypatch.setattr(dispatch, "sm_count", lambda: 132)
 
-    def fake_check(problem, dtype, d, dv, options, seqlen_q, seqlen_k, seed):
+    def fake_check(problem, dtype, d, dv, options, seqlen_q, seqlen_k, seed, implementation="cute"):
         import fa4_jax
 
         q = np.zeros((1, seqlen_q, selftest.HEADS_Q, d), dtype)
@@ -93,3 +93,33 @@ def test_the_segment_probe_compares_with_the_same_documents(monkeypatch):
     monkeypatch.setattr(reference, "dense_attention", lambda *args, query_segment_ids=None,
                         kv_segment_ids=None, **kwargs: dense(*args, **kwargs))
     assert not check().passed
+
+
+def test_on_an_unverified_arch_it_reports_on_the_kernels_themselves(monkeypatch, tmp_path):
+    # A Blackwell device whose (stand-in) forward kernel returns NaN: the selftest must run it
+    # and say FAIL, not let the first-use check route its calls to the reference and say PASS.
+    # The arch has no backward kernels, so the gradients come from the reference.
+    from fa4_jax import verification
+    from fa4_jax.kernels.sm100 import menu as sm100
+
+    library = ffi.Library(path="(menu)", fwd_target="f", bwd_target="b",
+                          compiled=frozenset(v.name for v in sm100.MENU), routes=(), dq_copies_max_keys={},
+                          tuning_targets=False, head_dims={sm100.ARCH: frozenset(sm100.HEAD_DIMS)},
+                          unverified_arches=frozenset({sm100.ARCH}))
+
+    def poisoned_kernel(library, q, k, v, lengths, attrs, tuning=None, segments=None):
+        out = jnp.full(q.shape[:-1] + v.shape[-1:], jnp.nan, q.dtype)
+        return out, jnp.full((q.shape[0], q.shape[2], q.shape[1]), jnp.nan, jnp.float32)
+
+    monkeypatch.setattr(ffi, "load", lambda *args, **kwargs: library)
+    monkeypatch.setattr(ffi, "forward_call", poisoned_kernel)
+    monkeypatch.setattr(dispatch, "device_arch", lambda: (sm100.ARCH, None))
+    monkeypatch.setattr(dispatch, "sm_count", lambda: 148)
+    monkeypatch.setenv("FA4_JAX_CACHE_DIR", str(tmp_path))
+    verification.forget()
+    out = io.StringIO()
+    report = selftest.run(only=r"fwd_sm100f_bf16_d64_dv64$", out=out)
+    assert report["status"] == "fail", out.getvalue()
+    assert report["checks"] and all(not c["passed"] for c in report["checks"])
+    assert all(c["backward_variant"] is None for c in report["checks"])
+    assert verification.results() == {}  # no first-use check ran
