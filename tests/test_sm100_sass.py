@@ -96,3 +96,19 @@ def plan_uses_poly(config, column):
     from fa4_jax.kernels.common.exp2 import uses_poly
 
     return uses_poly(config.exp2_poly_share, column)
+
+
+def test_the_docs_static_table_is_what_this_build_compiles(all_facts):
+    # docs/blackwell.md's fa4_jax rows (scripts/upstream_peer/sm100_static.py) must be the
+    # current cubins': a kernel change that moves them must come with the table's update.
+    from tests.scripts import load_script
+
+    static = load_script("upstream_peer/sm100_static")
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "blackwell.md").read_text()
+    rows = {line.split("|")[1].strip(): line for line in docs.splitlines() if line.startswith("| fwd_sm100f_")}
+    assert rows, "docs/blackwell.md has no fa4_jax rows in its static table"
+    keys = None
+    for name, line in rows.items():
+        row = static.row(name, all_facts[name])
+        keys = keys or list(row)
+        assert line == "| " + " | ".join("" if row[k] is None else str(row[k]) for k in keys) + " |", name
