@@ -70,9 +70,7 @@ def upstream_efficiency() -> float:
 def our_loops() -> dict[tuple[int, int], dict]:
     """(d, dv) -> the steady softmax loop of the bf16 unmasked kernel, from the build cache."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "upstream_peer"))
     import sass_facts
-    import sm100_static
 
     from fa4_jax.aot import build
     from fa4_jax.kernels.sm100 import menu as sm100
@@ -81,9 +79,9 @@ def our_loops() -> dict[tuple[int, int], dict]:
     for variant in sm100.MENU:
         if variant.dtype == "bf16" and variant.mask == "none" and not variant.softcap:
             cubins = build.cubins([variant])[variant.name]
-            loop = sm100_static.steady_loop(sass_facts.facts(str(cubins[0])))
+            loop = sass_facts.steady_loop(sass_facts.facts(str(cubins[0])))
             out[(variant.head_dim, variant.head_dim_v)] = {
-                "instructions": (loop["last"] - loop["first"]) // 16 + 1, "mufu_ex2": loop["mufu_ex2"]}
+                "instructions": sass_facts.loop_instructions(loop), "mufu_ex2": loop["mufu_ex2"]}
     return out
 
 

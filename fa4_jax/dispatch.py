@@ -109,14 +109,14 @@ def unsupported_reason(q, k, v, params, kind: str = "fwd", library: ffi.Library 
         return f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})"
     if k.shape[-1] != q.shape[-1]:
         return f"head dims of q ({q.shape[-1]}) and k ({k.shape[-1]}) differ"
+    call = kernel_call(q, k, v, params, kind, arch, ragged=False, segments=segments)
     served = served_head_dims(q, v, params, kind, arch, library, segments)
     if served is None:
-        default = kernel_call(q, k, v, params, kind, arch, ragged=False, segments=segments).variant()
+        default = call.variant()
         return (f"no {kind} kernel for {default.arch} {default.dtype} {default.mask}"
                 f"{' softcap' if default.softcap else ''}{' with segment ids' if segments else ''} "
                 f"at head dim {default.head_dim} (head dim of v {default.head_dim_v}) or wider is "
                 f"compiled into {library.path}")
-    call = kernel_call(q, k, v, params, kind, arch, ragged=False, segments=segments)
     variant = library.choose(dataclasses.replace(call, head_dim=served[0], head_dim_v=served[1]))
     failed = verification.failure_reason(variant, library)
     if failed is not None:

@@ -101,17 +101,21 @@ def failure_reason(variant: routing.Variant, library) -> str | None:
     if not owner:
         done.wait()
         return _results[name]
-    key = _disk_key(library, name)
-    saved = _load_verdicts()
-    if key in saved:
-        reason = saved[key]
-    else:
-        reason = _check_on_a_fresh_thread(variant)
-        _save_verdict(key, reason)
-    with _lock:
-        _results[name] = reason
-        del _pending[name]
-    done.set()
+    reason = "its first-use check did not finish"
+    try:
+        key = _disk_key(library, name)
+        saved = _load_verdicts()
+        if key in saved:
+            reason = saved[key]
+        else:
+            reason = _check_on_a_fresh_thread(variant)
+            _save_verdict(key, reason)
+    finally:
+        # Waiting callers get a verdict even if this one was interrupted.
+        with _lock:
+            _results[name] = reason
+            del _pending[name]
+        done.set()
     if reason is not None:
         notices.logger.warning("fa4_jax: %s failed its first-use check: %s", name, reason)
     return reason

@@ -1,7 +1,8 @@
 """What a compiled kernel's SASS and ELF attributes say about it, without running it: instruction
 families (overall and per loop), setmaxnreg budgets, named barriers, local-memory traffic and
-launch facts. The Blackwell checks (tests/test_sm100_sass.py) and the static comparison with FA4
-upstream (scripts/upstream_peer/sm100_static.py) read kernels through it.
+launch facts. The build's and the Blackwell checks (tests/test_build.py, tests/test_sm100_sass.py),
+the static comparison with FA4 upstream (scripts/upstream_peer/sm100_static.py) and the cycle
+model (benchmarks/sm100_prediction.py) read kernels through it.
 
     python scripts/sass_facts.py CUBIN [CUBIN ...]     # one JSON line per cubin
 """
@@ -58,6 +59,11 @@ def tool(name: str) -> str:
     return found
 
 
+def disassemble(cubin: str) -> str:
+    """cuobjdump --dump-sass of one cubin."""
+    return _cuobjdump("--dump-sass", cubin)
+
+
 def _cuobjdump(*args: str) -> str:
     cuobjdump = tool("cuobjdump")
     # --dump-sass runs nvdisasm, which the wheels install beside cuobjdump.
@@ -83,6 +89,11 @@ def loops(code: list[tuple[int, str]]) -> list[tuple[int, int]]:
         if match and address < body_end and int(match.group(1), 16) < address:
             found.append((int(match.group(1), 16), address))
     return found
+
+
+def loop_instructions(loop: dict) -> int:
+    """Instructions in a loop of `Facts.loop_families` (16 bytes each)."""
+    return (loop["last"] - loop["first"]) // 16 + 1
 
 
 def count(code, key: str, lo: int = 0, hi: int = 1 << 62) -> int:
@@ -137,8 +148,16 @@ def launch_facts(cubin: str) -> dict:
 
 
 def facts(cubin: str) -> Facts:
-    families, loop_families, setmaxnreg, barriers, forms = sass_facts(_cuobjdump("--dump-sass", cubin))
+    families, loop_families, setmaxnreg, barriers, forms = sass_facts(disassemble(cubin))
     return Facts(families, loop_families, setmaxnreg, barriers, forms, launch_facts(cubin))
+
+
+def steady_loop(kernel: Facts) -> dict:
+    """The softmax loop a long unmasked call spends its time in: of the loops that run a block's
+    exponentials (at least 64 MUFU.EX2 or FFMA2-emulated ones), the one of fewest instructions;
+    {} when there is none."""
+    candidates = [loop for loop in kernel.loop_families if loop["mufu_ex2"] + loop["ffma2"] >= 64]
+    return min(candidates, key=loop_instructions) if candidates else {}
 
 
 def main(argv: list[str]) -> int:

@@ -7,7 +7,6 @@ import ctypes
 import itertools
 import json
 import os
-import shutil
 import subprocess
 import textwrap
 import time
@@ -93,37 +92,15 @@ def test_the_handler_routes_calls_as_fa4_jax_routing_does(library):
     assert _handler_choice(lib, missing) == ""
 
 
-def _cuobjdump() -> str:
-    candidates = [os.path.join(os.environ["CUDA_HOME"], "bin", "cuobjdump")] \
-        if os.environ.get("CUDA_HOME") else []
-    try:
-        import nvidia.cu13
-
-        candidates.append(os.path.join(list(nvidia.cu13.__path__)[0], "bin", "cuobjdump"))
-    except ImportError:
-        pass
-    candidates.append(shutil.which("cuobjdump") or "")
-    found = next((c for c in candidates if c and os.access(c, os.X_OK)), None)
-    if found is None:
-        pytest.fail("no cuobjdump: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm, "
-                    "or set CUDA_HOME")
-    return found
-
-
 def _sass(variant) -> str:
     """The disassembly of a menu variant's cached cubin(s)."""
     cubins = build.cubins([variant])[variant.name]
     assert cubins, f"no cached cubin for {variant.name} under {build.cache_dir()}"
-    cuobjdump = _cuobjdump()
-    # --dump-sass runs nvdisasm, which the wheels install beside cuobjdump.
-    env = dict(os.environ, PATH=os.pathsep.join([os.path.dirname(cuobjdump), os.environ["PATH"]]))
-    sass = ""
-    for cubin in cubins:
-        proc = subprocess.run([cuobjdump, "--dump-sass", str(cubin)], capture_output=True,
-                              text=True, env=env)
-        assert proc.returncode == 0, f"cuobjdump failed on {cubin}:\n{proc.stderr}"
-        sass += proc.stdout
-    return sass
+    sass_facts = load_script("sass_facts")
+    try:
+        return "".join(sass_facts.disassemble(str(cubin)) for cubin in cubins)
+    except FileNotFoundError as missing:
+        pytest.fail(str(missing))
 
 
 @pytest.mark.parametrize("variant", [v for v in menu.MENU if v.arch == "sm_90a"],

@@ -6,7 +6,6 @@ instruction families (both MMA forms, TMEM loads and stores, allocation paired w
 the launch facts against the plan's tables, local memory, and the exponentials of each softmax
 loop against the tile width.
 """
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,9 +13,9 @@ import pytest
 from fa4_jax.aot import build
 from fa4_jax.kernels.sm100 import hardware, menu as sm100, plan
 from fa4_jax.kernels.sm100.plan import Barrier, Role
+from tests.scripts import load_script
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import sass_facts  # noqa: E402
+sass_facts = load_script("sass_facts")
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +57,7 @@ def test_launch_facts_match_the_plan(all_facts, variant):
     budgets = {(("TRY_ALLOC" if plan.role(r).registers > 128 else "DEALLOC"), plan.role(r).registers)
                for r in (Role.SOFTMAX0, Role.CORRECTION, Role.MMA)}
     assert set(facts.setmaxnreg) == budgets
-    tmem_users = sum(len(plan.role(r).warps) for r in (Role.MMA, *plan.SOFTMAX_ROLES, Role.CORRECTION))
-    assert facts.named_barriers == [(int(Barrier.TMEM), tmem_users * plan.THREADS_PER_WARP)]
+    assert facts.named_barriers == [(int(Barrier.TMEM), plan.threads(*plan.TMEM_USERS))]
 
 
 @pytest.mark.parametrize("variant", sm100.MENU, ids=lambda v: v.name)
@@ -101,8 +99,6 @@ def plan_uses_poly(config, column):
 def test_the_docs_static_table_is_what_this_build_compiles(all_facts):
     # docs/blackwell.md's fa4_jax rows (scripts/upstream_peer/sm100_static.py) must be the
     # current cubins': a kernel change that moves them must come with the table's update.
-    from tests.scripts import load_script
-
     static = load_script("upstream_peer/sm100_static")
     docs = (Path(__file__).resolve().parents[1] / "docs" / "blackwell.md").read_text()
     rows = {line.split("|")[1].strip(): line for line in docs.splitlines() if line.startswith("| fwd_sm100f_")}

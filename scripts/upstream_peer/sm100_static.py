@@ -122,15 +122,8 @@ def ours() -> dict[str, Path]:
     return {name: paths[0] for name, paths in found.items()}
 
 
-def steady_loop(facts: sass_facts.Facts) -> dict:
-    """The softmax loop a long unmasked call spends its time in: of the loops that run a block's
-    exponentials (at least 64 MUFU.EX2 or FFMA2-emulated ones), the one of fewest instructions."""
-    candidates = [loop for loop in facts.loop_families if loop["mufu_ex2"] + loop["ffma2"] >= 64]
-    return min(candidates, key=lambda loop: loop["last"] - loop["first"]) if candidates else {}
-
-
 def row(name: str, facts: sass_facts.Facts) -> dict:
-    loop = steady_loop(facts)
+    loop = sass_facts.steady_loop(facts)
     fam = facts.families
     return {
         "kernel": name,
@@ -141,7 +134,7 @@ def row(name: str, facts: sass_facts.Facts) -> dict:
         "2CTA": fam["utchmma_2cta"],
         "LDTM/STTM": f"{fam['ldtm']}/{fam['sttm']}",
         "local ld/st": f"{fam['local_load']}/{fam['local_store']}",
-        "loop instrs": (loop["last"] - loop["first"]) // 16 + 1 if loop else None,
+        "loop instrs": sass_facts.loop_instructions(loop) if loop else None,
         "loop MUFU.EX2": loop.get("mufu_ex2"),
         "loop FFMA2": loop.get("ffma2"),
         "loop FFMA": loop.get("ffma"),

@@ -1,4 +1,4 @@
-"""FlashAttention forward for Blackwell (sm_100a): tcgen05 MMAs into tensor memory, S and P kept
+"""FlashAttention forward for Blackwell (the sm_100f family: B200, B300): tcgen05 MMAs into tensor memory, S and P kept
 in TMEM, softmax and correction warp groups (FA4's structure).
 
 NOT YET RUN ON BLACKWELL HARDWARE. This kernel is compiled, exported and statically checked
@@ -52,7 +52,7 @@ from fa4_jax.kernels.common.tile_scheduler import TileScheduler
 from fa4_jax.kernels.sm100 import hardware, plan
 from fa4_jax.kernels.sm100.plan import Q_STAGES, ROWS_PER_STAGE, Barrier, Role
 
-TUNING_KNOBS = ("tile_n", "kv_stages", "rescale_threshold", "exp2_poly_share")
+TUNING_KNOBS = tuple(field.name for field in dataclasses.fields(plan.TileConfig))
 # TMEM columns per tcgen05.ld/st of the correction: 16 fp32 values of a row per thread.
 O_CHUNK = 16
 # Keys of P per tcgen05.st of the softmax (16 columns of packed 16-bit pairs).
@@ -161,14 +161,8 @@ class FlashAttentionForwardSm100:
             "lpt_grid" if masked else "linear", self.cta_m, reverse_m=masked,
             kv_bytes_per_key=(head_dim + head_dim_v) * dtype.width // 8, num_sms=hardware.NUM_SMS,
         )
-        self.warps = {assignment.role: assignment for assignment in plan.ROLES}
 
     # --- host side -----------------------------------------------------------------------
-
-    def _group(self, *roles: Role) -> pipeline.CooperativeGroup:
-        """The threads of `roles`, as a pipeline's arrival group."""
-        threads = sum(len(self.warps[r].warps) for r in roles) * plan.THREADS_PER_WARP
-        return pipeline.CooperativeGroup(pipeline.Agent.Thread, threads)
 
     @cute.jit
     def __call__(
@@ -292,18 +286,15 @@ class FlashAttentionForwardSm100:
         top_left: Int32,
     ):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        load_warp = self.warps[Role.LOAD].warps[0]
-        mma_warp = self.warps[Role.MMA].warps[0]
+        load_warp = plan.role(Role.LOAD).warps[0]
+        mma_warp = plan.role(Role.MMA).warps[0]
         if warp == load_warp:
             for atom in (tma_atom_q, tma_atom_k, tma_atom_v):
                 cpasync.prefetch_descriptor(atom)
 
         storage = utils.SmemAllocator().allocate(self.shared_storage)
         pipes = self.make_pipelines(storage)
-        tmem_users = (Role.MMA, *plan.SOFTMAX_ROLES, Role.CORRECTION)
-        tmem_barrier = pipeline.NamedBarrier(
-            barrier_id=int(Barrier.TMEM),
-            num_threads=sum(len(self.warps[r].warps) for r in tmem_users) * plan.THREADS_PER_WARP)
+        tmem_barrier = pipeline.NamedBarrier(barrier_id=int(Barrier.TMEM), num_threads=plan.threads(*plan.TMEM_USERS))
         tmem = utils.TmemAllocator(storage.tmem_address.ptr, barrier_for_retrieve=tmem_barrier,
                                    allocator_warp_id=mma_warp)
         pipeline.pipeline_init_arrive(is_relaxed=True)
@@ -321,9 +312,9 @@ class FlashAttentionForwardSm100:
                                          window_right, top_left)
         pipeline.pipeline_init_wait()
 
-        if warp >= self.warps[Role.MMA].warps[0]:
+        if warp >= mma_warp:
             # The MMA, load and idle warps share the last warp group's budget.
-            cute.arch.setmaxregister_decrease(self.warps[Role.MMA].registers)
+            cute.arch.setmaxregister_decrease(plan.role(Role.MMA).registers)
         if warp == load_warp:
             self.load(tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, sQ, sK, sV, tiled_mma_qk,
                       tiled_mma_pv, pipes, tile_problem())
@@ -337,18 +328,18 @@ class FlashAttentionForwardSm100:
             _tcgen05_after_sync()
             tmem.free(tmem_ptr)
         for stage, softmax_role in enumerate(plan.SOFTMAX_ROLES):
-            group = self.warps[softmax_role].warps
+            group = plan.role(softmax_role).warps
             if warp >= group[0] and warp <= group[-1]:
-                cute.arch.setmaxregister_increase(self.warps[softmax_role].registers)
+                cute.arch.setmaxregister_increase(plan.role(softmax_role).registers)
                 tmem.wait_for_alloc()
                 tmem_ptr = tmem.retrieve_ptr(Float32)
                 self.softmax(stage, tiled_mma_qk, tmem_ptr, row_stats, pipes, tile_problem(), score_prescale,
                              scale_log2)
                 _tcgen05_before_sync()
                 tmem_barrier.arrive()
-        correction = self.warps[Role.CORRECTION].warps
+        correction = plan.role(Role.CORRECTION).warps
         if warp >= correction[0] and warp <= correction[-1]:
-            cute.arch.setmaxregister_decrease(self.warps[Role.CORRECTION].registers)
+            cute.arch.setmaxregister_decrease(plan.role(Role.CORRECTION).registers)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
             self.correction(tiled_mma_pv, tmem_ptr, row_stats, mO, mLSE, pipes, tile_problem(), scale_log2)
@@ -359,9 +350,8 @@ class FlashAttentionForwardSm100:
         """The arrivals that complete a pipeline barrier's phase for `roles`: one for the load
         warp (its TMA unit's transaction) and the MMA warp (one elected tcgen05.commit), else
         every thread of the roles."""
-        if roles in ((Role.LOAD,), (Role.MMA,)):
-            return pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        return self._group(*roles)
+        arrivals = 1 if roles in ((Role.LOAD,), (Role.MMA,)) else plan.threads(*roles)
+        return pipeline.CooperativeGroup(pipeline.Agent.Thread, arrivals)
 
     def make_pipelines(self, storage) -> dict:
         """One pipeline per entry of plan.pipelines, in its order over the shared barriers: TMA

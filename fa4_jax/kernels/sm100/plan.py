@@ -114,7 +114,14 @@ def role(name: Role) -> RoleAssignment:
     return next(r for r in ROLES if r.role == name)
 
 
+def threads(*roles: Role) -> int:
+    return sum(len(role(name).warps) for name in roles) * THREADS_PER_WARP
+
+
 SOFTMAX_ROLES = (Role.SOFTMAX0, Role.SOFTMAX1)
+# The roles that touch TMEM: they wait on Barrier.TMEM for its address, and arrive on it when
+# done so that the MMA warp, which allocated it, may free it.
+TMEM_USERS = (Role.MMA, *SOFTMAX_ROLES, Role.CORRECTION)
 
 
 @dataclasses.dataclass(frozen=True)
