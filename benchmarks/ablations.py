@@ -82,13 +82,10 @@ TUNINGS: dict[str, dict] = {
     # The shipped backward with one dQ accumulator where the rule gives two (the benchmark
     # passes the copies: "Deterministic dQ: two accumulators at d192/d256").
     "det_one_copy": {},
-    # One CTA per key block adding its whole dQ share, or a cluster pair adding it once
-    # ("The d256 backward: a CTA pair adds dQ once").
-    "dq_pair": {"dq_pair": True, "pds_stages": 1},
-    # Q's and dO's slots released as their last GEMM retires ("The d256 backward: a CTA pair
-    # shares dS").
+    # Q's and dO's slots released as their last GEMM retires, or after the dQ GEMM ("The d256
+    # backward: a CTA pair sharing dSᵀ, and Q/dO released early").
     "release_early": {"release_early": True},
-    "pair_early": {"dq_pair": True, "pds_stages": 1, "release_early": True},
+    "release_late": {"release_early": False},
 }
 # (kind, head dim, tunings), bf16, masks none and causal.
 ABLATIONS = (
@@ -105,8 +102,8 @@ ABLATIONS = (
     ("bwd", 96, ("d96_v11_order", "dq_writer1", "lse_early")),
     ("bwd", 128, ("scores_ahead", "stats_at_use", "dq_writer1", "bwd_v11_order", "dv_during_ds",
                   "lse_late", "stores_first", "exp2_mufu", "poly25", "dq_after_dk")),
-    ("bwd", 192, ("scores_late", "dq_writer1", "det_one_copy", "dq_writers3", "dq_pair", "release_early", "pair_early")),
-    ("bwd", 256, ("dq_writer1", "det_one_copy", "dq_writers3", "lse_early", "poly25", "dq_pair", "release_early", "pair_early")),
+    ("bwd", 192, ("scores_late", "dq_writer1", "det_one_copy", "dq_writers3", "release_early")),
+    ("bwd", 256, ("dq_writer1", "det_one_copy", "dq_writers3", "lse_early", "poly25", "release_late")),
 )
 
 

@@ -120,10 +120,21 @@ def _backward(head_dim=64, mask="none", softcap=False, **tuning):
     (128, dict(stages=3)),  # pds_stages 2 does not divide it
     (128, dict(row_stats_ahead=-1)),
     (64, dict(no_such_knob=1)),
+    # Releasing Q and dO early needs dK's GEMM before dQ's, with dSᵀ from shared memory.
+    (128, dict(release_early=True)),
+    (192, dict(release_early=True, dq_during_dk=True, scores_ahead=False)),
 ])
 def test_bad_backward_tunings_are_refused(head_dim, tuning):
     with pytest.raises((ValueError, TypeError)):
         _backward(head_dim, **tuning)
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
+def test_only_d256_releases_q_and_do_before_its_dq_gemm(head_dim):
+    # Releasing early needs dV, dK, then dQ issued in that order, with P and dSᵀ from shared
+    # memory: d192's and d256's shape, where only d256 (one Q/dO stage) measured a gain.
+    assert _backward(head_dim).config.release_early == (head_dim == 256)
+    assert _backward(192, release_early=True).config.release_early
 
 
 def test_d64_backward_tiles_are_128_rows_except_with_softcap():

@@ -40,6 +40,8 @@ the group inside the CTA). The warp roles are `ROLES`:
     With softcap, Sᵀ and dPᵀ are both awaited and one pass computes t = tanh(Sᵀ·scale/softcap),
     Pᵀ and dSᵀ = Pᵀ∘(dPᵀ − D)∘(1 − t²); the mask then zeroes Pᵀ and dSᵀ (masking the scores
     to −inf first would leave no t for the derivative).
+  With `release_early` (d256) dO's slot is released once the dV GEMM retires and Q's once dK's
+  has, so that the next query block's loads overlap the dQ GEMM and its hand-over.
   With `dkv_from_registers` (d ≤ 128) each MMA warp group owns 64 of the tile's keys: its Pᵀ and
   dSᵀ registers are directly the WGMMA A operand of dV and dK (layouts.py), the way the forward
   feeds P, and only dSᵀ goes to shared memory. Otherwise (d = 192, 256: dK and dV of 64 keys
@@ -80,7 +82,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
-from cutlass._mlir.dialects import llvm, nvvm
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from fa4_jax.kernels.bwd_post import BackwardPostprocess
@@ -153,13 +155,6 @@ class TileConfig:
     # warp groups meet at the dSᵀ barrier every step, so their exponentials run at the same
     # time on the same SMSPs' MUFU units.
     exp2_poly_share: float = 0.0
-    # Two CTAs of a cluster, on neighbouring key blocks, compute one query block's dQ share
-    # together: each sends its dSᵀ tile (8 KB at d256) into the other's shared memory, and CTA r
-    # of the pair computes columns chunk r (d/2 of them) of dS·K over both key blocks' 128 keys.
-    # Each CTA then reduces a 64 × d/2 tile into mdQaccum instead of 64 × d: the fp32 reduce
-    # traffic of 128-key blocks, which bounds the backward at d256 (docs/perf-log.md, "The
-    # d256 backward: a CTA pair shares dS").
-    dq_pair: bool = False
 
 
 # A WGMMA has 64 rows: the Sᵀ/dPᵀ GEMMs put keys on them (64 per warp group with
@@ -198,13 +193,11 @@ TILE_CONFIGS = {
     160: TileConfig(tile_n=64, dkv_from_registers=False, dv_during_ds=True, dq_during_dk=False,
                     scores_ahead=True),
     # Single-buffered rings so that sdQ fits ("Backward d256: `dq_tma_1stage` compiled, not yet
-    # measured" and its measurement in "Backward v3 measured whole").
+    # measured" and its measurement in "Backward v3 measured whole"); Q and dO released as their
+    # last GEMMs retire ("The d256 backward: a CTA pair sharing dSᵀ, and Q/dO released early").
     256: TileConfig(tile_n=64, stages=1, dkv_from_registers=False, pds_stages=1, dv_during_ds=True,
-                    dq_during_dk=False),
+                    dq_during_dk=False, release_early=True),
 }
-# Segments kernels keep one CTA per key block: a pair would walk the union of its two key
-# blocks' spans, and the deterministic turns count a query block's own span of key blocks.
-SEGMENTS_TILE_OVERRIDES = {"dq_pair": False}
 # With softcap the one pass over Sᵀ and dPᵀ keeps both in fp32 until the end; on d64's 128 rows
 # that spills (168 bytes of stack), so softcap keeps 64-row tiles there.
 SOFTCAP_TILE_CONFIGS = {
@@ -228,14 +221,6 @@ class Barrier(enum.IntEnum):
     DQ_FULL_1 = 8
     DQ_EMPTY_1 = 9
     DQ_TOKEN_2 = 10
-
-
-class PairBarrier(enum.IntEnum):
-    """dq_pair's mbarriers (offsets into the CTA's `mbar_pair`), each signalled by the peer CTA."""
-
-    FULL = 0  # the peer's dSᵀ tile has landed in this CTA's sdS_peer (its bulk copy's bytes)
-    EMPTY = 1  # the peer's dQ GEMM has read this CTA's tile: the peer's slot, and this CTA's
-    # own dSᵀ buffer (the copy's source), may be written again
 
 
 DQ_FULL = (Barrier.DQ_FULL_0, Barrier.DQ_FULL_1)
@@ -263,22 +248,6 @@ THREADS_PER_WARP = 32
 
 def _elem_ptr(tensor: cute.Tensor, index):
     return tensor.iterator + cute.crd2idx(index, tensor.layout)
-
-
-def _copy_to_peer(dst: cute.Pointer, src: cute.Pointer, num_bytes: int, barrier: cute.Pointer, peer):
-    """num_bytes of this CTA's shared memory at `src` to `dst` and a tx-count on `barrier`, both
-    this CTA's shared addresses taken in the cluster's CTA `peer` (mapa): one bulk copy through
-    the cluster's shared-memory network, complete when the peer's mbarrier counts its bytes."""
-    llvm.inline_asm(
-        None, [dst.toint().ir_value(), src.toint().ir_value(), Int32(num_bytes).ir_value(),
-               barrier.toint().ir_value(), Int32(peer).ir_value()],
-        "{\n.reg .b32 remote_dst, remote_bar;\n"
-        "mapa.shared::cluster.u32 remote_dst, $0, $4;\n"
-        "mapa.shared::cluster.u32 remote_bar, $3, $4;\n"
-        "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [remote_dst], [$1], $2, [remote_bar];\n}",
-        "r,r,r,r,r,~{memory}", has_side_effects=True, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
 
 
 def _bulk_f32(dst: cute.Pointer, src: cute.Pointer, num_bytes: int, add: bool):
@@ -317,7 +286,6 @@ class _KeyBlock:
     group: Int32  # q heads per kv head
     seqlen_q: Int32  # the entry's valid query rows and keys
     seqlen_k: Int32
-    dq_unit: Int32  # the unit adding into dQ: this key block, or with dq_pair its pair
     segments: SegmentIds | None = None  # a segments kernel's ids and span tables
 
 
@@ -342,8 +310,6 @@ class _Tma:
     dk: cute.Tensor
     atom_dv: cute.CopyAtom
     dv: cute.Tensor
-    atom_kq: cute.CopyAtom | None = None  # dq_pair: the K columns of the CTA's dQ chunk
-    kq: cute.Tensor | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -357,8 +323,6 @@ class _Smem:
     lse: cute.Tensor
     dpsum: cute.Tensor
     dq: cute.Tensor  # the fp32 dQ_partial tile the writer warps reduce, in fragment order
-    kq: cute.Tensor | None = None  # dq_pair: K's columns of the CTA's dQ chunk (own, peer)
-    ds_peer: cute.Tensor | None = None  # dq_pair: the peer's dSᵀ tile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -422,18 +386,6 @@ class _BlockOperands:
     pipeline_q: pipeline.PipelineTmaAsync
     pipeline_do: pipeline.PipelineTmaAsync
     sdQ: cute.Tensor
-    tdQrdS_peer: cute.Tensor | None = None  # dq_pair: the peer's dS, A of the dQ GEMM's second half
-    pair: "_PairExchange | None" = None
-
-
-@dataclasses.dataclass(frozen=True)
-class _PairExchange:
-    """dq_pair's exchange of dSᵀ tiles: the mbarriers (PairBarrier offsets from `barriers`) and
-    the bases of this CTA's own dSᵀ buffer (the copy's source) and of the peer's tile."""
-
-    barriers: cute.Pointer
-    ds_own: cute.Pointer
-    ds_peer: cute.Pointer
 
 
 class FlashAttentionBackwardSm90:
@@ -453,10 +405,8 @@ class FlashAttentionBackwardSm90:
         self.local = mask == "local"
         self.has_softcap = has_softcap
         self.segments = segments
-        config = (SOFTCAP_TILE_CONFIGS.get(head_dim) if has_softcap else None) or TILE_CONFIGS[head_dim]
-        if segments:
-            config = dataclasses.replace(config, **SEGMENTS_TILE_OVERRIDES)
-        self.config = dataclasses.replace(config, **tuning)
+        config = SOFTCAP_TILE_CONFIGS.get(head_dim) if has_softcap else None
+        self.config = dataclasses.replace(config or TILE_CONFIGS[head_dim], **tuning)
         self.tile_m, self.tile_n, self.stages = self.config.tile_m, self.config.tile_n, self.config.stages
         self.mma_warp_groups = ROLES.mma_warp_groups
         self.num_mma_threads = len(self.mma_warp_groups) * THREADS_PER_WARP_GROUP
@@ -470,9 +420,8 @@ class FlashAttentionBackwardSm90:
         # by rows (each warp group 64 rows x all of d), 64-row tiles by columns (all rows x d / 2).
         # Split by rows, each warp group reads its dS rows and all of K once; two 64-row atoms
         # per warp group would read K twice.
-        # With dq_pair a CTA computes half of d's columns (its cluster rank's).
         self.dq_row_groups = self.tile_m // 64
-        self.dq_cols = head_dim * self.dq_row_groups // (wgs * self._pair_size())
+        self.dq_cols = head_dim * self.dq_row_groups // wgs
         # K is the dQ GEMM's MN-major B operand, each warp group reading dq_cols of it: 40 (d80 on
         # 64-row tiles) compiled, and gave wrong dQ on the H200; the shipped splits are
         # multiples of 16.
@@ -501,15 +450,6 @@ class FlashAttentionBackwardSm90:
         if config.scores_ahead and config.dq_during_dk:
             raise ValueError(f"{config}: scores_ahead and dq_during_dk both overlap the dQ hand-over; "
                              "choose one")
-        if config.dq_pair:
-            if config.tile_m != 64 or config.dkv_from_registers:
-                raise ValueError(f"{config}: dq_pair needs 64-row tiles whose dQ the warp groups "
-                                 "split by columns (one chunk per CTA of the pair)")
-            if config.default_stores_first or self.segments:
-                raise ValueError(f"{config}: dq_pair is not implemented with default_stores_first "
-                                 "or segment ids")
-            if config.pds_stages != 1:
-                raise ValueError(f"{config}: dq_pair exchanges one dSᵀ buffer (pds_stages=1)")
         if config.release_early and (config.dkv_from_registers or config.dq_during_dk):
             raise ValueError(f"{config}: release_early orders dV, dK, then dQ (dkv_from_registers and "
                              "dq_during_dk off)")
@@ -541,17 +481,13 @@ class FlashAttentionBackwardSm90:
         tiled_mma_dv = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, K, MN, Float32, dkv_atoms, (dkv_rows, self.dv_cols), dkv_a
         )
-        return _Mmas(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, self._dq_mma(wgs))
-
-    def _dq_mma(self, warp_groups: int) -> cute.TiledMma:
-        """The dQ GEMM of `warp_groups` warp groups, each 64 rows × dq_cols. A = dS viewed from
-        the dSᵀ buffer (queries contiguous: MN-major), B = K viewed as (d, keys), d contiguous:
-        MN-major. With all of a query block's groups (a dq_pair's CTAs' together), it is the
-        tile's fragment order in mdQaccum, which the postprocess reads back."""
-        MN = warpgroup.OperandMajorMode.MN
-        dq_atoms = (self.dq_row_groups, warp_groups // self.dq_row_groups, 1)
-        return sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, MN, MN, Float32, dq_atoms,
-                                                 (64, self.dq_cols))
+        # A = dS viewed from the dSᵀ buffer (queries contiguous: MN-major), B = K viewed as
+        # (d, keys), d contiguous: MN-major. Each warp group: 64 rows x dq_cols.
+        dq_atoms = (self.dq_row_groups, wgs // self.dq_row_groups, 1)
+        tiled_mma_dq = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, MN, MN, Float32, dq_atoms, (64, self.dq_cols)
+        )
+        return _Mmas(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq)
 
     @cute.jit
     def __call__(
@@ -622,25 +558,13 @@ class FlashAttentionBackwardSm90:
         tma_atom_dv, tma_dv = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mdV_k, sV_layout, (self.tile_n, self.head_dim_v)
         )
-        # dq_pair: the K columns of the CTA's dQ chunk, of its own key block (stage 0) and its
-        # peer's (stage 1), the dQ GEMM's B operand.
-        tma_atom_kq, tma_kq, sKq_layout = None, None, None
-        kq_elems = 0
-        if cutlass.const_expr(self.config.dq_pair):
-            dq_chunk_cols = self.head_dim // self._pair_size()
-            sKq_layout = smem_layout(self.dtype, self.tile_n, dq_chunk_cols, 2, split=self.dq_cols)
-            tma_atom_kq, tma_kq = tma_load(mK_k, cute.select(sKq_layout, mode=[0, 1]), (self.tile_n, dq_chunk_cols))
-            kq_elems = cute.cosize(sKq_layout)
         # Flat: the MMA threads and the bulk reduces address it through fragment_order_view.
-        sdQ_layout = cute.make_layout(self.tile_m * self.head_dim // self._pair_size())
+        sdQ_layout = cute.make_layout(self.tile_m * self.head_dim)
         dq_elems = cute.cosize(sdQ_layout)
         row_bytes = self.tile_m * Float32.width // 8
         self.tma_bytes_q = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1])) + row_bytes
         self.tma_bytes_do = cute.size_in_bytes(self.dtype, cute.select(sdO_layout, mode=[0, 1])) + row_bytes
-        self.tma_bytes_kv = (cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(self.dtype, sV_layout)
-                             + kq_elems * self.dtype.width // 8)
-        # The peer's dSᵀ tile (dq_pair).
-        ds_peer_elems = cute.cosize(sPdS_layout) if cutlass.const_expr(self.config.dq_pair) else 0
+        self.tma_bytes_kv = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(self.dtype, sV_layout)
 
         # Pᵀ goes through shared memory only when it cannot feed dV from registers.
         p_elems = 0 if cutlass.const_expr(self.config.dkv_from_registers) else cute.cosize(sPdS_layout)
@@ -650,7 +574,6 @@ class FlashAttentionBackwardSm90:
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
             mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
-            mbar_pair: cute.struct.MemRange[cutlass.Int64, len(PairBarrier)]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sRow_layout)], 128]
             sdPsum: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sRow_layout)], 128]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
@@ -660,8 +583,6 @@ class FlashAttentionBackwardSm90:
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, dq_elems], 1024]
-            sKq: cute.struct.Align[cute.struct.MemRange[self.dtype, kq_elems], 1024]
-            sdSpeer: cute.struct.Align[cute.struct.MemRange[self.dtype, ds_peer_elems], 1024]
 
         # sdQ fits beside two-stage Q/dO rings only at d <= 128 (dkv_from_registers shapes).
         assert SharedStorage.size_in_bytes() <= hardware.SMEM_BYTES, (
@@ -682,11 +603,8 @@ class FlashAttentionBackwardSm90:
         # The CTAs of a wave are then mostly one head's, and share its Q and dO in L2: dispatching
         # the heads' chains interleaved instead cost the deterministic mode 10-28%
         # (docs/perf-log.md, "interleaving the chains").
-        key_blocks = cute.ceil_div(cute.size(mK_k.shape[0]), self.tile_n)
-        if cutlass.const_expr(self.config.dq_pair):
-            # Whole pairs: with an odd count the last pair's second block holds no keys.
-            key_blocks = cute.ceil_div(key_blocks, 2) * 2
-        grid = (key_blocks, cute.size(mK_k.shape[2]), cute.size(mK_k.shape[3]))
+        grid = (cute.ceil_div(cute.size(mK_k.shape[0]), self.tile_n), cute.size(mK_k.shape[2]),
+                cute.size(mK_k.shape[3]))
         # Only a segments kernel takes the ids and tables (None: no kernel parameter at all).
         segment_tensors = (mQSegmentIds, mKSegmentIds, mRowSpans, mKeySpans) if self.segments \
             else (None, None, None, None)
@@ -694,15 +612,13 @@ class FlashAttentionBackwardSm90:
             mmas.sdp, mmas.dk, mmas.dv, mmas.dq,
             tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
             tma_atom_lse, tma_lse, tma_atom_dpsum, tma_dpsum, tma_atom_dk, tma_dk, tma_atom_dv, tma_dv,
-            tma_atom_kq, tma_kq,
             mdQaccum, mSemaphore, mSeqUsedQ, mSeqUsedK, mQ_k.shape[0], mQ_k.shape[2],
-            sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout, sRow_layout, sdQ_layout, sKq_layout,
+            sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout, sRow_layout, sdQ_layout,
             softmax_scale, score_prescale, scale_log2, window_left, window_right, top_left,
             deterministic, num_sms, *segment_tensors,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
-            cluster=[2, 1, 1] if self.config.dq_pair else None,
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
             min_blocks_per_mp=1,
@@ -710,7 +626,7 @@ class FlashAttentionBackwardSm90:
         )
 
         self.postprocess(mdQaccum, mdQ, mSeqUsedQ, mSemaphore, softmax_scale, deterministic, stream,
-                         self._dq_mma(len(self.mma_warp_groups) * self._pair_size()))
+                         mmas.dq)
 
     @cute.kernel
     def kernel(
@@ -735,8 +651,6 @@ class FlashAttentionBackwardSm90:
         mdK: cute.Tensor,
         tma_atom_dv: cute.CopyAtom,
         mdV: cute.Tensor,
-        tma_atom_kq: cute.CopyAtom | None,
-        mKq: cute.Tensor | None,
         mdQaccum: cute.Tensor,
         mSemaphore: cute.Tensor,
         mSeqUsedQ: cute.Tensor,
@@ -750,7 +664,6 @@ class FlashAttentionBackwardSm90:
         sPdS_layout: cute.ComposedLayout,
         sRow_layout: cute.Layout,
         sdQ_layout: cute.Layout,
-        sKq_layout: cute.ComposedLayout | None,
         softmax_scale: Float32,
         score_prescale: Float32,
         scale_log2: Float32,
@@ -770,8 +683,6 @@ class FlashAttentionBackwardSm90:
             for atom in (tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v, tma_atom_lse, tma_atom_dpsum,
                          tma_atom_dk, tma_atom_dv):
                 cpasync.prefetch_descriptor(atom)
-            if cutlass.const_expr(self.config.dq_pair):
-                cpasync.prefetch_descriptor(tma_atom_kq)
 
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
         mma_warps = self.num_mma_threads // 32
@@ -780,22 +691,7 @@ class FlashAttentionBackwardSm90:
             q=tma_pipeline(storage.mbar_q, self.stages, mma_warps, self.tma_bytes_q),
             do=tma_pipeline(storage.mbar_do, self.stages, mma_warps, self.tma_bytes_do),
         )
-        cluster_shape = (1, 1)
-        if cutlass.const_expr(self.config.dq_pair):
-            cluster_shape = (2, 1)
-            # The rings are the CTA's own (no multicast): each consumer warp's first lane
-            # releases a stage locally, which the rings' cluster-rank rule would deny to rank 1.
-            lane_releases = cute.arch.lane_idx() == 0
-            pipes = _Pipelines(*(dataclasses.replace(ring, is_signaling_thread=lane_releases)
-                                 for ring in (pipes.kv, pipes.q, pipes.do)))
-            if warp_idx == 0:
-                with cute.arch.elect_one():
-                    # FULL: one expect-tx arrival of this CTA, completed by the peer's bytes.
-                    # EMPTY: one arrival per MMA warp of the peer.
-                    cute.arch.mbarrier_init(storage.mbar_pair.data_ptr() + PairBarrier.FULL, 1)
-                    cute.arch.mbarrier_init(storage.mbar_pair.data_ptr() + PairBarrier.EMPTY, mma_warps)
-        # With a pair, the barriers must be initialised in both CTAs before either signals the other.
-        pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_shape, is_relaxed=True)
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
 
         sQ = swizzled_tensor(storage.sQ, sQ_layout)
         sdO = swizzled_tensor(storage.sdO, sdO_layout)
@@ -808,26 +704,17 @@ class FlashAttentionBackwardSm90:
         sLSE = storage.sLSE.get_tensor(sRow_layout)
         sdQ = storage.sdQ.get_tensor(sdQ_layout)
         sdPsum = storage.sdPsum.get_tensor(sRow_layout)
-        sKq, sdSpeer = None, None
-        if cutlass.const_expr(self.config.dq_pair):
-            sKq = swizzled_tensor(storage.sKq, sKq_layout)
-            sdSpeer = swizzled_tensor(storage.sdSpeer, sPdS_layout)
-        smem = _Smem(q=sQ, do=sdO, k=sK, v=sV, ds=sdS, p=sP, lse=sLSE, dpsum=sdPsum, dq=sdQ, kq=sKq,
-                     ds_peer=sdSpeer)
+        smem = _Smem(q=sQ, do=sdO, k=sK, v=sV, ds=sdS, p=sP, lse=sLSE, dpsum=sdPsum, dq=sdQ)
         tma = _Tma(tma_atom_q, mQ, tma_atom_do, mdO, tma_atom_k, mK, tma_atom_v, mV, tma_atom_lse, mLSElog2,
-                   tma_atom_dpsum, mdPsum, tma_atom_dk, mdK, tma_atom_dv, mdV, tma_atom_kq, mKq)
+                   tma_atom_dpsum, mdPsum, tma_atom_dk, mdK, tma_atom_dv, mdV)
 
         block_x, head_kv, batch = cute.arch.block_idx()
         seqlen_k = mK.shape[0]
-        # The unit that adds into dQ: the key block, or with dq_pair the pair (2·unit, 2·unit + 1),
-        # CTA rank r of the cluster taking key block 2·unit + r.
-        pair = self._pair_size()
-        dq_unit = block_x // pair
+        n_block = block_x
         if cutlass.const_expr(self._descending_turns()):
             if deterministic != 0:
-                # Launch order = add order: the highest unit is dispatched first.
-                dq_unit = cute.ceil_div(seqlen_k, self.tile_n * pair) - 1 - dq_unit
-        n_block = dq_unit * pair + block_x % pair
+                # Launch order = add order: the highest key block is dispatched first.
+                n_block = cute.ceil_div(seqlen_k, self.tile_n) - 1 - block_x
         # From here on the entry's own lengths (a ragged batch's; else the buffers'): the grid
         # above stays on the buffers' sizes.
         seqlen_q = entry_length(mSeqUsedQ, batch, seqlen_q)
@@ -835,15 +722,10 @@ class FlashAttentionBackwardSm90:
         segments = None
         if cutlass.const_expr(self.segments):
             segments = SegmentIds(self.tile_m, self.tile_n, mQSegmentIds, mKSegmentIds, mRowSpans, mKeySpans)
-        key_block = _KeyBlock(n_block, head_kv, batch, num_heads // mK.shape[2], seqlen_q, seqlen_k, dq_unit,
-                              segments)
+        key_block = _KeyBlock(n_block, head_kv, batch, num_heads // mK.shape[2], seqlen_q, seqlen_k, segments)
         bounds = MaskBounds(window_left, window_right, top_left if self.causal or self.local else None)
         block_info = BlockInfo(self.tile_m, self.tile_n, self.causal, self.local, bounds)
-        # The query blocks a unit adds into, and their turns, are those of one key block of the
-        # unit's width: a pair walks the query blocks either of its key blocks sees (the other's
-        # tiles are fully masked here and contribute zeros), so both hand over the same blocks.
-        dq_info = BlockInfo(self.tile_m, self.tile_n * pair, self.causal, self.local, bounds)
-        m_block_min, m_block_max = dq_info.m_block_range(dq_unit, seqlen_q, seqlen_k)
+        m_block_min, m_block_max = block_info.m_block_range(n_block, seqlen_q, seqlen_k)
         if cutlass.const_expr(self.segments):
             # Default mode skips the query blocks that share no segment with this key block. A
             # deterministic call walks the mask's: its turns count the key blocks of a query
@@ -853,8 +735,8 @@ class FlashAttentionBackwardSm90:
                 spans = segments.query_blocks(batch, n_block)
                 m_block_min = cutlass.max(m_block_min, spans.lo)
                 m_block_max = cutlass.max(cutlass.min(m_block_max, spans.hi), m_block_min)
-        walk = self._query_walk(m_block_min, m_block_max, dq_unit, seqlen_k, deterministic, num_sms)
-        pipeline.pipeline_init_wait(cluster_shape_mn=cluster_shape)
+        walk = self._query_walk(m_block_min, m_block_max, n_block, seqlen_k, deterministic, num_sms)
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
         # The preprocess's writes (D, LSE, the zeroed dQ workspace and turn counters) are visible
         # after this; the load warp waits only after issuing K and V.
         if warp_idx != ROLES.load_warp:
@@ -868,7 +750,7 @@ class FlashAttentionBackwardSm90:
             for writer in cutlass.range_constexpr(self.config.dq_writers):
                 if warp_idx == ROLES.dq_writer_warps[writer]:
                     self.dq_writer(mdQaccum, smem.dq, mSemaphore, key_block, walk, deterministic,
-                                   dq_info, num_heads, writer)
+                                   block_info, num_heads, writer)
         else:
             cute.arch.setmaxregister_increase(ROLES.mma_registers)
             tidx, _, _ = cute.arch.thread_idx()
@@ -876,9 +758,7 @@ class FlashAttentionBackwardSm90:
                 _Mmas(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq),
                 tidx - THREADS_PER_WARP_GROUP, smem, pipes, tma, mdQaccum, mSemaphore, mSeqUsedK,
                 key_block, walk, _Scale(softmax_scale, score_prescale, scale_log2), deterministic,
-                block_info, dq_info,
-                _PairExchange(storage.mbar_pair.data_ptr(), storage.sdS.data_ptr(), storage.sdSpeer.data_ptr())
-                if cutlass.const_expr(self.config.dq_pair) else None,
+                block_info,
             )
 
     @cute.jit
@@ -893,17 +773,6 @@ class FlashAttentionBackwardSm90:
         pipes.kv.producer_acquire(kv_state)
         cute.copy(tma.atom_k, tKgK, tKsK, tma_bar_ptr=pipes.kv.producer_get_barrier(kv_state))
         cute.copy(tma.atom_v, tVgV, tVsV, tma_bar_ptr=pipes.kv.producer_get_barrier(kv_state))
-        if cutlass.const_expr(self.config.dq_pair):
-            # K's columns of this CTA's dQ chunk (its cluster rank's half of d), of its own key
-            # block and of the peer's (n_block ^ 1: pairs are 2·unit, 2·unit + 1).
-            rank = cute.arch.block_idx_in_cluster()
-            chunk_cols = self.head_dim // self._pair_size()
-            for slot, block in ((0, n_block), (1, n_block ^ 1)):
-                gKq = cute.local_tile(tma.kq[None, None, head_kv, batch], (self.tile_n, chunk_cols), (block, rank))
-                tKqsKq, tKqgKq = cpasync.tma_partition(
-                    tma.atom_kq, 0, no_cluster, cute.group_modes(smem.kq[None, None, slot], 0, 2),
-                    cute.group_modes(gKq, 0, 2))
-                cute.copy(tma.atom_kq, tKqgKq, tKqsKq, tma_bar_ptr=pipes.kv.producer_get_barrier(kv_state))
         cute.arch.griddepcontrol_wait()
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
@@ -931,7 +800,7 @@ class FlashAttentionBackwardSm90:
 
     @cute.jit
     def mma(self, mmas, tidx, smem, pipes, tma, mdQaccum, mSemaphore, mSeqUsedK, key_block, walk, scale,
-            deterministic, block_info, dq_info, pair):
+            deterministic, block_info):
         warp_group = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARP_GROUP)
         # WGMMA descriptors are per warp group; register fragments are per thread.
         wg_first_thread = warp_group * THREADS_PER_WARP_GROUP
@@ -968,13 +837,6 @@ class FlashAttentionBackwardSm90:
         acc_dk.fill(0.0)
         acc_dv.fill(0.0)
         score_identity = cute.make_identity_tensor((self.tile_n, self.tile_m))
-        # dQ = dS·K: with dq_pair over both key blocks of the pair, K's columns of this CTA's
-        # chunk staged as (own, peer), the peer's dS from its tile.
-        tdQrK = wg_mma_dq.make_fragment_B(wg_mma_dq.partition_B(sKt))
-        tdQrdS_peer = None
-        if cutlass.const_expr(self.config.dq_pair):
-            tdQrK = wg_mma_dq.make_fragment_B(wg_mma_dq.partition_B(permute_modes(smem.kq, (1, 0, 2))))
-            tdQrdS_peer = wg_mma_dq.make_fragment_A(wg_mma_dq.partition_A(permute_modes(smem.ds_peer, (1, 0, 2))))
         blocks = _BlockOperands(
             mmas.sdp, mmas.dk, mmas.dv, mmas.dq, thr_mma_sdp, thr_mma_dq,
             wg_mma_sdp.make_fragment_A(wg_mma_sdp.partition_A(smem.k)),
@@ -986,7 +848,7 @@ class FlashAttentionBackwardSm90:
             tdKrdS,
             wg_mma_dk.make_fragment_B(wg_mma_dk.partition_B(sQt)),
             wg_mma_dq.make_fragment_A(wg_mma_dq.partition_A(sdSt)),
-            tdQrK,
+            wg_mma_dq.make_fragment_B(wg_mma_dq.partition_B(sKt)),
             store_pds,
             tPsP,
             store_pds.partition_D(smem.ds),
@@ -998,7 +860,7 @@ class FlashAttentionBackwardSm90:
             cute.make_rmem_tensor_like(acc_s, self.dtype),
             acc_dk,
             acc_dv,
-            thr_mma_dq.make_fragment_C(thr_mma_dq.partition_shape_C((self.tile_m, self.head_dim // self._pair_size()))),
+            thr_mma_dq.make_fragment_C(thr_mma_dq.partition_shape_C((self.tile_m, self.head_dim))),
             acc_rows_cols(mmas.sdp.get_slice(0).partition_C(score_identity)),
             acc_rows_cols(thr_mma_sdp.partition_C(score_identity))[0, 0],
             scale.score_prescale,
@@ -1006,8 +868,6 @@ class FlashAttentionBackwardSm90:
             pipes.q,
             pipes.do,
             sdQ=smem.dq,
-            tdQrdS_peer=tdQrdS_peer,
-            pair=pair,
         )
         n_block, seqlen_q, seqlen_k = key_block.n_block, key_block.seqlen_q, key_block.seqlen_k
         mask = AttentionMask(self.tile_m, self.tile_n, self.causal, self.local, block_info.bounds,
@@ -1035,7 +895,7 @@ class FlashAttentionBackwardSm90:
             apply_mask=apply_mask, key_tail=key_tail, mask_key_tail=mask_key_tail,
         )
         dq_step = functools.partial(
-            self.dq_step, blocks=blocks, coords=coords, key_block=key_block, dq_info=dq_info,
+            self.dq_step, blocks=blocks, coords=coords, key_block=key_block, block_info=block_info,
             walk=walk,
         )
         blocks_total = key_block.group * (walk.m_block_max - walk.m_block_min)
@@ -1063,10 +923,6 @@ class FlashAttentionBackwardSm90:
                     dq_step(index=index)
                 state.advance()
 
-        if cutlass.const_expr(self.config.dq_pair):
-            # The peer's last release of its dSᵀ slot: every signal the peer sends this CTA is
-            # received before either exits.
-            cute.arch.mbarrier_wait(pair.barriers + PairBarrier.EMPTY, (blocks_total & 1) ^ 1)
         self.epilogue(blocks, thr_mma_dk, thr_mma_dv, smem, tma, key_block, scale.softmax_scale)
 
     @cute.jit
@@ -1103,14 +959,14 @@ class FlashAttentionBackwardSm90:
             spans = key_block.segments.query_blocks(key_block.batch, key_block.n_block)
             if m_block < spans.full_lo or m_block >= spans.full_hi:
                 needs_mask = cutlass.Boolean(True)
-        self.query_block(blocks, state, index, m_block, needs_mask, apply_mask, key_tail, mask_key_tail,
-                         hand_over_dq, lse_ahead)
+        self.query_block(blocks, state, m_block, needs_mask, apply_mask, key_tail, mask_key_tail, hand_over_dq,
+                         lse_ahead)
 
     @cute.jit
-    def dq_step(self, blocks, index, coords, key_block, dq_info, walk):
+    def dq_step(self, blocks, index, coords, key_block, block_info, walk):
         """Block `index`'s dQ share (blocks.acc_dq) handed over to the dQ writers."""
         _, m_block = coords(index)
-        self.accumulate_dq(blocks, m_block, key_block, dq_info, walk)
+        self.accumulate_dq(blocks, m_block, key_block, block_info, walk)
 
     @cute.jit
     def issue_scores(self, blocks, state):
@@ -1137,7 +993,7 @@ class FlashAttentionBackwardSm90:
         return table[self._query_of(blocks, c), stage]
 
     @cute.jit
-    def query_block(self, blocks, state, index, m_block, needs_mask, apply_mask, key_tail, mask_key_tail,
+    def query_block(self, blocks, state, m_block, needs_mask, apply_mask, key_tail, mask_key_tail,
                     hand_over_dq=None, lse_ahead=()):
         """dV and dK updates, and this query block's dQ share in blocks.acc_dq (its Sᵀ GEMM
         already issued: `issue_scores`), handed over by `hand_over_dq` when dq_during_dk."""
@@ -1230,10 +1086,6 @@ class FlashAttentionBackwardSm90:
             issue_dk()
 
         # dSᵀ (and Pᵀ) to shared memory for the GEMMs that read all of it from both warp groups.
-        if cutlass.const_expr(self.config.dq_pair):
-            # The peer's dQ GEMM has read the previous block's tile: this CTA's copy of it is
-            # complete (its source may be overwritten) and the peer's slot is free.
-            cute.arch.mbarrier_wait(blocks.pair.barriers + PairBarrier.EMPTY, (index & 1) ^ 1)
         if cutlass.const_expr(self.config.pds_stages == 1):
             # The other warp group may still be reading the previous block's buffer.
             cute.arch.barrier(barrier_id=Barrier.PDS, number_of_threads=self.num_mma_threads)
@@ -1243,8 +1095,6 @@ class FlashAttentionBackwardSm90:
         # Ordinary stores must be made visible to WGMMA (async proxy) before it reads them.
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=Barrier.PDS, number_of_threads=self.num_mma_threads)
-        if cutlass.const_expr(self.config.dq_pair):
-            self.send_ds(blocks)
         release_early = self.config.release_early
         if cutlass.const_expr(not self.config.dkv_from_registers):
             wgmma_gemm(blocks.tiled_mma_dv, blocks.acc_dv, blocks.tdVrP[None, None, None, pds_index],
@@ -1255,18 +1105,9 @@ class FlashAttentionBackwardSm90:
                 # dV has retired (dK may still run).
                 warpgroup.wait_group(1)
                 blocks.pipeline_do.consumer_release(state)
-        # With release_early the dQ GEMM's wait comes after Q's release.
-        dq_wait = -1 if cutlass.const_expr(dq_during_dk or release_early) else 0
-        if cutlass.const_expr(self.config.dq_pair):
-            # Over the pair's 128 keys: this CTA's dS first, the peer's once it has landed.
-            wgmma_gemm(blocks.tiled_mma_dq, blocks.acc_dq, blocks.tdQrdS[None, None, None, pds_index],
-                      blocks.tdQrK[None, None, None, 0], zero_init=True, wait_group=-1)
-            cute.arch.mbarrier_wait(blocks.pair.barriers + PairBarrier.FULL, index & 1)
-            wgmma_gemm(blocks.tiled_mma_dq, blocks.acc_dq, blocks.tdQrdS_peer[None, None, None, pds_index],
-                      blocks.tdQrK[None, None, None, 1], zero_init=False, wait_group=dq_wait)
-        else:
-            wgmma_gemm(blocks.tiled_mma_dq, blocks.acc_dq, blocks.tdQrdS[None, None, None, pds_index],
-                      blocks.tdQrK, zero_init=True, wait_group=dq_wait)
+        wgmma_gemm(blocks.tiled_mma_dq, blocks.acc_dq, blocks.tdQrdS[None, None, None, pds_index],
+                  blocks.tdQrK, zero_init=True,
+                  wait_group=-1 if cutlass.const_expr(dq_during_dk or release_early) else 0)
         if cutlass.const_expr(release_early):
             # dK has retired (dQ may still run).
             warpgroup.wait_group(1)
@@ -1282,39 +1123,14 @@ class FlashAttentionBackwardSm90:
             # Every GEMM reading this slot's Q and dO (and P, dS registers) has retired.
             blocks.pipeline_q.consumer_release(state)
             blocks.pipeline_do.consumer_release(state)
-        if cutlass.const_expr(self.config.dq_pair):
-            # So has the dQ GEMM that read the peer's tile: one arrival per warp frees it.
-            if cute.arch.lane_idx() == 0:
-                cute.arch.mbarrier_arrive(blocks.pair.barriers + PairBarrier.EMPTY,
-                                          peer_cta_rank_in_cluster=1 - cute.arch.block_idx_in_cluster(),
-                                          scope=nvvm.MemScopeKind.CLUSTER)
-
-    @cute.jit
-    def send_ds(self, blocks):
-        """dq_pair: this block's dSᵀ tile (in shared memory, fenced for the async proxy) into
-        the peer's slot, by one thread, which also expects the peer's tile on this CTA's FULL."""
-        tidx, _, _ = cute.arch.thread_idx()
-        if tidx == THREADS_PER_WARP_GROUP * self.mma_warp_groups[0]:
-            tile_bytes = self.tile_n * self.tile_m * self.dtype.width // 8
-            cute.arch.mbarrier_arrive_and_expect_tx(blocks.pair.barriers + PairBarrier.FULL, tile_bytes)
-            _copy_to_peer(blocks.pair.ds_peer, blocks.pair.ds_own, tile_bytes,
-                          blocks.pair.barriers + PairBarrier.FULL, 1 - cute.arch.block_idx_in_cluster())
 
     @cute.jit
     def _query_of(self, blocks, c: cutlass.Constexpr[int]) -> Int32:
         """Row of the query tile that register column c of this thread's Sᵀ fragment holds."""
         return blocks.thread_origin[1] + blocks.score_coords0[0, c][1]
 
-    def _chunk_elems(self) -> int:
-        """fp32 elements of one MMA warp group's chunk of sdQ (and of mdQaccum's query block)."""
-        return self.tile_m * self.head_dim // (len(self.mma_warp_groups) * self._pair_size())
-
-    def _pair_size(self) -> int:
-        """CTAs adding into dQ as one unit: 2 with dq_pair."""
-        return 2 if self.config.dq_pair else 1
-
     @cute.jit
-    def accumulate_dq(self, blocks, m_block, key_block, dq_info, walk):
+    def accumulate_dq(self, blocks, m_block, key_block, block_info, walk):
         """This block's dS·K (blocks.acc_dq) into its warp group's chunk of sdQ for the dQ
         writers, unless the tile is fully masked (no add: `_dq_turn`).
 
@@ -1323,10 +1139,7 @@ class FlashAttentionBackwardSm90:
         earlier (lower key blocks, or under a mask the higher ones, launched first), so the
         chain cannot deadlock.
         """
-        adds, _ = self._dq_turn(dq_info, m_block, key_block, walk)
-        if cutlass.const_expr(self.config.dq_pair):
-            # A pair hands every block over (`dq_writer`).
-            adds = cutlass.Boolean(True)
+        adds, _ = self._dq_turn(block_info, m_block, key_block, walk)
         if adds:
             # This warp group's chunk: wait until the writer has read it, fill it, hand it over.
             mma_thread, chunk = self._mma_thread_chunk()
@@ -1356,11 +1169,9 @@ class FlashAttentionBackwardSm90:
         return ids[0] + (ids[1] - ids[0]) * chunk
 
     @cute.jit
-    def _dq_turn(self, dq_info, m_block, key_block, walk):
+    def _dq_turn(self, block_info, m_block, key_block, walk):
         """(whether key block n_block adds into query block m_block's dQ, how many key blocks
-        add into it before n_block: its turn in deterministic mode). With dq_pair the same of
-        the CTA's pair, the unit that adds: `dq_info` is the BlockInfo of the unit's width and
-        key_block.dq_unit the unit, written n_block below.
+        add into it before n_block: its turn in deterministic mode).
 
         The adding key blocks are the query block's n_block_range. Without a mask that is every
         block of the entry's keys, each query block this CTA visits takes its add, and the turns
@@ -1370,11 +1181,11 @@ class FlashAttentionBackwardSm90:
         query block m at step (m + n) mod M of M, and its turn is the number of the chain's
         key blocks that visit m at an earlier step.
         """
-        n_block = key_block.dq_unit
+        n_block = key_block.n_block
         adds = cutlass.Boolean(True)
         turn = n_block
-        if cutlass.const_expr(dq_info.has_right_bound or self.segments):
-            n_block_lo, n_block_hi = dq_info.n_block_range(m_block, key_block.seqlen_q, key_block.seqlen_k)
+        if cutlass.const_expr(block_info.has_right_bound or self.segments):
+            n_block_lo, n_block_hi = block_info.n_block_range(m_block, key_block.seqlen_q, key_block.seqlen_k)
             if cutlass.const_expr(self.segments):
                 # The key blocks the forward visits for this query block: the adding ones.
                 spans = key_block.segments.key_blocks(key_block.batch, m_block)
@@ -1404,8 +1215,7 @@ class FlashAttentionBackwardSm90:
     def _query_walk(self, m_block_min, m_block_max, n_block, seqlen_k, deterministic, num_sms):
         """The CTA's walk over its query blocks: in order, or, without a mask, deterministic or
         with default_stores_first, rotated so that key block n starts n steps before the end
-        (query block M − n of M; with default_stores_first n mod M steps, any n). With dq_pair,
-        n is the CTA's pair and the chain counts pairs: both CTAs of a pair walk alike.
+        (query block M − n of M; with default_stores_first n mod M steps, any n).
 
         In order, every key block of a chain (a head's) starts at query block 0, where key block
         n waits for the n below it to add: a wavefront whose fill repeats at every query block,
@@ -1424,19 +1234,17 @@ class FlashAttentionBackwardSm90:
           soon wait for the rest of it, idling num_sms mod N SMs; at most num_sms / 16 of them
           (132 SMs: any power-of-two chain).
         """
-        key_blocks = cute.ceil_div(seqlen_k, self.tile_n * self._pair_size())
-        # The SMs a chain holds at once (a pair's two CTAs each take one).
-        chain_ctas = key_blocks * self._pair_size()
+        key_blocks = cute.ceil_div(seqlen_k, self.tile_n)
         rotated = cutlass.Boolean(False)
         shift = n_block
         # Segments kernels count turns over a query block's span of key blocks (`_dq_turn`).
         if cutlass.const_expr(not (self.causal or self.local or self.segments)):
             if deterministic != 0:
-                if 2 * chain_ctas <= num_sms:
+                if 2 * key_blocks <= num_sms:
                     if key_blocks <= m_block_max - m_block_min:
                         # (An entry with no keys walks nothing; it must not reach num_sms % 0.)
                         if key_blocks > 0:
-                            if num_sms % chain_ctas <= num_sms // 16:
+                            if num_sms % key_blocks <= num_sms // 16:
                                 rotated = cutlass.Boolean(True)
         if cutlass.const_expr(self._default_stores_first() and not (self.causal or self.local)):
             # Not an order here, only a spread: a claim waits for nothing but a running
@@ -1459,23 +1267,17 @@ class FlashAttentionBackwardSm90:
         return walk.m_block_min + offset
 
     @cute.jit
-    def dq_writer(self, mdQaccum, sdQ, mSemaphore, key_block, walk, deterministic, dq_info, num_heads,
+    def dq_writer(self, mdQaccum, sdQ, mSemaphore, key_block, walk, deterministic, block_info, num_heads,
                   writer: cutlass.Constexpr[int]):
         """One warp walks the MMA warp groups' query blocks and, for each that this key block adds
         into, reduce-adds each warp group's chunk of sdQ into mdQaccum with one bulk reduce, in
         turn when deterministic, the turn then passed on once the add is complete. sdQ is free
         again once read. With dq_writers = n > 1 this is writer `writer` of n, taking every n-th
         add. Deterministic, the turns alternate between mdQaccum's copies (`_dq_copy`) and each
-        copy's first turn stores instead of adding (the preprocess left the copies unzeroed).
-        With dq_pair its CTA's chunks are the columns of the CTA's cluster rank (`query_block`),
-        handed over at every block of the pair's walk and reduced where the pair adds."""
+        copy's first turn stores instead of adding (the preprocess left the copies unzeroed)."""
         lane = cute.arch.lane_idx()
         writers = self.config.dq_writers
         chunks = len(self.mma_warp_groups)
-        # With dq_pair, CTA r's chunks follow CTA 0's in each query block of mdQaccum.
-        pair_offset = 0
-        if cutlass.const_expr(self.config.dq_pair):
-            pair_offset = cute.arch.block_idx_in_cluster() * chunks * self._chunk_elems()
         batch = key_block.batch
         # A token barrier joins a writer (syncing) and its predecessor (arriving).
         token_threads = 2 * THREADS_PER_WARP
@@ -1489,11 +1291,8 @@ class FlashAttentionBackwardSm90:
             head = key_block.head_kv * key_block.group + head_in_group
             for step in cutlass.range(walk.m_block_max - walk.m_block_min, unroll=1):
                 m_block = self._m_block_at(walk, step)
-                adds, turn = self._dq_turn(dq_info, m_block, key_block, walk)
-                hands_over = adds
-                if cutlass.const_expr(self.config.dq_pair):
-                    hands_over = cutlass.Boolean(True)
-                if hands_over:
+                adds, turn = self._dq_turn(block_info, m_block, key_block, walk)
+                if adds:
                     copy, copy_turn = self._dq_copy(mdQaccum, turn, deterministic)
                     claimed = cutlass.Boolean(False)
                     writes_this_add = cutlass.Boolean(True)
@@ -1507,32 +1306,28 @@ class FlashAttentionBackwardSm90:
                         for chunk in cutlass.range_constexpr(chunks):
                             cute.arch.barrier(barrier_id=DQ_FULL[chunk], number_of_threads=self._dq_sync_threads())
                             if cutlass.const_expr(chunk == 0):
-                                if adds:
-                                    if deterministic != 0:
-                                        if lane == 0:
-                                            self._wait_for_turn(self._semaphore(mSemaphore, copy, batch, head, m_block),
-                                                                copy_turn * self._pair_size())
-                                        cute.arch.sync_warp()
-                                        # The previous key block's adds (acquired above) precede this one.
-                                        cute.arch.fence_proxy("async.global")
-                                    elif cutlass.const_expr(self._default_stores_first()):
-                                        claimed = self._claim_store(self._semaphore(mSemaphore, 0, batch, head, m_block), lane)
-                            chunk_elems = self._chunk_elems()
+                                if deterministic != 0:
+                                    if lane == 0:
+                                        self._wait_for_turn(self._semaphore(mSemaphore, copy, batch, head, m_block), copy_turn)
+                                    cute.arch.sync_warp()
+                                    # The previous key block's adds (acquired above) precede this one.
+                                    cute.arch.fence_proxy("async.global")
+                                elif cutlass.const_expr(self._default_stores_first()):
+                                    claimed = self._claim_store(self._semaphore(mSemaphore, 0, batch, head, m_block), lane)
+                            chunk_elems = cute.cosize(sdQ.layout) // chunks
                             if lane == 0:
-                                if adds:
-                                    dst = (_elem_ptr(mdQaccum, (copy, batch, head, m_block * self.tile_m, 0))
-                                           + pair_offset + chunk * chunk_elems)
-                                    src = sdQ.iterator + chunk * chunk_elems
-                                    stores = cutlass.Boolean(False)
-                                    if deterministic != 0:
-                                        stores = copy_turn == 0
-                                    if cutlass.const_expr(self._default_stores_first()):
-                                        if deterministic == 0:
-                                            stores = claimed
-                                    if stores:
-                                        _bulk_f32(dst, src, chunk_elems * Float32.width // 8, add=False)
-                                    else:
-                                        _bulk_f32(dst, src, chunk_elems * Float32.width // 8, add=True)
+                                dst = _elem_ptr(mdQaccum, (copy, batch, head, m_block * self.tile_m, 0)) + chunk * chunk_elems
+                                src = sdQ.iterator + chunk * chunk_elems
+                                stores = cutlass.Boolean(False)
+                                if deterministic != 0:
+                                    stores = copy_turn == 0
+                                if cutlass.const_expr(self._default_stores_first()):
+                                    if deterministic == 0:
+                                        stores = claimed
+                                if stores:
+                                    _bulk_f32(dst, src, chunk_elems * Float32.width // 8, add=False)
+                                else:
+                                    _bulk_f32(dst, src, chunk_elems * Float32.width // 8, add=True)
                             cute.arch.cp_async_bulk_commit_group()
                         for chunk in cutlass.range_constexpr(chunks):
                             # Chunk `chunk` has been read once at most chunks − 1 − chunk
@@ -1541,12 +1336,11 @@ class FlashAttentionBackwardSm90:
                             cute.arch.barrier_arrive(barrier_id=DQ_EMPTY[chunk], number_of_threads=self._dq_sync_threads())
                         if cutlass.const_expr(writers > 1):
                             cute.arch.barrier_arrive(barrier_id=DQ_TOKEN[(writer + 1) % writers], number_of_threads=token_threads)
-                        if adds:
-                            if deterministic != 0:
-                                self._pass_turn(mSemaphore, copy, batch, head, m_block, lane)
-                            elif cutlass.const_expr(self._default_stores_first()):
-                                if claimed:
-                                    self._publish_store(self._semaphore(mSemaphore, 0, batch, head, m_block), lane)
+                        if deterministic != 0:
+                            self._pass_turn(mSemaphore, copy, batch, head, m_block, lane)
+                        elif cutlass.const_expr(self._default_stores_first()):
+                            if claimed:
+                                self._publish_store(self._semaphore(mSemaphore, 0, batch, head, m_block), lane)
                     if cutlass.const_expr(writers > 1):
                         adds_seen += 1
         if cutlass.const_expr(writers > 1):
@@ -1611,11 +1405,10 @@ class FlashAttentionBackwardSm90:
 
     @cute.jit
     def _wait_for_turn(self, semaphore, turn):
-        """Spins until `turn` adds into the semaphore's query block are complete (one thread;
-        the acquire orders them before what the caller issues next). Each CTA of a dq_pair
-        passes the turn on for its own chunk, so a pair's turn t waits for 2·t."""
+        """Spins until `turn` key blocks have added into the semaphore's query block (one thread;
+        the acquire orders their adds before what the caller issues next)."""
         done = cute.arch.load(semaphore, Int32, sem="acquire", scope="gpu")
-        while done < turn:
+        while done != turn:
             done = cute.arch.load(semaphore, Int32, sem="acquire", scope="gpu")
 
     @cute.jit
