@@ -185,3 +185,27 @@ def test_tree_reduce_combines_every_value_in_log_depth(n):
     total, depth = tree_reduce(leaves, combine)
     assert total == sum(range(n))
     assert depth == (n - 1).bit_length()
+
+
+def _menus():
+    from benchmarks import ablations
+    from fa4_jax.aot import build
+
+    for name, built in (("shipping", build.shipping_menu()), ("ablations", ablations.ablation_menu())):
+        for variant in built.variants:
+            yield pytest.param(built, variant, id=f"{name}:{variant.name}")
+
+
+@pytest.mark.parametrize("built, variant", list(_menus()))
+def test_every_menu_variant_constructs_its_kernel(built, variant):
+    # A tuning its kernel refuses (an ablation's settings against a head dim's table, say) fails
+    # here in seconds, not after a build's other variants have compiled.
+    import importlib
+
+    from fa4_jax.aot.compile import _dsl_dtype
+
+    module, cls = built.kernel_class(variant).split(":")
+    kernel = getattr(importlib.import_module(module), cls)(
+        _dsl_dtype(variant.dtype), variant.head_dim, variant.head_dim_v, variant.mask, variant.softcap,
+        segments=variant.segments, **built.tuning_kwargs(variant))
+    assert kernel.head_dim == variant.head_dim
