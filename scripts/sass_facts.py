@@ -100,6 +100,28 @@ def count(code, key: str, lo: int = 0, hi: int = 1 << 62) -> int:
     return sum(key in text for address, text in code if lo <= address <= hi)
 
 
+def tmem_alloc_columns(code) -> list:
+    """The TMEM columns each allocation asks for. `tcgen05.alloc` becomes
+    UTCATOMSWS.FIND_AND_SET, whose count operand is a uniform register holding the columns in
+    granules of 32; ptxas loads it with a UMOV of an immediate just before. An operand it did
+    not load that way reads None."""
+    found = []
+    for index, (_, text) in enumerate(code):
+        if "UTCATOMSWS.FIND_AND_SET" not in text:
+            continue
+        register = text.split(",")[-1].strip()
+        value = None
+        for _, earlier in reversed(code[:index]):
+            match = re.match(rf"UMOV\s+{register},\s*0x([0-9a-f]+)$", earlier)
+            if match:
+                value = int(match.group(1), 16) * 32
+                break
+            if re.match(rf"\S+\s+{register}\b", earlier):
+                break  # written some other way
+        found.append(value)
+    return found
+
+
 @dataclasses.dataclass
 class Facts:
     families: dict
@@ -109,6 +131,7 @@ class Facts:
     named_barriers: list  # (id, threads) of BAR.SYNC / BAR.ARV with a thread count
     mma_forms: dict  # "ss": both operands from shared memory, "ts": A from TMEM
     launch: dict  # registers, threads (REQNTID), named barriers the module declares
+    tmem_alloc_columns: list  # TMEM columns of each allocation (its retry path's too)
 
 
 def sass_facts(sass: str) -> tuple:
@@ -125,7 +148,7 @@ def sass_facts(sass: str) -> tuple:
     mma = [t for _, t in code if "UTCHMMA" in t]
     forms = {"ss": sum(bool(re.search(r"UTCHMMA\S*\s+gdesc\[", t)) for t in mma),
              "ts": sum(bool(re.search(r"UTCHMMA\S*\s+tmem\[", t)) for t in mma)}
-    return families, loop_families, setmaxnreg, barriers, forms
+    return families, loop_families, setmaxnreg, barriers, forms, tmem_alloc_columns(code)
 
 
 def launch_facts(cubin: str) -> dict:
@@ -148,8 +171,8 @@ def launch_facts(cubin: str) -> dict:
 
 
 def facts(cubin: str) -> Facts:
-    families, loop_families, setmaxnreg, barriers, forms = sass_facts(disassemble(cubin))
-    return Facts(families, loop_families, setmaxnreg, barriers, forms, launch_facts(cubin))
+    families, loop_families, setmaxnreg, barriers, forms, tmem_columns = sass_facts(disassemble(cubin))
+    return Facts(families, loop_families, setmaxnreg, barriers, forms, launch_facts(cubin), tmem_columns)
 
 
 def steady_loop(kernel: Facts) -> dict:

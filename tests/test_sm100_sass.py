@@ -3,8 +3,8 @@ cubins), holds what the plan (kernels/sm100/plan.py) says it must, and nothing i
 
 No Blackwell GPU has run these kernels; these checks read what ptxas made of them: the tcgen05
 instruction families (both MMA forms, TMEM loads and stores, allocation paired with release),
-the launch facts against the plan's tables, local memory, and the exponentials of each softmax
-loop against the tile width.
+the launch facts and the TMEM allocation against the plan's tables, local memory, and the
+exponentials of each softmax loop against the tile width.
 """
 from pathlib import Path
 
@@ -58,6 +58,18 @@ def test_launch_facts_match_the_plan(all_facts, variant):
                for r in (Role.SOFTMAX0, Role.CORRECTION, Role.MMA)}
     assert set(facts.setmaxnreg) == budgets
     assert facts.named_barriers == [(int(Barrier.TMEM), plan.threads(*plan.TMEM_USERS))]
+
+
+@pytest.mark.parametrize("variant", sm100.MENU, ids=lambda v: v.name)
+def test_tmem_allocation_is_the_plans(all_facts, variant):
+    # The columns the compiled kernel asks tcgen05.alloc for (its first try and the retry)
+    # are the TMEM map's allocation for this variant's tile: the map's regions fit in what the
+    # hardware hands out.
+    config = plan.TILE_CONFIGS[(variant.head_dim, variant.head_dim_v)]
+    planned = plan.TmemMap(config.tile_n, variant.head_dim_v).alloc_columns
+    columns = all_facts[variant.name].tmem_alloc_columns
+    assert columns and set(columns) == {planned}
+    assert planned <= hardware.TMEM_COLUMNS
 
 
 @pytest.mark.parametrize("variant", sm100.MENU, ids=lambda v: v.name)
