@@ -11,10 +11,10 @@ forward+backward, on the same documents:
 - fa4_jax_dense_equal: the same kernels' dense call on one sequence per row of the same useful
   work (causal, sqrt(2 · pairs per row) tokens rounded to 128): what the packed call should
   approach;
-- fa4_jax_varlen_padded: `fa4_jax.varlen_attention` on the padded path (two cu_seqlens arrays,
-  so it cannot assume one packing), each document a ragged batch entry padded to the longest:
-  the only way before the kernels read segment ids (skipped where that copy passes
-  --max-padded-gib);
+- fa4_jax_varlen_apart: `fa4_jax.varlen_attention` with two cu_seqlens arrays (so it cannot
+  assume one packing): the documents gathered into rows of total_q + total_k positions that
+  align each document's diagonal with the row's (the padded ragged batch this replaced is in
+  docs/perf-log.md, "Segment ids in the kernels");
 - span_tables (forward only): the segment ids' span tables alone (fa4_jax.segments), the part
   of a segments call that is not the kernel;
 - cudnn_mask: `jax.nn.dot_product_attention(implementation="cudnn")` with the block-diagonal
@@ -113,23 +113,22 @@ def _cu_seqlens(case: PackedCase):
     return jnp.asarray(np.concatenate([[0], np.cumsum(flat)]).astype(np.int32)), max(flat)
 
 
-def peers(case: PackedCase, implementation: str, max_padded_gib: float, max_mask_gib: float):
+def peers(case: PackedCase, implementation: str, max_mask_gib: float):
     """name -> (attend(q, k, v, q_ids, kv_ids) on [rows, row_tokens, heads, d] inputs, or a
     reason to skip)."""
     flat_index = jnp.asarray(np.concatenate([r * case.row_tokens + np.arange(sum(row))
                                              for r, row in enumerate(case.lengths)]))
     cu_seqlens, longest = _cu_seqlens(case)
-    docs = len(cu_seqlens) - 1
 
     def segments(q, k, v, q_ids, kv_ids):
         return fa4_jax.attention(q, k, v, causal=True, implementation=implementation,
                                  query_segment_ids=q_ids, kv_segment_ids=kv_ids)
 
-    def varlen(padded):
+    def varlen(apart):
         def attend(q, k, v, q_ids, kv_ids):
             packed = [x.reshape(-1, *x.shape[2:])[flat_index] for x in (q, k, v)]
             # A second array of the same values: varlen_attention cannot know the packing is one.
-            cu_k = jnp.array(cu_seqlens) if padded else cu_seqlens
+            cu_k = jnp.array(cu_seqlens) if apart else cu_seqlens
             out = fa4_jax.varlen_attention(*packed, cu_seqlens, cu_k, max_seqlen_q=longest,
                                            max_seqlen_k=longest, causal=True, implementation=implementation)
             return jnp.zeros((case.rows * case.row_tokens, *out.shape[1:]), out.dtype).at[flat_index].set(
@@ -146,11 +145,9 @@ def peers(case: PackedCase, implementation: str, max_padded_gib: float, max_mask
         mask = (q_ids[:, None, :, None] == kv_ids[:, None, None, :]) & causal
         return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
 
-    padded_gib = 4 * docs * longest * case.heads * case.head_dim * 2 / 2**30
     mask_gib = case.rows * case.row_tokens ** 2 / 2**30
-    result = {"fa4_jax_segments": segments, "fa4_jax_varlen": varlen(padded=False)}
-    result["fa4_jax_varlen_padded"] = varlen(padded=True) if padded_gib <= max_padded_gib else (
-        f"the padded copy is {padded_gib:.0f} GiB > --max-padded-gib")
+    result = {"fa4_jax_segments": segments, "fa4_jax_varlen": varlen(apart=False),
+              "fa4_jax_varlen_apart": varlen(apart=True)}
     result["span_tables"] = span_tables
     result["cudnn_mask"] = cudnn_mask if implementation == "cute" and mask_gib <= max_mask_gib else (
         "cuDNN runs on a GPU only" if implementation != "cute" else f"the mask is {mask_gib:.0f} GiB")
@@ -185,7 +182,6 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, the reference")
     p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--max-padded-gib", type=float, default=40.0)
     p.add_argument("--max-mask-gib", type=float, default=8.0)
     p.add_argument("--out", default=".bench_packed")
     args = p.parse_args(argv)
@@ -199,7 +195,7 @@ def main(argv=None) -> int:
     results = []
     for case in cases(args.dry_run):
         print(case.label(), flush=True)
-        runs = dict(peers(case, implementation, args.max_padded_gib, args.max_mask_gib))
+        runs = dict(peers(case, implementation, args.max_mask_gib))
         ids = case.segment_ids()
         shape = (case.rows, case.row_tokens, case.heads, case.head_dim)
         inputs = {name: shape for name in runs}

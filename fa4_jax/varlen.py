@@ -1,16 +1,18 @@
 """Packed variable-length attention (FlashAttention's varlen form).
 
 Sequences of different lengths are concatenated along the token axis, with cumulative offsets
-`cu_seqlens` saying where each starts. Two ways to run it, both differentiable:
+`cu_seqlens` saying where each starts. Every call runs as one row with segment ids (each token's
+sequence), which the kernels read with the key blocks of other sequences skipped; both ways are
+differentiable and take memory O(total tokens):
 
-- as one row with segment ids (each token's sequence), which the kernels read in place: no copy,
-  memory O(total tokens), and the key blocks of other sequences skipped. This is exact when the
-  masks cannot tell the packing's diagonal from each sequence's: without a causal or window
-  mask, or with one packing for queries and keys (the same cu_seqlens array for both, as in
-  self-attention, where each sequence's bottom-right diagonal is the row's);
-- otherwise (a causal or window mask on queries and keys packed apart) gathered into a padded
-  [n, max_seqlen, heads, dim] batch, attended as a ragged batch (`fa4_jax.attention` with
-  sequence lengths) and gathered back: one padded copy of q, k, v and out.
+- in place, the packed arrays themselves as the row, when the masks cannot tell the packing's
+  diagonal from each sequence's: without a causal or window mask, or with one packing for
+  queries and keys (the same cu_seqlens array for both, as in self-attention, where each
+  sequence's bottom-right diagonal is the row's);
+- otherwise (a causal or window mask on queries and keys packed apart) gathered into rows of
+  total_q + total_k positions in which every sequence's queries and keys end at the same
+  position (`_aligned_rows`): the row's bottom-right diagonal is then each sequence's, and the
+  gaps hold padding ids that match nothing.
 """
 from __future__ import annotations
 
@@ -43,10 +45,10 @@ def varlen_attention(
     Sequence s holds query tokens cu_seqlens_q[s] : cu_seqlens_q[s + 1] and key/value tokens
     cu_seqlens_k[s] : cu_seqlens_k[s + 1]; masks (causal, window) are bottom-right aligned per
     sequence, as in `fa4_jax.attention` with each sequence its own call. Empty sequences are
-    allowed. Without a mask, or when cu_seqlens_k is cu_seqlens_q (the same array: one packing),
-    runs in place as one row with segment ids (kernels or reference, as `fa4_jax.attention`
-    chooses); otherwise as a ragged batch on a padded copy of q, k, v and out
-    ([n, max_seqlen, ...]), sized by max_seqlen_* (module docstring).
+    allowed. Runs as one row with segment ids (kernels or reference, as `fa4_jax.attention`
+    chooses): in place without a mask or when cu_seqlens_k is cu_seqlens_q (the same array: one
+    packing), else on rows of total_q + total_k positions that align each sequence's diagonal
+    with the row's (module docstring).
 
     Args:
       q: [total_q, heads_q, head_dim].
@@ -55,10 +57,9 @@ def varlen_attention(
       cu_seqlens_q, cu_seqlens_k: integer arrays [n + 1] (traced values are fine), the start
         of each sequence and then the total: cu[0] = 0, nondecreasing, cu[n] = total_q
         (total_k). Traced values cannot be checked: other values give unspecified
-        results (lengths are clamped to [0, max_seqlen], never read out of bounds).
-      max_seqlen_q, max_seqlen_k: static Python ints >= 1, at least every sequence's length
-        (query and key side). On the padded path a sequence longer than its bound comes out as
-        NaN rows.
+        results, never reads out of bounds.
+      max_seqlen_q, max_seqlen_k: static Python ints >= 1, FlashAttention's bounds on the
+        sequences' lengths. Checked, not needed: no path sizes anything by them.
       causal, softmax_scale, window_size, softcap, deterministic, return_lse, implementation:
         as `fa4_jax.attention`.
 
@@ -81,8 +82,8 @@ def varlen_attention(
         raise ValueError(
             f"k and v must have the same number of tokens, got {k.shape[0]} and {v.shape[0]}"
         )
-    max_seqlen_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
-    max_seqlen_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    _check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    _check_max_seqlen("max_seqlen_k", max_seqlen_k)
     cu_seqlens_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q)
     cu_seqlens_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k)
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
@@ -95,30 +96,7 @@ def varlen_attention(
     masked = causal or any(bound is not None for bound in tuple(window_size))
     if one_packing or not masked:
         return _as_segments(q, k, v, cu_seqlens_q, cu_seqlens_k, options, return_lse)
-    lengths_q = jnp.diff(cu_seqlens_q)
-    lengths_k = jnp.diff(cu_seqlens_k)
-    out, lse = attention(
-        _pad(q, cu_seqlens_q, max_seqlen_q),
-        _pad(k, cu_seqlens_k, max_seqlen_k),
-        _pad(v, cu_seqlens_k, max_seqlen_k),
-        causal=causal,
-        softmax_scale=softmax_scale,
-        window_size=window_size,
-        softcap=softcap,
-        deterministic=deterministic,
-        return_lse=True,
-        implementation=implementation,
-        query_seq_lengths=lengths_q,
-        key_value_seq_lengths=lengths_k,
-    )
-    # A sequence longer than its bound lost tokens to the padding: say so with NaN rows.
-    too_long = (lengths_q > max_seqlen_q) | (lengths_k > max_seqlen_k)
-    sequence, position = _token_positions(cu_seqlens_q, q.shape[0])
-    too_long_row = too_long[sequence][:, None]
-    out = jnp.where(too_long_row[..., None], jnp.nan, out[sequence, position])
-    lse = jnp.where(too_long_row, jnp.nan, lse[sequence, :, position])
-    lse = lse.T  # [heads_q, total_q]
-    return (out, lse) if return_lse else out
+    return _aligned_rows(q, k, v, cu_seqlens_q, cu_seqlens_k, options, return_lse)
 
 
 def _as_segments(q, k, v, cu_seqlens_q, cu_seqlens_k, options, return_lse):
@@ -129,6 +107,43 @@ def _as_segments(q, k, v, cu_seqlens_q, cu_seqlens_k, options, return_lse):
     out, lse = attention(q[None], k[None], v[None], return_lse=True, query_segment_ids=q_ids[None],
                          kv_segment_ids=kv_ids[None], **options)
     return (out[0], lse[0]) if return_lse else out[0]
+
+
+def _aligned_rows(q, k, v, cu_seqlens_q, cu_seqlens_k, options, return_lse):
+    """The packed call on one row of total_q + total_k positions per side, in which sequence s
+    takes the positions up to end_s = sum over r <= s of max(len_q_r, len_k_r), its queries the
+    last len_q_s of them and its keys the last len_k_s. Query position p then sees key position t
+    under the row's bottom-right mask (both rows equally long: t <= p + window_right, and
+    t >= p - window_left) exactly when query i of s sees key j of s under s's own bottom-right
+    mask (p - t = len_k_s - len_q_s + i - j); segment ids keep the sequences apart, and the
+    gaps hold ids that match nothing (their rows give out 0, and are not read back)."""
+    lengths_q, lengths_k = jnp.diff(cu_seqlens_q), jnp.diff(cu_seqlens_k)
+    ends = jnp.cumsum(jnp.maximum(lengths_q, lengths_k))
+    row = q.shape[0] + k.shape[0]
+
+    def gather(x, cu_seqlens, lengths, no_match):
+        """x's tokens at their row positions (zero in the gaps) and the row's segment ids."""
+        position = jnp.arange(row, dtype=jnp.int32)
+        sequence = jnp.minimum(jnp.searchsorted(ends, position, side="right"), lengths.shape[0] - 1)
+        index = position - (ends[sequence] - lengths[sequence])  # within the sequence's tokens
+        valid = (index >= 0) & (index < lengths[sequence]) & (position < ends[-1])
+        token = jnp.where(valid, cu_seqlens[sequence] + index, 0)
+        rows = jnp.where(valid[:, None, None], jnp.take(x, token, axis=0, mode="clip"), jnp.zeros((), x.dtype))
+        return rows, jnp.where(valid, sequence, no_match).astype(jnp.int32)
+
+    q_row, q_ids = gather(q, cu_seqlens_q, lengths_q, -1)
+    k_row, kv_ids = gather(k, cu_seqlens_k, lengths_k, -2)
+    v_row, _ = gather(v, cu_seqlens_k, lengths_k, -2)
+    out, lse = attention(q_row[None], k_row[None], v_row[None], return_lse=True,
+                         query_segment_ids=q_ids[None], kv_segment_ids=kv_ids[None], **options)
+    # Each packed query token's row position; tokens past cu_seqlens_q[-1] belong to no
+    # sequence and give what a row that sees no key gives.
+    sequence, index = _token_positions(cu_seqlens_q, q.shape[0])
+    placed = jnp.arange(q.shape[0], dtype=jnp.int32) < cu_seqlens_q[-1]
+    position = jnp.where(placed, ends[sequence] - lengths_q[sequence] + index, 0)
+    out = jnp.where(placed[:, None, None], out[0, position], jnp.zeros((), out.dtype))
+    lse = jnp.where(placed[None, :], lse[0][:, position], -jnp.inf)
+    return (out, lse) if return_lse else out
 
 
 def _sequence_ids(cu_seqlens, total, no_match):
@@ -166,13 +181,3 @@ def _token_positions(cu_seqlens, total):
     token = jnp.arange(total, dtype=jnp.int32)
     sequence = jnp.searchsorted(cu_seqlens[1:-1], token, side="right").astype(jnp.int32)
     return sequence, token - cu_seqlens[sequence]
-
-
-def _pad(x, cu_seqlens, max_seqlen):
-    """Packed [total, heads, dim] -> padded [n, max_seqlen, heads, dim], zeros past each
-    sequence's end (rows the ragged op ignores, zero so they can never be NaN or inf)."""
-    position = jnp.arange(max_seqlen, dtype=jnp.int32)
-    token = cu_seqlens[:-1, None] + position  # [n, max_seqlen]
-    valid = token < cu_seqlens[1:, None]
-    rows = jnp.take(x, jnp.where(valid, token, 0), axis=0, mode="clip")
-    return jnp.where(valid[..., None, None], rows, jnp.zeros((), x.dtype))

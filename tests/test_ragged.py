@@ -220,8 +220,9 @@ def _cu_seqlens(lengths):
     return jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
 
 
-# The three ways varlen_attention runs: a mask on queries and keys packed apart (the padded
-# ragged batch), one packing for both (segment ids, in place), no mask (segment ids, in place).
+# The ways varlen_attention runs: a mask on queries and keys packed apart (rows that align each
+# sequence's diagonal with the row's), one packing for both (segment ids, in place), no mask
+# (segment ids, in place).
 VARLEN_PATHS = {
     "causal_apart": ({"causal": True}, False),
     "window_softcap_apart": ({"window_size": (2, 1), "softcap": 2.0}, False),
@@ -231,16 +232,17 @@ VARLEN_PATHS = {
 }
 
 
-@pytest.mark.parametrize("options, one_packing", VARLEN_PATHS.values(), ids=VARLEN_PATHS.keys())
-def test_varlen_equals_each_sequence_alone(next_key, options, one_packing):
+def _check_varlen_against_each_sequence(next_key, lengths_q, lengths_k, options, one_packing,
+                                        extra_q_tokens=0):
+    """varlen_attention's out, lse and gradients against the reference on each sequence alone;
+    query tokens past the last sequence (extra_q_tokens) must give out 0 and lse -inf."""
     heads_q, heads_kv, head_dim = 4, 2, 16
-    key_lengths = VARLEN_Q if one_packing else VARLEN_K
-    q = jax.random.normal(next_key(), (sum(VARLEN_Q), heads_q, head_dim), jnp.float32)
-    k = jax.random.normal(next_key(), (sum(key_lengths), heads_kv, head_dim), jnp.float32)
-    v = jax.random.normal(next_key(), (sum(key_lengths), heads_kv, head_dim), jnp.float32)
+    q = jax.random.normal(next_key(), (sum(lengths_q) + extra_q_tokens, heads_q, head_dim), jnp.float32)
+    k = jax.random.normal(next_key(), (sum(lengths_k), heads_kv, head_dim), jnp.float32)
+    v = jax.random.normal(next_key(), (sum(lengths_k), heads_kv, head_dim), jnp.float32)
     d_out = jax.random.normal(next_key(), q.shape, jnp.float32)
     d_lse = jax.random.normal(next_key(), (heads_q, q.shape[0]), jnp.float32)
-    cu_q, cu_k = _cu_seqlens(VARLEN_Q), _cu_seqlens(key_lengths)
+    cu_q, cu_k = _cu_seqlens(lengths_q), _cu_seqlens(lengths_k)
 
     @jax.jit
     def forward_and_vjp(q, k, v, cu_q, cu_k):
@@ -254,13 +256,15 @@ def test_varlen_equals_each_sequence_alone(next_key, options, one_packing):
     out, lse, dq, dk, dv = forward_and_vjp(q, k, v, cu_q, cu_k)
 
     reference_options = _reference_options(options, head_dim)
-    for s in range(len(VARLEN_Q)):
+    for s in range(len(lengths_q)):
         rows = slice(int(cu_q[s]), int(cu_q[s + 1]))
         keys = slice(int(cu_k[s]), int(cu_k[s + 1]))
-        if VARLEN_Q[s] == 0:
-            continue
-        if key_lengths[s] == 0:
+        if lengths_k[s] == 0:
+            # Its keys get no gradient, and its rows (if any) see no key.
             assert np.all(np.asarray(out[rows]) == 0) and np.all(np.isneginf(lse[:, rows]))
+            continue
+        if lengths_q[s] == 0:
+            assert np.all(np.asarray(dk[keys]) == 0) and np.all(np.asarray(dv[keys]) == 0)
             continue
         (want_out, want_lse), pullback = jax.vjp(
             lambda q, k, v: attention_reference(q[None], k[None], v[None], **reference_options),
@@ -271,19 +275,47 @@ def test_varlen_equals_each_sequence_alone(next_key, options, one_packing):
         np.testing.assert_allclose(dq[rows], want_grads[0], atol=2e-5, rtol=2e-5)
         for name, grad, want in (("dk", dk, want_grads[1]), ("dv", dv, want_grads[2])):
             np.testing.assert_allclose(grad[keys], want, atol=2e-5, rtol=2e-5, err_msg=name)
-    # Keys of a sequence without query rows get no gradient.
-    empty_keys = slice(int(cu_k[1]), int(cu_k[2]))
-    assert np.all(np.asarray(dk[empty_keys]) == 0) and np.all(np.asarray(dv[empty_keys]) == 0)
+    past = slice(int(cu_q[-1]), q.shape[0])
+    assert np.all(np.asarray(out[past]) == 0) and np.all(np.isneginf(lse[:, past]))
+    assert np.all(np.asarray(dq[past]) == 0)
 
 
-def test_varlen_sequence_longer_than_max_seqlen_comes_out_nan(next_key):
-    # On the padded path (a mask, two packings); in place the bound is not used.
+@pytest.mark.parametrize("options, one_packing", VARLEN_PATHS.values(), ids=VARLEN_PATHS.keys())
+def test_varlen_equals_each_sequence_alone(next_key, options, one_packing):
+    _check_varlen_against_each_sequence(next_key, VARLEN_Q, VARLEN_Q if one_packing else VARLEN_K,
+                                        options, one_packing)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("options", [{"causal": True}, {"window_size": (3, 0)}, {"window_size": (1, 2)}],
+                         ids=["causal", "window_left", "window_both"])
+def test_varlen_apart_with_a_mask_on_random_packings(next_key, seed, options):
+    # Queries and keys packed apart under a mask, the aligned rows' case: random packings with
+    # empty sequences on either side, length-1 ones, more keys than queries and fewer, and
+    # query tokens past the last sequence.
+    rng = np.random.default_rng(seed)
+    count = int(rng.integers(1, 12))
+    lengths_q = tuple(int(x) for x in rng.integers(0, 9, count))
+    lengths_k = tuple(int(x) for x in rng.integers(0, 9, count))
+    _check_varlen_against_each_sequence(next_key, lengths_q, lengths_k, options, one_packing=False,
+                                        extra_q_tokens=int(rng.integers(0, 3)))
+
+
+def test_varlen_apart_one_sequence_spanning_all_tokens(next_key):
+    _check_varlen_against_each_sequence(next_key, (13,), (9,), {"causal": True}, one_packing=False)
+
+
+def test_varlen_needs_no_max_seqlen(next_key):
+    # FlashAttention's bounds are checked, not used: a sequence longer than its bound is attended
+    # whole on every path (before, the masked path with two packings padded to the bound).
     q = jax.random.normal(next_key(), (9, 2, 16), jnp.float32)
     cu_q, cu_k = _cu_seqlens((3, 6)), _cu_seqlens((3, 6))
-    out = fa4_jax.varlen_attention(q, q, q, cu_q, cu_k, max_seqlen_q=4, max_seqlen_k=6, causal=True)
-    np.testing.assert_array_equal(np.isnan(out).any(axis=(1, 2)), [False] * 3 + [True] * 6)
+    tight = fa4_jax.varlen_attention(q, q, q, cu_q, cu_k, max_seqlen_q=4, max_seqlen_k=6, causal=True)
+    loose = fa4_jax.varlen_attention(q, q, q, cu_q, cu_k, max_seqlen_q=6, max_seqlen_k=6, causal=True)
     in_place = fa4_jax.varlen_attention(q, q, q, cu_q, cu_q, max_seqlen_q=4, max_seqlen_k=6, causal=True)
-    assert not np.isnan(in_place).any()
+    assert not np.isnan(tight).any()
+    np.testing.assert_array_equal(tight, loose)
+    np.testing.assert_allclose(tight, in_place, atol=2e-6, rtol=2e-6)
 
 
 @pytest.mark.parametrize("kwargs, error, message", [

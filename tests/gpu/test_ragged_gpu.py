@@ -203,22 +203,35 @@ def test_all_entries_empty(next_key):
     assert np.all(dq == 0.0) and np.all(dk == 0.0) and np.all(dv == 0.0)
 
 
-@pytest.mark.parametrize("one_packing", [True, False], ids=["in_place", "padded"])
-def test_varlen_attention_runs_on_the_kernels(next_key, one_packing):
-    """Packed sequences (fa4_jax.varlen_attention), causal: in place as segment ids when queries
-    and keys share one cu_seqlens array, else a padded ragged batch; kernel = reference."""
-    lengths = np.array([0, 1, 130, 77, 300], np.int32)
-    cu_seqlens = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
-    cu_seqlens_k = cu_seqlens if one_packing else jnp.array(cu_seqlens)
-    total = int(lengths.sum())
-    q, k, v = (jax.random.normal(next_key(), (total, 4, 64), jnp.bfloat16) for _ in range(3))
+VARLEN_LENGTHS = (0, 1, 130, 77, 300)
+
+
+@pytest.mark.parametrize("one_packing, key_lengths, options", [
+    (True, VARLEN_LENGTHS, {"causal": True}),
+    (False, VARLEN_LENGTHS, {"causal": True}),
+    # Keys packed apart with other lengths: empty and single-key sequences, more keys than
+    # queries and fewer, under a causal mask and a window.
+    (False, (5, 0, 200, 64, 389), {"causal": True}),
+    (False, (5, 0, 200, 64, 389), {"window_size": (50, 7)}),
+], ids=["in_place", "apart", "apart_unequal", "apart_unequal_window"])
+def test_varlen_attention_runs_on_the_kernels(next_key, one_packing, key_lengths, options):
+    """Packed sequences (fa4_jax.varlen_attention): segment ids in place when queries and keys
+    share one cu_seqlens array, else on rows that align each sequence's diagonal (whose layout
+    the CPU tier checks against each sequence alone); kernel = reference."""
+    def cu(lengths):
+        return jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+
+    cu_seqlens = cu(VARLEN_LENGTHS)
+    cu_seqlens_k = cu_seqlens if one_packing else cu(key_lengths)
+    q = jax.random.normal(next_key(), (sum(VARLEN_LENGTHS), 4, 64), jnp.bfloat16)
+    k, v = (jax.random.normal(next_key(), (sum(key_lengths), 4, 64), jnp.bfloat16) for _ in range(2))
     probe = q[None, :300]
-    require_kernels(probe, probe, probe, causal=True)
+    require_kernels(probe, probe, probe, **options)
 
     def run(implementation, x):
         return jax.jit(lambda q, k, v: fa4_jax.varlen_attention(
-            q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen_q=300, max_seqlen_k=300, causal=True,
-            implementation=implementation))(*x)
+            q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen_q=300, max_seqlen_k=389,
+            implementation=implementation, **options))(*x)
 
     got = run("cute", (q, k, v))
     ref = run("reference", tuple(x.astype(jnp.float32) for x in (q, k, v)))
