@@ -103,7 +103,8 @@ ABLATIONS = (
     ("bwd", 128, ("scores_ahead", "stats_at_use", "dq_writer1", "bwd_v11_order", "dv_during_ds",
                   "lse_late", "stores_first", "exp2_mufu", "poly25", "dq_after_dk")),
     ("bwd", 192, ("scores_late", "dq_writer1", "det_one_copy", "dq_writers3", "release_early")),
-    ("bwd", 256, ("dq_writer1", "det_one_copy", "dq_writers3", "lse_early", "poly25", "release_late")),
+    ("bwd", 256, ("dq_writer1", "det_one_copy", "dq_writers3", "lse_early", "stores_first",
+                  "poly25", "release_late")),
 )
 
 
