@@ -224,6 +224,15 @@ def _attention(
         softcap=softcap, deterministic=deterministic, return_lse=return_lse,
         implementation=implementation, ragged=ragged, top_left=top_left,
         score_arrays=score_arrays)
+    if key.shape[1] == 0:
+        # No keys: every row sees none (out 0, lse -inf, no gradient), what
+        # jax.nn.dot_product_attention gives too; no kernel or reference tiles an empty axis.
+        if ragged:
+            _canonical_lengths("query_seq_lengths", query_seq_lengths, query.shape[:2])
+            _canonical_lengths("key_value_seq_lengths", key_value_seq_lengths, key.shape[:2])
+        out = jnp.zeros((*query.shape[:3], value.shape[-1]), query.dtype)
+        lse = jnp.full((query.shape[0], query.shape[2], query.shape[1]), -jnp.inf, jnp.float32)
+        return (out, lse) if return_lse else out
     if score_arrays is not None and not (backend == "cute" and score_arrays.kernels_read):
         if reason is not None:
             notices.fallback(_BACKEND_NAMES["reference"], reason,

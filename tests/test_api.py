@@ -594,3 +594,19 @@ def test_explain_names_the_kernels_and_the_padding(monkeypatch):
                            q.update(shape=(2, 8192, 2, 128)))
     assert (step.split_kv, step.pack_gqa, step.forward_variant) == (8, True, "fwd_sm90a_bf16_d128_dv128")
     assert str(fa4_jax.explain(q, q, q, implementation="reference")) == "reference: asked for"
+
+
+@pytest.mark.parametrize("options", [{}, {"causal": True}, {"window_size": (3, 0)}],
+                         ids=["none", "causal", "window"])
+def test_no_keys_gives_rows_that_see_none_as_jax_does(next_key, options):
+    # seqlen_k = 0 (an empty cache, say): every row sees no key. jax's dot_product_attention
+    # gives zeros; the kernels and the reference would tile an empty axis, so no call reaches them.
+    q = jax.random.normal(next_key(), (2, 5, 4, 16), jnp.float32)
+    kv = jnp.zeros((2, 0, 2, 16), jnp.float32)
+    out, lse = fa4_jax.attention(q, kv, kv, return_lse=True, **options)
+    assert out.shape == (2, 5, 4, 16) and lse.shape == (2, 4, 5)
+    assert np.all(np.asarray(out) == 0) and np.all(np.isneginf(lse))
+    grads = jax.grad(lambda q, k, v: fa4_jax.attention(q, k, v, **options).sum(), argnums=(0, 1, 2))(q, kv, kv)
+    assert [g.shape for g in grads] == [q.shape, kv.shape, kv.shape] and not np.any(np.asarray(grads[0]))
+    want = jax.nn.dot_product_attention(q, kv, kv, implementation="xla")
+    np.testing.assert_array_equal(fa4_jax.dot_product_attention(q, kv, kv), want)

@@ -349,3 +349,12 @@ def test_vmap_maps_lengths_with_the_inputs(next_key):
 
     mapped = jax.vmap(attend)(*map(pairs, (q, k, v, q_len, kv_len)))
     np.testing.assert_array_equal(mapped, pairs(attend(q, k, v, q_len, kv_len)))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_without_keys_gives_rows_that_see_none(next_key, causal):
+    q = jax.random.normal(next_key(), (5, 2, 16), jnp.float32)
+    kv = jnp.zeros((0, 2, 16), jnp.float32)
+    out, lse = fa4_jax.varlen_attention(q, kv, kv, _cu_seqlens((2, 3)), _cu_seqlens((0, 0)), max_seqlen_q=3,
+                                        max_seqlen_k=1, causal=causal, return_lse=True)
+    assert np.all(np.asarray(out) == 0) and np.all(np.isneginf(lse)) and lse.shape == (2, 5)
