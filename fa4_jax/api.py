@@ -224,9 +224,10 @@ def _attention(
         softcap=softcap, deterministic=deterministic, return_lse=return_lse,
         implementation=implementation, ragged=ragged, top_left=top_left,
         score_arrays=score_arrays)
-    if key.shape[1] == 0:
+    if 0 in (query.shape[0], query.shape[1], key.shape[1]):
         # No keys: every row sees none (out 0, lse -inf, no gradient), what
-        # jax.nn.dot_product_attention gives too; no kernel or reference tiles an empty axis.
+        # jax.nn.dot_product_attention gives too; no kernel or reference tiles an empty axis
+        # (nor an empty batch, nor no rows).
         if ragged:
             _canonical_lengths("query_seq_lengths", query_seq_lengths, query.shape[:2])
             _canonical_lengths("key_value_seq_lengths", key_value_seq_lengths, key.shape[:2])

@@ -94,8 +94,8 @@ def varlen_attention(
     options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
                    deterministic=deterministic, implementation=implementation)
     masked = causal or any(bound is not None for bound in tuple(window_size))
-    # (Without keys there is no diagonal to align: every row sees none.)
-    if one_packing or not masked or k.shape[0] == 0:
+    # (Without queries or keys there is no diagonal to align.)
+    if one_packing or not masked or k.shape[0] == 0 or q.shape[0] == 0:
         return _as_segments(q, k, v, cu_seqlens_q, cu_seqlens_k, options, return_lse)
     return _aligned_rows(q, k, v, cu_seqlens_q, cu_seqlens_k, options, return_lse)
 

@@ -610,3 +610,11 @@ def test_no_keys_gives_rows_that_see_none_as_jax_does(next_key, options):
     assert [g.shape for g in grads] == [q.shape, kv.shape, kv.shape] and not np.any(np.asarray(grads[0]))
     want = jax.nn.dot_product_attention(q, kv, kv, implementation="xla")
     np.testing.assert_array_equal(fa4_jax.dot_product_attention(q, kv, kv), want)
+
+
+def test_an_empty_batch_gives_empty_results_as_jax_does():
+    q, kv = jnp.zeros((0, 5, 4, 16), jnp.float32), jnp.zeros((0, 7, 2, 16), jnp.float32)
+    out, lse = fa4_jax.attention(q, kv, kv, causal=True, return_lse=True)
+    assert out.shape == (0, 5, 4, 16) and lse.shape == (0, 4, 5)
+    assert fa4_jax.dot_product_attention(q, kv, kv).shape == jax.nn.dot_product_attention(
+        q, kv, kv, implementation="xla").shape

@@ -358,3 +358,11 @@ def test_varlen_without_keys_gives_rows_that_see_none(next_key, causal):
     out, lse = fa4_jax.varlen_attention(q, kv, kv, _cu_seqlens((2, 3)), _cu_seqlens((0, 0)), max_seqlen_q=3,
                                         max_seqlen_k=1, causal=causal, return_lse=True)
     assert np.all(np.asarray(out) == 0) and np.all(np.isneginf(lse)) and lse.shape == (2, 5)
+
+
+def test_varlen_without_queries_gives_empty_results(next_key):
+    kv = jax.random.normal(next_key(), (7, 2, 16), jnp.float32)
+    out, lse = fa4_jax.varlen_attention(jnp.zeros((0, 4, 16), jnp.float32), kv, kv, _cu_seqlens((0,)),
+                                        _cu_seqlens((7,)), max_seqlen_q=1, max_seqlen_k=7, causal=True,
+                                        return_lse=True)
+    assert out.shape == (0, 4, 16) and lse.shape == (4, 0)
