@@ -453,9 +453,9 @@ class FlashAttentionBackwardSm90:
         if config.release_early and (config.dkv_from_registers or config.dq_during_dk):
             raise ValueError(f"{config}: release_early orders dV, dK, then dQ (dkv_from_registers and "
                              "dq_during_dk off)")
-        if config.scores_ahead and config.stages < 2:
-            raise ValueError(f"{config}: scores_ahead needs two Q/dO stages (the next block's Q "
-                             "loads while this block's is still read)")
+        if config.scores_ahead and config.stages < 2 and not config.release_early:
+            raise ValueError(f"{config}: scores_ahead needs two Q/dO stages, or one released early "
+                             "(the next block's Q loads while this block's is still read)")
 
     def _tiled_mmas(self) -> _Mmas:
         """Sᵀ/dPᵀ, dK, dV and dQ WGMMAs for the two MMA warp groups."""
