@@ -224,13 +224,16 @@ def _attention(
         softcap=softcap, deterministic=deterministic, return_lse=return_lse,
         implementation=implementation, ragged=ragged, top_left=top_left,
         score_arrays=score_arrays)
+    seq_lengths = None
+    if ragged:
+        seq_lengths = (
+            _canonical_lengths("query_seq_lengths", query_seq_lengths, query.shape[:2]),
+            _canonical_lengths("key_value_seq_lengths", key_value_seq_lengths, key.shape[:2]),
+        )
     if 0 in (query.shape[0], query.shape[1], key.shape[1]):
-        # No keys: every row sees none (out 0, lse -inf, no gradient), what
-        # jax.nn.dot_product_attention gives too; no kernel or reference tiles an empty axis
-        # (nor an empty batch, nor no rows).
-        if ragged:
-            _canonical_lengths("query_seq_lengths", query_seq_lengths, query.shape[:2])
-            _canonical_lengths("key_value_seq_lengths", key_value_seq_lengths, key.shape[:2])
+        # An empty batch, no rows, or no keys (every row then sees none: out 0, lse -inf, no
+        # gradient, as jax.nn.dot_product_attention gives zeros): no kernel or reference tiles
+        # an empty axis.
         out = jnp.zeros((*query.shape[:3], value.shape[-1]), query.dtype)
         lse = jnp.full((query.shape[0], query.shape[2], query.shape[1]), -jnp.inf, jnp.float32)
         return (out, lse) if return_lse else out
@@ -246,12 +249,6 @@ def _attention(
         notices.fallback(_BACKEND_NAMES[backend], reason, shape)
         if backend == "cudnn":
             return cudnn.attention(query, key, value, params)
-    seq_lengths = None
-    if ragged:
-        seq_lengths = (
-            _canonical_lengths("query_seq_lengths", query_seq_lengths, query.shape[:2]),
-            _canonical_lengths("key_value_seq_lengths", key_value_seq_lengths, key.shape[:2]),
-        )
     segment_ids = None
     if score_arrays is not None:
         # Segment ids on the kernels (anything else returned above): the span tables once, for

@@ -120,21 +120,23 @@ def _aligned_rows(q, k, v, cu_seqlens_q, cu_seqlens_k, options, return_lse):
     gaps hold ids that match nothing (their rows give out 0, and are not read back)."""
     lengths_q, lengths_k = jnp.diff(cu_seqlens_q), jnp.diff(cu_seqlens_k)
     ends = jnp.cumsum(jnp.maximum(lengths_q, lengths_k))
-    row = q.shape[0] + k.shape[0]
+    position = jnp.arange(q.shape[0] + k.shape[0], dtype=jnp.int32)
+    sequence = jnp.minimum(jnp.searchsorted(ends, position, side="right"), ends.shape[0] - 1)
 
-    def gather(x, cu_seqlens, lengths, no_match):
-        """x's tokens at their row positions (zero in the gaps) and the row's segment ids."""
-        position = jnp.arange(row, dtype=jnp.int32)
-        sequence = jnp.minimum(jnp.searchsorted(ends, position, side="right"), lengths.shape[0] - 1)
+    def side(cu_seqlens, lengths, no_match):
+        """(the packed token at each row position, 0 in the gaps; whether one is there; the
+        row's segment ids) of one side."""
         index = position - (ends[sequence] - lengths[sequence])  # within the sequence's tokens
         valid = (index >= 0) & (index < lengths[sequence]) & (position < ends[-1])
         token = jnp.where(valid, cu_seqlens[sequence] + index, 0)
-        rows = jnp.where(valid[:, None, None], jnp.take(x, token, axis=0, mode="clip"), jnp.zeros((), x.dtype))
-        return rows, jnp.where(valid, sequence, no_match).astype(jnp.int32)
+        return token, valid, jnp.where(valid, sequence, no_match).astype(jnp.int32)
 
-    q_row, q_ids = gather(q, cu_seqlens_q, lengths_q, -1)
-    k_row, kv_ids = gather(k, cu_seqlens_k, lengths_k, -2)
-    v_row, _ = gather(v, cu_seqlens_k, lengths_k, -2)
+    def gather(x, token, valid):
+        return jnp.where(valid[:, None, None], jnp.take(x, token, axis=0, mode="clip"), jnp.zeros((), x.dtype))
+
+    q_token, q_valid, q_ids = side(cu_seqlens_q, lengths_q, -1)
+    k_token, k_valid, kv_ids = side(cu_seqlens_k, lengths_k, -2)
+    q_row, k_row, v_row = gather(q, q_token, q_valid), gather(k, k_token, k_valid), gather(v, k_token, k_valid)
     out, lse = attention(q_row[None], k_row[None], v_row[None], return_lse=True,
                          query_segment_ids=q_ids[None], kv_segment_ids=kv_ids[None], **options)
     # Each packed query token's row position; tokens past cu_seqlens_q[-1] belong to no
