@@ -24,17 +24,18 @@ def main() -> None:
     choose.restype = ctypes.c_char_p
     choose.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                        ctypes.c_char_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_int]
+                       ctypes.c_int, ctypes.c_int, ctypes.c_int]
     calls = 0
     for v, seqlen_q, seqlen_k, ragged in itertools.product(
             [v for v in menu.MENU if v.tuning == "default"], (1, 64, 1000, 1024, 4096),
             (64, 1024, 1152, 8192), (False, True)):
         call = routing.Call(v.kind, v.arch, v.dtype, v.head_dim, v.head_dim_v, v.mask, v.softcap,
-                            seqlen_q, seqlen_k, ragged, segments=v.segments)
+                            seqlen_q, seqlen_k, ragged, segments=v.segments, mask_array=v.mask_array)
         handler = choose(routing.KINDS.index(call.kind), call.arch.encode(),
                          routing.DTYPES.index(call.dtype), call.head_dim, call.head_dim_v,
                          call.mask.encode(), int(call.softcap), call.seqlen_q, call.seqlen_k,
-                         int(call.ragged), int(call.top_left), int(call.segments)).decode()
+                         int(call.ragged), int(call.top_left), int(call.segments),
+                         int(call.mask_array)).decode()
         assert handler == library.choose(call).name, call
         calls += 1
     print(f"fa4_jax {fa4_jax.__version__}: {library.path} holds {len(library.compiled)} variants; "

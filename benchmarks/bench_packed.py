@@ -18,7 +18,9 @@ forward+backward, on the same documents:
 - span_tables (forward only): the segment ids' span tables alone (fa4_jax.segments), the part
   of a segments call that is not the kernel;
 - cudnn_mask: `jax.nn.dot_product_attention(implementation="cudnn")` with the block-diagonal
-  causal mask as a bool array (skipped past --max-mask-gib: the mask is a [b, 1, T, T] array).
+  causal mask as a bool array (skipped past --max-mask-gib: the mask is a [b, 1, T, T] array);
+- fa4_jax_mask: `fa4_jax.dot_product_attention` with the same array (the mask_array kernels,
+  which read it packed to bits with its span tables; same limit).
 
 Document lengths are long-tailed (a log-normal with a median of 600 tokens, clipped to the row),
 drawn with a fixed seed; the "one long + short" case is one 32k document and 255 of 128 tokens
@@ -140,10 +142,16 @@ def peers(case: PackedCase, implementation: str, max_mask_gib: float):
 
         return tables.operands((q_ids, kv_ids))
 
-    def cudnn_mask(q, k, v, q_ids, kv_ids):
+    def document_mask(q_ids, kv_ids):
         causal = jnp.tril(jnp.ones((case.row_tokens, case.row_tokens), bool))
-        mask = (q_ids[:, None, :, None] == kv_ids[:, None, None, :]) & causal
-        return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
+        return (q_ids[:, None, :, None] == kv_ids[:, None, None, :]) & causal
+
+    def cudnn_mask(q, k, v, q_ids, kv_ids):
+        return jax.nn.dot_product_attention(q, k, v, mask=document_mask(q_ids, kv_ids), implementation="cudnn")
+
+    def fa4_jax_mask(q, k, v, q_ids, kv_ids):
+        return fa4_jax.dot_product_attention(q, k, v, mask=document_mask(q_ids, kv_ids),
+                                             implementation=implementation)
 
     mask_gib = case.rows * case.row_tokens ** 2 / 2**30
     result = {"fa4_jax_segments": segments, "fa4_jax_varlen": varlen(apart=False),
@@ -151,6 +159,7 @@ def peers(case: PackedCase, implementation: str, max_mask_gib: float):
     result["span_tables"] = span_tables
     result["cudnn_mask"] = cudnn_mask if implementation == "cute" and mask_gib <= max_mask_gib else (
         "cuDNN runs on a GPU only" if implementation != "cute" else f"the mask is {mask_gib:.0f} GiB")
+    result["fa4_jax_mask"] = fa4_jax_mask if mask_gib <= max_mask_gib else f"the mask is {mask_gib:.0f} GiB"
     return result
 
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fa4_jax import cudnn, dispatch, notices
+from fa4_jax import cudnn, dispatch, mask_bits, notices
 from fa4_jax import segments as segment_tables
 from fa4_jax.params import AttentionParams
 from fa4_jax.reference import attention_reference
@@ -42,6 +42,7 @@ def attention(
     key_value_seq_lengths=None,
     query_segment_ids=None,
     kv_segment_ids=None,
+    mask=None,
 ):
     """FlashAttention: `softmax(mask(softcap(scale · q kᵀ))) v`, without materialising `q kᵀ`.
 
@@ -102,6 +103,13 @@ def attention(
         blocks that share no segment with a query tile are skipped, and only the blocks at
         segment boundaries compare ids. The skipping assumes each id's keys (and queries) form
         one run, as packing gives them; non-contiguous segments are correct, and slower.
+      mask: None, or a bool array broadcastable to [batch, heads_q, seqlen_q, seqlen_k] (each
+        axis that size or 1; True: the pair is visible), on top of every other mask. One shared
+        by all heads (axis 1 of size 1) runs on the kernels: they read it packed to 32 keys a
+        word, skip the key blocks it hides from a whole query tile, run those it shows whole
+        unmasked, and read bits only on the rest (`fa4_jax.mask_bits`); a per-head mask runs on
+        the reference. Unlike `dot_product_attention`, a row the mask hides entirely has out 0
+        and lse -inf, like every row that sees no key here.
 
     Returns:
       out: [batch, seqlen_q, heads_q, head_dim_v] in the input dtype; and, when return_lse,
@@ -132,7 +140,7 @@ def attention(
         implementation=implementation,
         query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths,
-        score_arrays=_score_arrays(query, key, None, None, query_segment_ids, kv_segment_ids),
+        score_arrays=_score_arrays(query, key, mask, None, query_segment_ids, kv_segment_ids),
     )
 
 
@@ -146,15 +154,35 @@ class _ScoreArrays:
     query_segment_ids: object = None
     kv_segment_ids: object = None
 
-    def names(self) -> str:
-        given = [name for name, x in (("a mask array", self.mask), ("a bias array", self.bias),
-                                      ("segment ids", self.query_segment_ids)) if x is not None]
-        return " and ".join(given)
-
     @property
-    def kernels_read(self) -> bool:
-        """The kernels read these arrays: segment ids alone (not yet a mask or a bias)."""
-        return self.mask is None and self.bias is None
+    def not_read_by_kernels(self) -> str | None:
+        """Why the kernels do not read these arrays, or None when they do: segment ids, and a
+        mask shared by every head (the mask_array kernels), not yet a bias or a per-head mask."""
+        if self.bias is not None:
+            return "a bias array"
+        if self.mask is not None and self.mask.shape[1] != 1:
+            return "a mask that differs between heads (one shared by all heads, axis 1 of size 1, runs on them)"
+        return None
+
+    def kernel_call(self, params, seq_lengths, batch, seqlen_q, seqlen_k):
+        """(the params and segment operands of the kernel call): segment ids' operands
+        (`fa4_jax.segments.operands`), or a mask's (`fa4_jax.mask_bits.operands`: segment ids
+        and the causal and window rules folded into its bits, so the params lose them)."""
+        if self.mask is None:
+            return params, segment_tables.operands(
+                (self.query_segment_ids, self.kv_segment_ids), seq_lengths)
+        mask = self.mask[:, 0]
+        if self.query_segment_ids is not None:
+            mask = mask & (self.query_segment_ids[:, :, None] == self.kv_segment_ids[:, None, :])
+        if seq_lengths is None:
+            seq_lengths = (jnp.full((batch,), seqlen_q, jnp.int32), jnp.full((batch,), seqlen_k, jnp.int32))
+        operands = mask_bits.operands(mask, params, seq_lengths, seqlen_q, seqlen_k)
+        return _folded_mask_params(params), operands
+
+
+def _folded_mask_params(params):
+    """A mask call's params as its kernels see them: the rules folded into the mask's bits."""
+    return dataclasses.replace(params, causal=False, window_left=None, window_right=None, top_left=False)
 
 
 
@@ -237,7 +265,7 @@ def _attention(
         out = jnp.zeros((*query.shape[:3], value.shape[-1]), query.dtype)
         lse = jnp.full((query.shape[0], query.shape[2], query.shape[1]), -jnp.inf, jnp.float32)
         return (out, lse) if return_lse else out
-    if score_arrays is not None and not (backend == "cute" and score_arrays.kernels_read):
+    if score_arrays is not None and not (backend == "cute" and score_arrays.not_read_by_kernels is None):
         if reason is not None:
             notices.fallback(_BACKEND_NAMES["reference"], reason,
                              notices.shape_class(query, value, params))
@@ -251,10 +279,10 @@ def _attention(
             return cudnn.attention(query, key, value, params)
     segment_ids = None
     if score_arrays is not None:
-        # Segment ids on the kernels (anything else returned above): the span tables once, for
-        # the forward and its backward (a residual of the op).
-        segment_ids = segment_tables.operands(
-            (score_arrays.query_segment_ids, score_arrays.kv_segment_ids), seq_lengths)
+        # Segment ids or a mask on the kernels (anything else returned above): the span tables
+        # (and a mask's bits) once, for the forward and its backward (residuals of the op).
+        params, segment_ids = score_arrays.kernel_call(params, seq_lengths, query.shape[0],
+                                                       query.shape[1], key.shape[1])
     out, lse = attention_op(query, key, value, params, seq_lengths, segment_ids)
     return (out, lse) if return_lse else out
 
@@ -342,7 +370,7 @@ def explain(query, key, value, **options) -> Explanation:
     running it.
 
     Arguments are `attention`'s (a TypeError names one it does not take); query, key and value
-    may be arrays or `jax.ShapeDtypeStruct`s, and so may the lengths and segment ids. Raises what
+    may be arrays or `jax.ShapeDtypeStruct`s, and so may the lengths, segment ids and mask. Raises what
     `attention` raises for the same arguments.
 
     Example:
@@ -355,18 +383,22 @@ def explain(query, key, value, **options) -> Explanation:
     arguments = dict(call.arguments)
     lengths = [arguments.pop(n) for n in ("query_seq_lengths", "key_value_seq_lengths")]
     segment_ids = [arguments.pop(n) for n in ("query_segment_ids", "kv_segment_ids")]
+    mask = arguments.pop("mask")
+    score_arrays = _score_arrays(query, key, mask, None, *segment_ids)
     params, backend, reason = _plan(
-        ragged=any(x is not None for x in lengths),
-        score_arrays=_score_arrays(query, key, None, None, *segment_ids), **arguments)
+        ragged=any(x is not None for x in lengths), score_arrays=score_arrays, **arguments)
     if backend != "cute":
         return Explanation(backend, reason)
     ragged = any(x is not None for x in lengths)
-    segmented = segment_ids[0] is not None
-    plan = dispatch.explain_forward(query, key, value, params, ragged, segments=segmented)
+    segmented = score_arrays is not None
+    masked = segmented and score_arrays.mask is not None
+    if masked:
+        params = _folded_mask_params(params)
+    filters = dict(segments=segmented, mask_array=masked)
+    plan = dispatch.explain_forward(query, key, value, params, ragged, **filters)
     backward = None
-    if dispatch.unsupported_reason(query, key, value, params, "bwd", segments=segmented) is None:
-        backward = dispatch.explain_variant(query, key, value, params, "bwd", ragged,
-                                            segments=segmented).name
+    if dispatch.unsupported_reason(query, key, value, params, "bwd", **filters) is None:
+        backward = dispatch.explain_variant(query, key, value, params, "bwd", ragged, **filters).name
     padded = plan.head_dims != (query.shape[-1], value.shape[-1])
     return Explanation("cute", None, plan.variant.name, backward, plan.head_dims, padded,
                        plan.split_kv, plan.pack_gqa)
@@ -489,8 +521,11 @@ def dot_product_attention(
 
     `mask` (bool) and `bias` (added to the scaled scores, differentiable) broadcast to
     [B, N, T, S] as jax's do, a row the mask hides entirely getting the mean of the values as
-    in jax; until the kernels read them, calls with either run on the pure-JAX reference
-    (chunked: no [T, S] buffer beyond what the caller passed; a FallbackWarning says so).
+    in jax. A mask shared by every head (N axis of size 1, as Flax's make_causal_mask and
+    make_attention_mask give) runs on the kernels, which read it packed to bits and skip the
+    key blocks it hides (`fa4_jax.mask_bits`); a per-head mask or a bias runs on the pure-JAX
+    reference (chunked: no [T, S] buffer beyond what the caller passed; a FallbackWarning says
+    so).
 
     Differences from jax:
       - negative local_window_size bounds raise NotImplementedError.
@@ -767,8 +802,11 @@ def _resolve_backend(query, key, value, params, requested, score_arrays=None):
     implementation="cute", and the reference for None (the caller may prefer cuDNN)."""
     if requested == "reference":
         return params, None
-    if score_arrays is not None and not score_arrays.kernels_read:
-        reason = f"the kernels do not read {score_arrays.names()} yet"
+    if score_arrays is not None and score_arrays.not_read_by_kernels is not None:
+        reason = f"the kernels do not read {score_arrays.not_read_by_kernels} yet"
+    elif score_arrays is not None and score_arrays.mask is not None:
+        reason = _kernel_unsupported_reason(query, key, value, _folded_mask_params(params),
+                                            segments=True, mask_array=True)
     else:
         reason = _kernel_unsupported_reason(query, key, value, params, segments=score_arrays is not None)
     if reason is None:
@@ -779,7 +817,7 @@ def _resolve_backend(query, key, value, params, requested, score_arrays=None):
     return dataclasses.replace(params, implementation="reference"), reason
 
 
-def _kernel_unsupported_reason(query, key, value, params, segments=False):
+def _kernel_unsupported_reason(query, key, value, params, segments=False, mask_array=False):
     if query.dtype not in _KERNEL_DTYPES:
         return f"the kernels take bfloat16 or float16, got {query.dtype}"
-    return dispatch.unsupported_reason(query, key, value, params, segments=segments)
+    return dispatch.unsupported_reason(query, key, value, params, segments=segments, mask_array=mask_array)

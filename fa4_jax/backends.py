@@ -12,14 +12,16 @@ attribute; the reference is deterministic anyway (no atomics).
 seq_used_q / seq_used_k operands, the reference through its masks. `segment_ids` is None, or
 the four segment operands (`fa4_jax.segments.operands`: q_ids [batch, seqlen_q], kv_ids
 [batch, seqlen_k] int32 and their span tables): a row sees only the keys of its own id; the
-kernels read all four (the segments variants), the reference masks with the ids.
+kernels read all four (the segments variants), the reference masks with the ids. With a fifth,
+a boolean mask's bits (`fa4_jax.mask_bits.operands`), the mask_array variants read all five and
+the reference masks with the bits unpacked.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from fa4_jax import dispatch, notices
+from fa4_jax import dispatch, mask_bits, notices
 from fa4_jax.params import AttentionParams
 from fa4_jax.reference import attention_reference
 
@@ -31,13 +33,14 @@ def forward(q, k, v, params: AttentionParams, seq_lengths=None, segment_ids=None
     return _reference_fp32(q, k, v, params, seq_lengths, segment_ids)
 
 
-def backward_unsupported_reason(q, k, v, params: AttentionParams, segments: bool = False) -> str | None:
+def backward_unsupported_reason(q, k, v, params: AttentionParams, segment_ids=None) -> str | None:
     """Why a call whose forward runs on the kernels would have to take the reference backward:
     raised for implementation="cute", said once otherwise; None when the kernels serve it.
-    segments: the call has segment ids."""
+    segment_ids: the call's segment operands, or None."""
     if params.implementation != "cute":
         return None
-    reason = dispatch.unsupported_reason(q, k, v, params, "bwd", segments=segments)
+    segments, mask_array = dispatch.filter_kinds(segment_ids)
+    reason = dispatch.unsupported_reason(q, k, v, params, "bwd", segments=segments, mask_array=mask_array)
     if reason is None:
         return None
     if params.require_kernels:
@@ -63,11 +66,12 @@ def backward(q, k, v, out, lse, d_out, d_lse, params: AttentionParams, seq_lengt
         when lse is not differentiated (zero).
       seq_lengths: None or (q_len, kv_len), as for the forward; the ring contract holds per
         entry (rows past q_len have block lse -inf, so weight 0 and zero gradient).
-      segment_ids: None or the four segment operands, as for the forward.
+      segment_ids: None or the segment operands, as for the forward.
     """
-    segmented = segment_ids is not None
+    segments, mask_array = dispatch.filter_kinds(segment_ids)
     if (params.implementation == "cute"
-            and dispatch.unsupported_reason(q, k, v, params, "bwd", segments=segmented) is None):
+            and dispatch.unsupported_reason(q, k, v, params, "bwd", segments=segments,
+                                            mask_array=mask_array) is None):
         return dispatch.backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths, segment_ids)
     return _reference_backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths, segment_ids)
 
@@ -94,6 +98,9 @@ def _reference_backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths, se
 def _reference_fp32(q, k, v, params, seq_lengths, segment_ids=None):
     q_len, kv_len = (None, None) if seq_lengths is None else seq_lengths
     q_ids, kv_ids = (None, None) if segment_ids is None else segment_ids[:2]
+    mask = None
+    if dispatch.filter_kinds(segment_ids)[1]:
+        mask = mask_bits.unpack(segment_ids[-1], k.shape[1])[:, None]
     return attention_reference(
         q,
         k,
@@ -108,5 +115,6 @@ def _reference_fp32(q, k, v, params, seq_lengths, segment_ids=None):
         key_value_seq_lengths=kv_len,
         query_segment_ids=q_ids,
         kv_segment_ids=kv_ids,
+        mask=mask,
         compute_dtype=jnp.float32,
     )

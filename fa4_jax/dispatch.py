@@ -73,21 +73,23 @@ def sm_count() -> int | None:
     return getattr(jax.devices()[0], "core_count", None) or None
 
 
-def kernel_call(q, k, v, params, kind: str, arch: str, ragged: bool, segments: bool = False) -> routing.Call:
+def kernel_call(q, k, v, params, kind: str, arch: str, ragged: bool, segments: bool = False,
+                mask_array: bool = False) -> routing.Call:
     return routing.Call(
         kind=kind, arch=arch, dtype=_DTYPE_NAMES[str(q.dtype)], head_dim=q.shape[-1],
         head_dim_v=v.shape[-1],
         mask=routing.mask_kind(params.causal, params.window_left, params.window_right),
         softcap=params.softcap is not None, seqlen_q=q.shape[1], seqlen_k=k.shape[1], ragged=ragged,
-        top_left=params.top_left, segments=segments)
+        top_left=params.top_left, segments=segments, mask_array=mask_array)
 
 
 def served_head_dims(q, v, params, kind: str, arch: str, library: ffi.Library,
-                     segments: bool = False) -> tuple[int, int] | None:
-    """The compiled (head_dim, head_dim_v) whose `kind` kernels (with segment ids or not) serve a
-    call with q's and v's head dims (`routing.serving_head_dims`), or None when no compiled pair
-    is wide enough."""
-    call = kernel_call(q, q, v, params, kind, arch, ragged=False, segments=segments)  # k's head dim is q's
+                     segments: bool = False, mask_array: bool = False) -> tuple[int, int] | None:
+    """The compiled (head_dim, head_dim_v) whose `kind` kernels (with segment ids or not, a mask
+    array or not) serve a call with q's and v's head dims (`routing.serving_head_dims`), or None
+    when no compiled pair is wide enough."""
+    call = kernel_call(q, q, v, params, kind, arch, ragged=False, segments=segments,
+                       mask_array=mask_array)  # k's head dim is q's
     compiled = [pair for pair in library.head_dims.get(arch, ())
                 if dataclasses.replace(call, head_dim=pair[0], head_dim_v=pair[1]).variant().name
                 in library.compiled]
@@ -95,7 +97,7 @@ def served_head_dims(q, v, params, kind: str, arch: str, library: ffi.Library,
 
 
 def unsupported_reason(q, k, v, params, kind: str = "fwd", library: ffi.Library | None = None,
-                       segments: bool = False) -> str | None:
+                       segments: bool = False, mask_array: bool = False) -> str | None:
     arch, reason = device_arch()
     if reason is not None:
         return reason
@@ -109,12 +111,13 @@ def unsupported_reason(q, k, v, params, kind: str = "fwd", library: ffi.Library 
         return f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})"
     if k.shape[-1] != q.shape[-1]:
         return f"head dims of q ({q.shape[-1]}) and k ({k.shape[-1]}) differ"
-    call = kernel_call(q, k, v, params, kind, arch, ragged=False, segments=segments)
-    served = served_head_dims(q, v, params, kind, arch, library, segments)
+    call = kernel_call(q, k, v, params, kind, arch, ragged=False, segments=segments, mask_array=mask_array)
+    served = served_head_dims(q, v, params, kind, arch, library, segments, mask_array)
     if served is None:
         default = call.variant()
+        operands = ' with a mask array' if mask_array else ' with segment ids' if segments else ''
         return (f"no {kind} kernel for {default.arch} {default.dtype} {default.mask}"
-                f"{' softcap' if default.softcap else ''}{' with segment ids' if segments else ''} "
+                f"{' softcap' if default.softcap else ''}{operands} "
                 f"at head dim {default.head_dim} (head dim of v {default.head_dim_v}) or wider is "
                 f"compiled into {library.path}")
     variant = library.choose(dataclasses.replace(call, head_dim=served[0], head_dim_v=served[1]))
@@ -137,17 +140,18 @@ class KernelPlan:
 
 
 def explain_forward(q, k, v, params, ragged: bool = False,
-                    library: ffi.Library | None = None, segments: bool = False) -> KernelPlan:
+                    library: ffi.Library | None = None, segments: bool = False,
+                    mask_array: bool = False) -> KernelPlan:
     """The `KernelPlan` that `forward` follows for a call of these shapes (q, k, v: arrays or
-    ShapeDtypeStructs) on the default device, with segment ids or not; the kernels must serve
-    it."""
+    ShapeDtypeStructs) on the default device, with segment ids or a mask array or neither; the
+    kernels must serve it."""
     import jax
 
     library = library or ffi.load()
     arch, reason = device_arch()
     if reason is not None:
         raise ffi.LibraryUnavailable(reason)
-    head_dims = served_head_dims(q, v, params, "fwd", arch, library, segments)
+    head_dims = served_head_dims(q, v, params, "fwd", arch, library, segments, mask_array)
     q, k, v = (jax.ShapeDtypeStruct(x.shape[:-1] + (width,), x.dtype)
                for x, width in ((q, head_dims[0]), (k, head_dims[0]), (v, head_dims[1])))
     sms = sm_count()
@@ -159,12 +163,13 @@ def explain_forward(q, k, v, params, ragged: bool = False,
     if packed:
         q = jax.eval_shape(lambda q, k: packing.pack(q, k, params)[0], q, k)
         params = packing.packed_params(params)
-    call = kernel_call(q, k, v, params, "fwd", arch, ragged, segments)
+    call = kernel_call(q, k, v, params, "fwd", arch, ragged, segments, mask_array)
     return KernelPlan(head_dims, splits, packed, library.choose(call))
 
 
 def explain_variant(q, k, v, params, kind: str = "fwd", ragged: bool = False,
-                    library: ffi.Library | None = None, segments: bool = False) -> routing.Variant:
+                    library: ffi.Library | None = None, segments: bool = False,
+                    mask_array: bool = False) -> routing.Variant:
     """The compiled variant the handler runs for a call of exactly these shapes (as the kernel
     sees it: pass the GQA-packed or split shapes that `forward` passes on), head dims widened
     to the compiled ones that serve them."""
@@ -172,9 +177,18 @@ def explain_variant(q, k, v, params, kind: str = "fwd", ragged: bool = False,
     arch, reason = device_arch()
     if reason is not None:
         raise ffi.LibraryUnavailable(reason)
-    call = kernel_call(q, k, v, params, kind, arch, ragged, segments)
-    head_dims = served_head_dims(q, v, params, kind, arch, library, segments) or (call.head_dim, call.head_dim_v)
+    call = kernel_call(q, k, v, params, kind, arch, ragged, segments, mask_array)
+    head_dims = (served_head_dims(q, v, params, kind, arch, library, segments, mask_array)
+                 or (call.head_dim, call.head_dim_v))
     return library.choose(dataclasses.replace(call, head_dim=head_dims[0], head_dim_v=head_dims[1]))
+
+
+def filter_kinds(segment_ids) -> tuple[bool, bool]:
+    """(segments, mask_array) of a call's segment operands: None, the four of segment ids, or
+    five with a mask's bits (`ffi.SEGMENT_OPERANDS`)."""
+    if segment_ids is None:
+        return False, False
+    return True, len(segment_ids) > ffi.SEGMENT_OPERANDS
 
 
 def _widen(x, width: int):
@@ -185,12 +199,12 @@ def _widen(x, width: int):
 
 
 def _padded_head_dims(q, v, params, kind: str, library: ffi.Library,
-                      segments: bool = False) -> tuple[int, int] | None:
+                      segments: bool = False, mask_array: bool = False) -> tuple[int, int] | None:
     """The wider compiled head dims a call runs at, or None when it runs at its own."""
     arch, reason = device_arch()
     if reason is not None or str(q.dtype) not in _DTYPE_NAMES:
         return None
-    served = served_head_dims(q, v, params, kind, arch, library, segments)
+    served = served_head_dims(q, v, params, kind, arch, library, segments, mask_array)
     return None if served in (None, (q.shape[-1], v.shape[-1])) else served
 
 
@@ -215,8 +229,9 @@ def _length_operands(seq_lengths, by_query, by_key):
     return (seq_used_q, seq_used_k), by_query, by_key
 
 
-def _require(q, k, v, params, kind: str, library: ffi.Library, segments: bool = False) -> None:
-    reason = unsupported_reason(q, k, v, params, kind, library, segments)
+def _require(q, k, v, params, kind: str, library: ffi.Library, segments: bool = False,
+             mask_array: bool = False) -> None:
+    reason = unsupported_reason(q, k, v, params, kind, library, segments, mask_array)
     if reason is not None:
         raise RuntimeError(f"fa4_jax {kind} kernel unavailable: {reason}")
 
@@ -226,24 +241,24 @@ def forward(q, k, v, params, seq_lengths=None, segment_ids=None, *, library: ffi
     """(out [b, sq, h, dv] in q's dtype, lse [b, h, sq] float32) from the forward kernel.
 
     seq_lengths: None, or (q_len, kv_len) of a ragged batch, int32 [batch] each, clamped to
-    [0, seqlen]. segment_ids: None, or the four segment operands (`fa4_jax.segments.operands`:
-    the ids and their span tables): a row sees only keys of its own id (never packed or split). `pack_gqa`: run the query heads of each
-    key/value head as one tile's rows;
-    None packs where `pack_gqa.packs` says it pays, False never. `split_kv`: run the keys as this
+    [0, seqlen]. segment_ids: None, the four segment operands (`fa4_jax.segments.operands`:
+    the ids and their span tables): a row sees only keys of its own id, or those and a mask's
+    bits (`fa4_jax.mask_bits.operands`); never packed or split. `pack_gqa`: run the query heads
+    of each key/value head as one tile's rows; None packs where `pack_gqa.packs` says it pays, False never. `split_kv`: run the keys as this
     many chunks and combine them (it must divide seqlen_k); None splits where
     `split_kv.num_splits` says the call has too few tiles for the GPU, 1 never. The explicit
     settings, `library` and `tuning` are the benchmark's.
     """
     library = library or ffi.load()
-    segmented = segment_ids is not None
-    padded = _padded_head_dims(q, v, params, "fwd", library, segmented)
+    segmented, masked = filter_kinds(segment_ids)
+    padded = _padded_head_dims(q, v, params, "fwd", library, segmented, masked)
     if padded is not None:
         out, lse = forward(_widen(q, padded[0]), _widen(k, padded[0]), _widen(v, padded[1]), params,
                            seq_lengths, segment_ids, library=library, tuning=tuning, pack_gqa=pack_gqa,
                            split_kv=split_kv)
         return out[..., :v.shape[-1]], lse
     if segmented:
-        _require(q, k, v, params, "fwd", library, segments=True)
+        _require(q, k, v, params, "fwd", library, segments=True, mask_array=masked)
         lengths, (q,), () = _length_operands(seq_lengths, (q,), ())
         return ffi.forward_call(library, q, k, v, lengths, ffi.attributes(params), tuning,
                                 segments=segment_ids)
@@ -288,15 +303,15 @@ def backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths=None, segment_
     (`dq_copies`), for the benchmark's measurement of that rule.
     """
     library = library or ffi.load()
-    segmented = segment_ids is not None
-    padded = _padded_head_dims(q, v, params, "bwd", library, segmented)
+    segmented, masked = filter_kinds(segment_ids)
+    padded = _padded_head_dims(q, v, params, "bwd", library, segmented, masked)
     if padded is not None:
         width, width_v = padded
         dq, dk, dv = backward(_widen(q, width), _widen(k, width), _widen(v, width_v),
                               _widen(out, width_v), lse, _widen(d_out, width_v), d_lse, params,
                               seq_lengths, segment_ids, library=library, tuning=tuning, copies=copies)
         return dq[..., :q.shape[-1]], dk[..., :k.shape[-1]], dv[..., :v.shape[-1]]
-    _require(q, k, v, params, "bwd", library, segmented)
+    _require(q, k, v, params, "bwd", library, segmented, masked)
     d_out = d_out.astype(q.dtype)
     lengths, (q, d_out), (k, v) = _length_operands(seq_lengths, (q, d_out), (k, v))
     copies = copies or dq_copies(q, k, params, library)

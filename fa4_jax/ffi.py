@@ -8,7 +8,9 @@ The library is fa4_jax/_lib/libfa4_jax.so (FA4_JAX_LIBRARY overrides), built by
 `python -m fa4_jax.aot.build`, beside its manifest.json (the compiled variants and their routes).
 Its custom call targets carry a version: `fa4_jax_fwd_v2` and `fa4_jax_bwd_v2`, and for calls
 with segment ids `fa4_jax_fwd_segments_v1` and `fa4_jax_bwd_segments_v1` (the same operands
-and four more: the ids and their span tables, `fa4_jax.segments`). Their attributes describe
+and four more: the ids and their span tables, `fa4_jax.segments`), and for calls with a boolean
+mask `fa4_jax_fwd_masked_v1` and `fa4_jax_bwd_masked_v1` (those four and a fifth, the mask's
+bits, `fa4_jax.mask_bits`). Their attributes describe
 the problem (softmax scale, mask, window, softcap, alignment, deterministic) and never a tuning,
 so a `jax.export`ed program keeps working after a retune. A development library
 (benchmarks/ablations.py) also has `fa4_jax_dev_fwd_v2` / `fa4_jax_dev_bwd_v2`, which take a
@@ -35,6 +37,10 @@ FWD_TARGET = "fa4_jax_fwd_v2"
 BWD_TARGET = "fa4_jax_bwd_v2"
 FWD_SEGMENTS_TARGET = "fa4_jax_fwd_segments_v1"
 BWD_SEGMENTS_TARGET = "fa4_jax_bwd_segments_v1"
+FWD_MASKED_TARGET = "fa4_jax_fwd_masked_v1"
+BWD_MASKED_TARGET = "fa4_jax_bwd_masked_v1"
+# The operands a call with segment ids passes after the lengths; one with a mask passes one more.
+SEGMENT_OPERANDS = 4
 DEV_FWD_TARGET = "fa4_jax_dev_fwd_v2"
 DEV_BWD_TARGET = "fa4_jax_dev_bwd_v2"
 _LIB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lib")
@@ -51,7 +57,8 @@ def export_disabled_checks() -> list:
     import jax
 
     return [jax.export.DisabledSafetyCheck.custom_call(t)
-            for t in (FWD_TARGET, BWD_TARGET, FWD_SEGMENTS_TARGET, BWD_SEGMENTS_TARGET)]
+            for t in (FWD_TARGET, BWD_TARGET, FWD_SEGMENTS_TARGET, BWD_SEGMENTS_TARGET,
+                      FWD_MASKED_TARGET, BWD_MASKED_TARGET)]
 
 
 class LibraryUnavailable(RuntimeError):
@@ -70,9 +77,12 @@ class Library:
     dq_copies_max_keys: dict  # arch -> {head_dim: keys}
     tuning_targets: bool  # the targets take a `tuning` attribute (a development library)
     head_dims: dict = dataclasses.field(default_factory=dict)  # arch -> {(head_dim, head_dim_v)}
-    # The segments targets (None in a development library, which has no segments variants).
+    # The segments and masked targets (None in a development library, which has no segments
+    # variants).
     fwd_segments_target: str | None = None
     bwd_segments_target: str | None = None
+    fwd_masked_target: str | None = None
+    bwd_masked_target: str | None = None
     # Archs whose kernels no GPU of the arch has run: checked on first use (fa4_jax.verification).
     unverified_arches: frozenset = frozenset()
 
@@ -117,7 +127,8 @@ def load(path: str | None = None, tuning_targets: bool = False) -> Library:
             targets = ((DEV_FWD_TARGET, "Fa4DevFwd"), (DEV_BWD_TARGET, "Fa4DevBwd"))
         else:
             targets = ((FWD_TARGET, "Fa4Fwd"), (BWD_TARGET, "Fa4Bwd"),
-                       (FWD_SEGMENTS_TARGET, "Fa4FwdSegments"), (BWD_SEGMENTS_TARGET, "Fa4BwdSegments"))
+                       (FWD_SEGMENTS_TARGET, "Fa4FwdSegments"), (BWD_SEGMENTS_TARGET, "Fa4BwdSegments"),
+                       (FWD_MASKED_TARGET, "Fa4FwdMasked"), (BWD_MASKED_TARGET, "Fa4BwdMasked"))
         _register(lib, targets)
     except Exception as e:  # noqa: BLE001 - any failure means "not available", with the reason
         raise LibraryUnavailable(f"the fa4_jax kernel library at {path} does not load: {e}") from e
@@ -134,6 +145,8 @@ def load(path: str | None = None, tuning_targets: bool = False) -> Library:
         head_dims=_head_dims(manifest["variants"]),
         fwd_segments_target=None if tuning_targets else FWD_SEGMENTS_TARGET,
         bwd_segments_target=None if tuning_targets else BWD_SEGMENTS_TARGET,
+        fwd_masked_target=None if tuning_targets else FWD_MASKED_TARGET,
+        bwd_masked_target=None if tuning_targets else BWD_MASKED_TARGET,
         unverified_arches=frozenset(manifest.get("unverified_arches", ())),
     )
 
@@ -204,9 +217,16 @@ def _tuning_attr(library: Library, tuning: str | None) -> dict:
     return {}
 
 
-def _segments_target(library: Library, target: str | None) -> str:
+def _target(library: Library, kind: str, segments) -> str:
+    """The custom call of `kind` for a call with these segment operands: none, the four of
+    segment ids, or five with a mask's bits."""
+    if segments is None:
+        return library.fwd_target if kind == "fwd" else library.bwd_target
+    masked = len(segments) > SEGMENT_OPERANDS
+    target = getattr(library, f"{kind}_{'masked' if masked else 'segments'}_target")
     if target is None:
-        raise LibraryUnavailable(f"{library.path} has no custom calls for segment ids")
+        raise LibraryUnavailable(f"{library.path} has no custom calls for "
+                                 f"{'a mask array' if masked else 'segment ids'}")
     return target
 
 
@@ -214,13 +234,14 @@ def forward_call(library: Library, q, k, v, lengths, attrs: dict, tuning: str | 
                  segments=None):
     """The forward custom call: (out [b, sq, h, dv] in q's dtype, lse [b, h, sq] float32).
 
-    lengths: the (seq_used_q, seq_used_k) operands (`seq_used`). segments: None, or the four
-    segment operands (`fa4_jax.segments.operands`), which select the segments target."""
+    lengths: the (seq_used_q, seq_used_k) operands (`seq_used`). segments: None, the four
+    segment operands (`fa4_jax.segments.operands`), which select the segments target, or those
+    and a mask's bits (`fa4_jax.mask_bits.operands`), which select the masked target."""
     import jax
 
     b, sq, h, _ = q.shape
     result = _result_type(q)
-    target = library.fwd_target if segments is None else _segments_target(library, library.fwd_segments_target)
+    target = _target(library, "fwd", segments)
     call = jax.ffi.ffi_call(target, (result((b, sq, h, v.shape[-1]), q.dtype), result((b, h, sq), np.float32)))
     return call(q, k, v, *lengths, *(segments or ()), **attrs, **_tuning_attr(library, tuning))
 
@@ -250,7 +271,7 @@ def backward_call(library: Library, q, k, v, out, lse, d_out, d_lse, lengths, at
         result((b, h, sq_pad), f32),
         result((dq_copies, b, h, sq_pad // BWD_SEMAPHORE_ROWS), np.int32),
     )
-    target = library.bwd_target if segments is None else _segments_target(library, library.bwd_segments_target)
+    target = _target(library, "bwd", segments)
     call = jax.ffi.ffi_call(target, results)
     d_lse = jnp.zeros((0, h, sq), f32) if d_lse is None else d_lse.astype(f32)
     dq, dk, dv, *_workspaces = call(

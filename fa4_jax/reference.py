@@ -132,9 +132,11 @@ def attention_reference(
 
 
 def dense_attention(q, k, v, *, compute_dtype, softmax_scale=None, softcap=None, causal=False,
-                    window_left=None, window_right=None, query_segment_ids=None, kv_segment_ids=None):
+                    window_left=None, window_right=None, query_segment_ids=None, kv_segment_ids=None,
+                    mask=None):
     """`attention_reference`'s (out, lse) with the same compute_dtype semantics, unchunked
-    (segment ids, when given, as there: a row sees only keys of its own id).
+    (segment ids and a bool mask [b | 1, h | 1, sq, sk], when given, as there: a row sees only
+    keys of its own id that the mask shows).
 
     The score matrix is materialised ([batch, heads, seqlen_q, seqlen_k] float32), so it is for
     small shapes only (the GPU tier's oracle, `python -m fa4_jax.selftest`'s); in exchange XLA
@@ -158,6 +160,8 @@ def dense_attention(q, k, v, *, compute_dtype, softmax_scale=None, softcap=None,
         jnp.arange(seqlen_q), jnp.arange(seqlen_k))
     if query_segment_ids is not None:
         visible = visible & (query_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :])
+    if mask is not None:
+        visible = visible & mask
     scores = jnp.where(visible, scores.astype(jnp.float32), -jnp.inf)
     empty = ~visible.any(axis=-1, keepdims=True)
     safe_scores = jnp.where(empty, 0.0, scores)

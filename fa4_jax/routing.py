@@ -41,7 +41,8 @@ class Variant:
     names the others (its TUNINGS, reached through its ROUTES), and benchmarks/ablations.py its
     experiments, built into a development library of their own. `segments`: the kernel reads
     segment ids (a row sees only the keys of its own id) and skips the key blocks that share
-    none with a tile; the calls of `fa4_jax.ffi`'s segments targets run these.
+    none with a tile; the calls of `fa4_jax.ffi`'s segments targets run these. `mask_array`: a
+    segments kernel that also reads a boolean mask's bits (the masked targets' calls).
     """
 
     arch: str
@@ -53,8 +54,11 @@ class Variant:
     kind: str = "fwd"
     tuning: str = "default"
     segments: bool = False
+    mask_array: bool = False
 
     def __post_init__(self):
+        if self.mask_array and not self.segments:
+            raise ValueError(f"a mask_array variant is a segments variant: {self!r}")
         if (self.dtype not in DTYPES or self.mask not in MASKS or self.kind not in KINDS
                 or not self.tuning.isidentifier() or not self.arch.startswith("sm_")):
             raise ValueError(f"not a valid variant: {self!r}")
@@ -64,7 +68,7 @@ class Variant:
         """A C identifier: the export name, function prefix and dispatch key of this variant."""
         mask = "" if self.mask == "none" else f"_{self.mask}"
         softcap = "_softcap" if self.softcap else ""
-        segments = "_segments" if self.segments else ""
+        segments = "_boolmask" if self.mask_array else "_segments" if self.segments else ""
         tuning = "" if self.tuning == "default" else f"_t{self.tuning}"
         return (f"{name_prefix(self.kind, self.arch)}{self.dtype}_d{self.head_dim}_dv{self.head_dim_v}"
                 f"{mask}{softcap}{segments}{tuning}")
@@ -142,6 +146,7 @@ class Call:
     ragged: bool = False
     top_left: bool = False
     segments: bool = False
+    mask_array: bool = False
 
     @property
     def diagonal_offset(self) -> int:
@@ -149,7 +154,7 @@ class Call:
 
     def variant(self, tuning: str = "default") -> Variant:
         return Variant(self.arch, self.dtype, self.head_dim, self.head_dim_v, self.mask, self.softcap,
-                       self.kind, tuning, self.segments)
+                       self.kind, tuning, self.segments, self.mask_array)
 
 
 def diagonal_on_blocks(call: Call, block: int) -> bool:

@@ -38,7 +38,7 @@ def _runs(ranks, count, num_ranks):
     return first, last, how_many
 
 
-def _chunk_table(first, last, partners, count):
+def chunk_table(first, last, partners, count):
     """[ceil(n / SPAN_CHUNK), 4] entries (LO, HI, FULL_LO, FULL_HI) of one side of one batch
     entry, from each position's partners (first, last, how many) and the side's valid count."""
     length = first.shape[0]
@@ -66,8 +66,8 @@ def _entry_tables(q_ids, kv_ids, q_len, kv_len):
     num_ranks = q_ids.shape[0] + kv_ids.shape[0]
     key_runs = _runs(k_rank, kv_len, num_ranks)
     query_runs = _runs(q_rank, q_len, num_ranks)
-    row_spans = _chunk_table(*(x[q_rank] for x in key_runs), q_len)
-    key_spans = _chunk_table(*(x[k_rank] for x in query_runs), kv_len)
+    row_spans = chunk_table(*(x[q_rank] for x in key_runs), q_len)
+    key_spans = chunk_table(*(x[k_rank] for x in query_runs), kv_len)
     return row_spans, key_spans
 
 

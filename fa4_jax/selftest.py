@@ -7,9 +7,10 @@ report to paste into an issue.
 
 For each problem class of the library (dtype, head dims, mask kind, softcap) it runs a few
 small calls of fixed shapes and seeds, chosen so that together they reach every compiled variant
-through the router (`fa4_jax.explain` says which each call runs), and one with segment ids
-(two documents of different lengths on each side, and padding) for the segments variants,
-forward and backward, and
+through the router (`fa4_jax.explain` says which each call runs), one with segment ids
+(two documents of different lengths on each side, and padding) for the segments variants, and
+one with a bool mask (those documents, and every fifth key shown to every row) for the mask
+array variants, forward and backward, and
 compares out, lse and the gradients with `fa4_jax.reference.dense_attention` (the reference's
 semantics, unchunked), in float32 and in the input dtype, under docs/design.md's numerics rule
 (max error at most twice the low-precision reference's, three times with softcap), with a floor
@@ -95,7 +96,8 @@ def _check_call(problem, dtype, head_dim, head_dim_v, options, seqlen_q, seqlen_
     from fa4_jax.reference import dense_attention
 
     keys = jax.random.split(jax.random.key(seed), 5)
-    segments = {name: options[name] for name in ("query_segment_ids", "kv_segment_ids") if name in options}
+    segments = {name: options[name] for name in ("query_segment_ids", "kv_segment_ids", "mask")
+                if name in options}
     q = jax.random.normal(keys[0], (1, seqlen_q, HEADS_Q, head_dim), dtype)
     k = jax.random.normal(keys[1], (1, seqlen_k, HEADS_KV, head_dim), dtype)
     v = jax.random.normal(keys[2], (1, seqlen_k, HEADS_KV, head_dim_v), dtype)
@@ -144,13 +146,24 @@ def _segment_ids():
     return tuple(ids)
 
 
+def _mask():
+    """The mask probe's bool [1, 1, sq, sk]: the segment probe's documents, and every fifth key
+    shown to every row (so no key block is one run of a tile's keys)."""
+    import numpy as np
+
+    q_ids, kv_ids = _segment_ids()
+    every_fifth = np.arange(kv_ids.shape[1]) % 5 == 0
+    return ((q_ids[:, None, :, None] == kv_ids[:, None, None, :]) | every_fifth)
+
+
 def _probes(options):
     """(seqlen_q, seqlen_k, options) of a problem class's calls: PROBE_LENGTHS, then the
-    segment probe."""
+    segment probe and the mask probe."""
     for seqlen_q, seqlen_k in PROBE_LENGTHS:
         yield seqlen_q, seqlen_k, options
     q_ids, kv_ids = _segment_ids()
     yield *SEGMENT_PROBE[0], dict(options, query_segment_ids=q_ids, kv_segment_ids=kv_ids)
+    yield *SEGMENT_PROBE[0], dict(options, mask=_mask())
 
 
 def _problem_classes(library, arch):
@@ -223,7 +236,8 @@ def _run_checks(library, arch, wanted, dtypes, report, out) -> None:
             variants = {explanation.forward_variant, explanation.backward_variant} - {None}
             if explanation.backend != "cute" or not variants & (wanted - reached):
                 continue
-            segmented = " segments" if "query_segment_ids" in probe_options else ""
+            segmented = (" segments" if "query_segment_ids" in probe_options
+                         else " mask array" if "mask" in probe_options else "")
             # An arch without backward kernels (Blackwell's, so far) takes the reference backward.
             implementation = "cute" if explanation.backward_variant else None
             check = _check_call(problem + segmented, dtypes[dtype], d, dv, probe_options, seqlen_q,

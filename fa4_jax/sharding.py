@@ -15,7 +15,8 @@ compiler with `jax.experimental.custom_partitioning`:
 
 A ragged batch's valid lengths (int32 [batch] each) and segment ids ([batch, seq] each) are
 operands of their own ops, sharded with the batch: each device gets those of its own batch
-entries (the ids whole along the sequence, like q and k).
+entries (the ids whole along the sequence, like q and k); so are a boolean mask's bits and
+tables (`fa4_jax.mask_bits`).
 
 Grouped-query attention: query head i reads kv head i // groups, so the query heads factor as
 (kv_heads, groups), kv_heads major. Sharding heads over n devices gives each device
@@ -58,10 +59,11 @@ def attention_forward(q, k, v, params: AttentionParams, seq_lengths=None, segmen
     heads_q, head_dim_v], lse [batch, heads_q, seqlen_q] float32. seq_lengths: None or
     (q_len, kv_len), int32 [batch] each; segment_ids: None or the four segment operands
     (`fa4_jax.segments.operands`: q_ids [batch, seqlen_q], kv_ids [batch, seqlen_k] and their
-    span tables [batch, chunks, 4]); all partitioned with the batch.
+    span tables [batch, chunks, 4]), or those and a mask's bits [batch, seqlen_q, words]
+    (`fa4_jax.mask_bits.operands`); all partitioned with the batch.
     """
     _check_not_partially_manual()
-    op = _forward_op(seq_lengths is not None, segment_ids is not None)
+    op = _forward_op(seq_lengths is not None, len(segment_ids or ()))
     return _vmappable(op, params)(q, k, v, *_aux_operands(seq_lengths, segment_ids))
 
 
@@ -73,7 +75,7 @@ def attention_backward(q, k, v, out, lse, d_out, d_lse, params: AttentionParams,
     """
     _check_not_partially_manual()
     arrays = (q, k, v, out, lse, d_out) + (() if d_lse is None else (d_lse,))
-    op = _backward_op(d_lse is not None, seq_lengths is not None, segment_ids is not None)
+    op = _backward_op(d_lse is not None, seq_lengths is not None, len(segment_ids or ()))
     return _vmappable(op, params)(*arrays, *_aux_operands(seq_lengths, segment_ids))
 
 
@@ -82,10 +84,10 @@ def _aux_operands(seq_lengths, segment_ids) -> tuple:
     return tuple(seq_lengths or ()) + tuple(segment_ids or ())
 
 
-def _aux_arguments(aux, ragged: bool, segmented: bool):
+def _aux_arguments(aux, ragged: bool, segment_operands: int):
     """(seq_lengths, segment_ids) for the backends from `_aux_operands`' arrays."""
     seq_lengths = tuple(aux[:2]) if ragged else None
-    segment_ids = tuple(aux[2 * ragged:]) if segmented else None
+    segment_ids = tuple(aux[2 * ragged:]) if segment_operands else None
     return seq_lengths, segment_ids
 
 
@@ -114,14 +116,15 @@ def _check_not_partially_manual():
 # one per query row or key.
 _QUERY, _KEY, _VALUE, _OUT, _LSE, _LENGTHS = "bsHd", "bthd", "bthe", "bsHe", "bHs", "b"
 _QUERY_IDS, _KEY_IDS = "bs", "bt"
-# Segment ids' span tables: per query (m) or key (n) chunk, four fields (f).
-_ROW_SPANS, _KEY_SPANS = "bmf", "bnf"
+# Segment ids' span tables: per query (m) or key (n) chunk, four fields (f); a mask's bits: per
+# query row, words (w) of 32 keys.
+_ROW_SPANS, _KEY_SPANS, _MASK_BITS = "bmf", "bnf", "bsw"
 _DIMENSION_NAMES = {
     "b": "batch", "s": "seq", "t": "seq", "H": "heads", "h": "heads", "d": "head_dim",
-    "e": "head_dim", "m": "chunks", "n": "chunks", "f": "fields",
+    "e": "head_dim", "m": "chunks", "n": "chunks", "f": "fields", "w": "mask words",
 }
 # Dimensions a device needs whole (sequence parallelism is ring_attention's job).
-_REPLICATED_ROLES = "stdemnf"
+_REPLICATED_ROLES = "stdemnfw"
 
 
 def _roles(layout, batch_dims):
@@ -173,24 +176,27 @@ _GRADIENTS = (("dq", _QUERY), ("dk", _KEY), ("dv", _VALUE))
 _RAGGED_OPERANDS = (("query_seq_lengths", _LENGTHS), ("key_value_seq_lengths", _LENGTHS))
 _SEGMENT_OPERANDS = (("query_segment_ids", _QUERY_IDS), ("kv_segment_ids", _KEY_IDS),
                      ("row_spans", _ROW_SPANS), ("key_spans", _KEY_SPANS))
+_MASK_OPERANDS = _SEGMENT_OPERANDS + (("mask_bits", _MASK_BITS),)
 
 
-def _aux_layout(ragged: bool, segmented: bool) -> tuple:
-    return (_RAGGED_OPERANDS if ragged else ()) + (_SEGMENT_OPERANDS if segmented else ())
+def _aux_layout(ragged: bool, segment_operands: int) -> tuple:
+    segments = {0: (), len(_SEGMENT_OPERANDS): _SEGMENT_OPERANDS,
+                len(_MASK_OPERANDS): _MASK_OPERANDS}[segment_operands]
+    return (_RAGGED_OPERANDS if ragged else ()) + segments
 
 
-def _forward_layout(ragged: bool, segmented: bool) -> _OpLayout:
+def _forward_layout(ragged: bool, segment_operands: int) -> _OpLayout:
     return _OpLayout(
         operands=(*zip(_FORWARD_LAYOUT.operand_names, _FORWARD_LAYOUT.operand_layouts),
-                  *_aux_layout(ragged, segmented)),
+                  *_aux_layout(ragged, segment_operands)),
         results=(("out", _OUT), ("lse", _LSE)),
     )
 
 
-def _backward_layout(with_d_lse: bool, ragged: bool, segmented: bool) -> _OpLayout:
+def _backward_layout(with_d_lse: bool, ragged: bool, segment_operands: int) -> _OpLayout:
     """The backward op's layout: with a d_lse operand, or none (lse not differentiated)."""
     operands = (_BACKWARD_OPERANDS + (_D_LSE_OPERAND if with_d_lse else ())
-                + _aux_layout(ragged, segmented))
+                + _aux_layout(ragged, segment_operands))
     return _OpLayout(operands, _GRADIENTS)
 
 
@@ -312,33 +318,35 @@ def _on_folded_batch(body, arrays, params):
     return tuple(r.reshape(*batch_shape, *r.shape[1:]) for r in results)
 
 
-def _op_name(kind: str, ragged: bool, segmented: bool) -> str:
-    return "_".join([kind] + ["ragged"] * ragged + ["segmented"] * segmented + ["on_device"])
+def _op_name(kind: str, ragged: bool, segment_operands: int) -> str:
+    filtered = {0: [], len(_SEGMENT_OPERANDS): ["segmented"], len(_MASK_OPERANDS): ["masked"]}
+    return "_".join([kind] + ["ragged"] * ragged + filtered[segment_operands] + ["on_device"])
 
 
 @functools.cache
-def _forward_op(ragged: bool, segmented: bool):
-    """The partitioned forward op, with the lengths and/or the segment operands or not."""
+def _forward_op(ragged: bool, segment_operands: int):
+    """The partitioned forward op, with the lengths and/or the segment operands (none, the four
+    of segment ids, or five with a mask's bits) or not."""
     def body(q, k, v, *aux_and_params):
         *aux, params = aux_and_params
-        return backends.forward(q, k, v, params, *_aux_arguments(aux, ragged, segmented))
+        return backends.forward(q, k, v, params, *_aux_arguments(aux, ragged, segment_operands))
 
     def forward_on_device(q, k, v, *aux_and_params):
         *aux, params = aux_and_params
         return _on_folded_batch(body, (q, k, v, *aux), params)
 
-    forward_on_device.__name__ = _op_name("forward", ragged, segmented)
-    return _custom_partitioned(forward_on_device, _forward_layout(ragged, segmented))
+    forward_on_device.__name__ = _op_name("forward", ragged, segment_operands)
+    return _custom_partitioned(forward_on_device, _forward_layout(ragged, segment_operands))
 
 
 @functools.cache
-def _backward_op(with_d_lse: bool, ragged: bool, segmented: bool):
+def _backward_op(with_d_lse: bool, ragged: bool, segment_operands: int):
     """The partitioned backward op; the op without a d_lse operand passes the backend None
     there (lse not differentiated)."""
     def body(q, k, v, out, lse, d_out, d_lse, *aux_and_params):
         *aux, params = aux_and_params
         return backends.backward(q, k, v, out, lse, d_out, d_lse, params,
-                                 *_aux_arguments(aux, ragged, segmented))
+                                 *_aux_arguments(aux, ragged, segment_operands))
 
     def backward_on_device(*arrays_and_params):
         *arrays, params = arrays_and_params
@@ -347,8 +355,8 @@ def _backward_op(with_d_lse: bool, ragged: bool, segmented: bool):
         return _on_folded_batch(body, tuple(arrays), params)
 
     backward_on_device.__name__ = _op_name("backward" if with_d_lse else "backward_without_d_lse",
-                                           ragged, segmented)
-    return _custom_partitioned(backward_on_device, _backward_layout(with_d_lse, ragged, segmented))
+                                           ragged, segment_operands)
+    return _custom_partitioned(backward_on_device, _backward_layout(with_d_lse, ragged, segment_operands))
 
 
 @functools.cache

@@ -34,8 +34,9 @@ def attention_op(q, k, v, params: AttentionParams, seq_lengths=None, segment_ids
         in [0, seqlen_q] and [0, seqlen_k]; integers, so their cotangent is None.
       segment_ids: None, or the four segment operands (`fa4_jax.segments.operands`: q_ids
         [batch, seqlen_q], kv_ids [batch, seqlen_k] int32 and their span tables, computed once
-        for both passes): a row sees only the keys of its own id; integers, so their cotangent
-        is None.
+        for both passes): a row sees only the keys of its own id; or those and a boolean mask's
+        bits (`fa4_jax.mask_bits.operands`: the mask, with the causal and window rules folded
+        in, for ids all 0); integers, so their cotangent is None.
 
     Returns:
       out [batch, seqlen_q, heads_q, head_dim_v] in q's dtype and lse [batch, heads_q,
@@ -50,7 +51,7 @@ def _attention_op_fwd(q, k, v, params, seq_lengths, segment_ids):
                                                      (q, k, v, seq_lengths, segment_ids))
     # This rule runs only when the call is differentiated: where the forward's kernels have no
     # backward twin, say so now (raise, for implementation="cute") rather than inside jax.grad.
-    backends.backward_unsupported_reason(q, k, v, params, segments=segment_ids is not None)
+    backends.backward_unsupported_reason(q, k, v, params, segment_ids)
     out, lse = sharding.attention_forward(q, k, v, params, seq_lengths, segment_ids)
     return (out, lse), (q, k, v, out, lse, seq_lengths, segment_ids)
 

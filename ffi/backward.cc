@@ -17,7 +17,8 @@
 // dq_accum unless the first adds store instead, and the semaphores). The kernels also get the
 // device's SM count (deterministic mode's order depends on it). `fa4_jax_bwd_segments_v1` is the
 // same call with the four segment operands of `fa4_jax_fwd_segments_v1` after seq_used_k; it
-// runs the segments variants. With FA4_JAX_TUNING_TARGETS it also defines `fa4_jax_dev_bwd_v2`,
+// runs the segments variants, and `fa4_jax_bwd_masked_v1` the same with the mask bits of
+// `fa4_jax_fwd_masked_v1` after those four (the mask_array variants). With FA4_JAX_TUNING_TARGETS it also defines `fa4_jax_dev_bwd_v2`,
 // which takes a `tuning` attribute (forward.cc).
 #include <string>
 #include <string_view>
@@ -90,7 +91,8 @@ ffi::Error Execute(const Errors& err, std::string_view tuning, cudaStream_t stre
        })
     if (ffi::Error failed = ExpectShape(err, e.name, e.got, e.want); failed.failure()) return failed;
   Problem p{Fa4Kind::kBwd, "", dtype, d, head_dim_v, SelectMask(a), a.softcap > 0.0f, sq, sk,
-            args.b_lengths > 0, a.top_left, segments != nullptr};
+            args.b_lengths > 0, a.top_left, segments != nullptr,
+            segments != nullptr && segments->mask_bits != nullptr};
   if (ffi::Error e = DeviceArch(err, device, &p.arch); e.failure()) return e;
   const Fa4Variant* variant;
   if (ffi::Error e = FindLoaded(err, p, tuning, &variant); e.failure()) return e;
@@ -148,7 +150,7 @@ const Errors kErr("fa4_jax_bwd_v2");
 
 ffi::Error StableInstantiate(float softmax_scale, bool causal, int32_t window_left,
                              int32_t window_right, float softcap, bool top_left, bool deterministic) {
-  return LoadCandidates(kErr, Fa4Kind::kBwd, /*segments=*/false, FA4_ATTRS);
+  return LoadCandidates(kErr, Fa4Kind::kBwd, /*segments=*/false, /*mask_array=*/false, FA4_ATTRS);
 }
 
 ffi::Error StableExecute(FA4_BWD_PARAMS) {
@@ -161,7 +163,7 @@ const Errors kSegmentsErr("fa4_jax_bwd_segments_v1");
 ffi::Error SegmentsInstantiate(float softmax_scale, bool causal, int32_t window_left,
                                int32_t window_right, float softcap, bool top_left,
                                bool deterministic) {
-  return LoadCandidates(kSegmentsErr, Fa4Kind::kBwd, /*segments=*/true, FA4_ATTRS);
+  return LoadCandidates(kSegmentsErr, Fa4Kind::kBwd, /*segments=*/true, /*mask_array=*/false, FA4_ATTRS);
 }
 
 ffi::Error SegmentsExecute(
@@ -180,13 +182,36 @@ ffi::Error SegmentsExecute(
   return Execute(kSegmentsErr, {}, stream, device, x, FA4_ATTRS, deterministic, &segments);
 }
 
+const Errors kMaskedErr("fa4_jax_bwd_masked_v1");
+
+ffi::Error MaskedInstantiate(float softmax_scale, bool causal, int32_t window_left,
+                             int32_t window_right, float softcap, bool top_left, bool deterministic) {
+  return LoadCandidates(kMaskedErr, Fa4Kind::kBwd, /*segments=*/true, /*mask_array=*/true, FA4_ATTRS);
+}
+
+ffi::Error MaskedExecute(
+    cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+    ffi::AnyBuffer out, ffi::AnyBuffer d_out, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> d_lse,
+    ffi::Buffer<ffi::S32> seq_used_q, ffi::Buffer<ffi::S32> seq_used_k,
+    ffi::Buffer<ffi::S32> q_segment_ids, ffi::Buffer<ffi::S32> kv_segment_ids,
+    ffi::Buffer<ffi::S32> row_spans, ffi::Buffer<ffi::S32> key_spans, ffi::Buffer<ffi::S32> mask_bits,
+    ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+    ffi::Result<ffi::Buffer<ffi::F32>> dq_accum, ffi::Result<ffi::Buffer<ffi::F32>> dpsum,
+    ffi::Result<ffi::Buffer<ffi::F32>> lse_log2, ffi::Result<ffi::Buffer<ffi::S32>> semaphore,
+    float softmax_scale, bool causal, int32_t window_left, int32_t window_right, float softcap,
+    bool top_left, bool deterministic) {
+  Buffers x = FA4_BWD_BUFFERS;
+  const SegmentBuffers segments{q_segment_ids, kv_segment_ids, row_spans, key_spans, &mask_bits};
+  return Execute(kMaskedErr, {}, stream, device, x, FA4_ATTRS, deterministic, &segments);
+}
+
 #ifdef FA4_JAX_TUNING_TARGETS
 const Errors kDevErr("fa4_jax_dev_bwd_v2");
 
 ffi::Error DevInstantiate(float softmax_scale, bool causal, int32_t window_left,
                           int32_t window_right, float softcap, bool top_left, bool deterministic,
                           std::string_view tuning) {
-  return LoadCandidates(kDevErr, Fa4Kind::kBwd, /*segments=*/false, FA4_ATTRS);
+  return LoadCandidates(kDevErr, Fa4Kind::kBwd, /*segments=*/false, /*mask_array=*/false, FA4_ATTRS);
 }
 
 ffi::Error DevExecute(FA4_BWD_PARAMS, std::string_view tuning) {
@@ -234,6 +259,11 @@ auto BindSegmentsExecute(Binding&& binding) {
   return BindResults(BindSegments(BindInputs(std::forward<Binding>(binding))));
 }
 
+template <typename Binding>
+auto BindMaskedExecute(Binding&& binding) {
+  return BindResults(BindMasked(BindInputs(std::forward<Binding>(binding))));
+}
+
 }  // namespace
 }  // namespace fa4
 
@@ -247,6 +277,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Fa4BwdSegmentsInstantiate, fa4::SegmentsInstantiat
                                   .Attr<bool>("deterministic"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fa4BwdSegmentsExecute, fa4::SegmentsExecute,
                               fa4::BindSegmentsExecute(xla::ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Fa4BwdMaskedInstantiate, fa4::MaskedInstantiate,
+                              fa4::BindAttrs(xla::ffi::Ffi::BindInstantiate())
+                                  .Attr<bool>("deterministic"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Fa4BwdMaskedExecute, fa4::MaskedExecute,
+                              fa4::BindMaskedExecute(xla::ffi::Ffi::Bind()));
 #ifdef FA4_JAX_TUNING_TARGETS
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fa4DevBwdInstantiate, fa4::DevInstantiate,
                               fa4::BindAttrs(xla::ffi::Ffi::BindInstantiate())

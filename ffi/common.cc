@@ -71,7 +71,8 @@ const Fa4Variant* Lookup(const Problem& p, std::string_view tuning) {
     const Fa4Variant& v = kFa4Variants[i];
     if (v.kind == p.kind && p.arch == v.arch && v.dtype == p.dtype && v.head_dim == p.head_dim &&
         v.head_dim_v == p.head_dim_v && std::strcmp(v.mask, p.mask) == 0 &&
-        v.softcap == p.softcap && tuning == v.tuning && v.segments == p.segments)
+        v.softcap == p.softcap && tuning == v.tuning && v.segments == p.segments &&
+        v.mask_array == p.mask_array)
       return &v;
   }
   return nullptr;
@@ -124,11 +125,12 @@ std::string VariantName(const Problem& p, std::string_view tuning) {
   return std::string(p.kind == Fa4Kind::kFwd ? "fwd_" : "bwd_") + a +
          (p.dtype == Fa4Dtype::kBF16 ? "_bf16" : "_fp16") + "_d" + std::to_string(p.head_dim) +
          "_dv" + std::to_string(p.head_dim_v) + (mask == "none" ? "" : "_" + mask) +
-         (p.softcap ? "_softcap" : "") + (p.segments ? "_segments" : "") +
+         (p.softcap ? "_softcap" : "") + (p.mask_array ? "_boolmask" : p.segments ? "_segments" : "") +
          (tuning == "default" ? "" : "_t" + std::string(tuning));
 }
 
-ffi::Error LoadCandidates(const Errors& err, Fa4Kind kind, bool segments, const Attrs& a) {
+ffi::Error LoadCandidates(const Errors& err, Fa4Kind kind, bool segments, bool mask_array,
+                          const Attrs& a) {
   if (ffi::Error failed = CheckAttrs(err, a); failed.failure()) return failed;
   std::string arch;
   if (ffi::Error failed = VisibleArch(err, &arch); failed.failure()) return failed;
@@ -138,7 +140,7 @@ ffi::Error LoadCandidates(const Errors& err, Fa4Kind kind, bool segments, const 
   for (int i = 0; i < kFa4VariantCount; ++i) {
     const Fa4Variant& v = kFa4Variants[i];
     if (v.kind == kind && arch == v.arch && std::strcmp(mask, v.mask) == 0 && v.softcap == softcap &&
-        v.segments == segments)
+        v.segments == segments && v.mask_array == mask_array)
       if (ffi::Error failed = Load(err, v); failed.failure()) return failed;
   }
   return ffi::Error::Success();
@@ -242,6 +244,15 @@ ffi::Error CheckSegments(const Errors& err, const SegmentBuffers& s, Fa4Args* ar
   args->b_segments = static_cast<int32_t>(b);
   args->q_chunks = static_cast<int32_t>(q_chunks);
   args->k_chunks = static_cast<int32_t>(k_chunks);
+  if (s.mask_bits != nullptr) {
+    const int64_t k_words = (sk + 31) / 32;
+    if (ffi::Error failed = ExpectShape(err, "mask_bits", s.mask_bits->dimensions(), {b, sq, k_words});
+        failed.failure())
+      return failed;
+    args->mask_bits = s.mask_bits->untyped_data();
+    args->b_mask = static_cast<int32_t>(b);
+    args->k_words = static_cast<int32_t>(k_words);
+  }
   return ffi::Error::Success();
 }
 
@@ -271,7 +282,8 @@ ffi::Error Launch(const Errors& err, const Fa4Variant& variant, const Fa4Args& a
 // or "" when none is compiled. kind 0 = fwd, 1 = bwd; dtype 0 = bf16, 1 = fp16.
 extern "C" __attribute__((visibility("default"))) const char* Fa4ChooseVariant(
     int kind, const char* arch, int dtype, int head_dim, int head_dim_v, const char* mask,
-    int softcap, int64_t seqlen_q, int64_t seqlen_k, int ragged, int top_left, int segments) {
+    int softcap, int64_t seqlen_q, int64_t seqlen_k, int ragged, int top_left, int segments,
+    int mask_array) {
   const fa4::Problem p{kind == 0 ? Fa4Kind::kFwd : Fa4Kind::kBwd,
                        arch,
                        dtype == 0 ? Fa4Dtype::kBF16 : Fa4Dtype::kF16,
@@ -283,7 +295,8 @@ extern "C" __attribute__((visibility("default"))) const char* Fa4ChooseVariant(
                        seqlen_k,
                        ragged != 0,
                        top_left != 0,
-                       segments != 0};
+                       segments != 0,
+                       mask_array != 0};
   const Fa4Variant* v = fa4::Choose(p);
   return v == nullptr ? "" : v->name;
 }

@@ -70,6 +70,7 @@ struct Problem {
   bool ragged;
   bool top_left;
   bool segments;  // a call of the segments targets: segment ids and span tables present
+  bool mask_array;  // a call of the masked targets: a boolean mask's bits too
 };
 
 // The variant serving `p`: the one of `tuning` when given (the development library's targets),
@@ -80,10 +81,11 @@ const Fa4Variant* Choose(const Problem& p, std::string_view tuning = {});
 // Mirrors fa4_jax.routing.Variant.name, to name a variant missing from the menu.
 std::string VariantName(const Problem& p, std::string_view tuning);
 
-// Loads every variant of `kind` (with segment ids or without) this call site can select (its
-// dtype, head dims and shapes are not known at instantiate time). Does nothing when the visible
-// devices mix archs; execute loads then.
-ffi::Error LoadCandidates(const Errors& err, Fa4Kind kind, bool segments, const Attrs& a);
+// Loads every variant of `kind` (with segment ids or without, with mask bits or without) this
+// call site can select (its dtype, head dims and shapes are not known at instantiate time). Does
+// nothing when the visible devices mix archs; execute loads then.
+ffi::Error LoadCandidates(const Errors& err, Fa4Kind kind, bool segments, bool mask_array,
+                          const Attrs& a);
 
 // The arch of `device`, as the variants name it ("sm_90a").
 ffi::Error DeviceArch(const Errors& err, int ordinal, std::string* arch);
@@ -114,9 +116,11 @@ ffi::Error CheckSeqUsed(const Errors& err, ffi::Buffer<ffi::S32> seq_used_q,
 void KernelWindow(const Attrs& a, Fa4Args* args);
 
 // The segment operands of the segments targets: ids int32 [b, sq] and [b, sk], span tables
-// int32 [b, ceil(sq / 64), 4] and [b, ceil(sk / 64), 4] (fa4_jax/segment_layout.py).
+// int32 [b, ceil(sq / 64), 4] and [b, ceil(sk / 64), 4] (fa4_jax/segment_layout.py); and the
+// masked targets' mask bits, int32 [b, sq, ceil(sk / 32)] (fa4_jax/mask_bits.py), or nullptr.
 struct SegmentBuffers {
   ffi::Buffer<ffi::S32> q_ids, kv_ids, row_spans, key_spans;
+  const ffi::Buffer<ffi::S32>* mask_bits = nullptr;
 };
 
 // Checks the segment operands against the shapes CheckQkv filled in and fills args' pointers
@@ -131,6 +135,12 @@ auto BindSegments(Binding&& binding) {
       .template Arg<ffi::Buffer<ffi::S32>>()   // kv_segment_ids
       .template Arg<ffi::Buffer<ffi::S32>>()   // row_spans
       .template Arg<ffi::Buffer<ffi::S32>>();  // key_spans
+}
+
+// Binds the masked targets' operands: the four segment operands, then the mask bits.
+template <typename Binding>
+auto BindMasked(Binding&& binding) {
+  return BindSegments(std::forward<Binding>(binding)).template Arg<ffi::Buffer<ffi::S32>>();
 }
 
 ffi::Error Launch(const Errors& err, const Fa4Variant& variant, const Fa4Args& args,

@@ -30,6 +30,9 @@ struct Fa4Args {
   void* kv_segment_ids = nullptr;
   void* row_spans = nullptr;
   void* key_spans = nullptr;
+  // int32 [b_mask, seqlen_q, k_words]: a boolean mask, 32 keys to a word (fa4_jax/mask_bits.py);
+  // read by the mask_array variants, b_mask = 0 (nothing) for the others
+  void* mask_bits = nullptr;
   // backward only
   void* d_out = nullptr;
   void* d_lse = nullptr;
@@ -42,6 +45,7 @@ struct Fa4Args {
   void* semaphore = nullptr;
   int32_t b = 0, seqlen_q = 0, seqlen_k = 0, heads = 0, heads_k = 0, b_lengths = 0;
   int32_t b_segments = 0, q_chunks = 0, k_chunks = 0;
+  int32_t b_mask = 0, k_words = 0;
   // backward: d_lse's leading dim, b, or 0 when lse is not differentiated (d_lse is empty)
   int32_t b_dlse = 0;
   int32_t seqlen_q_pad = 0, semaphore_blocks = 0, dq_copies = 1;  // backward workspaces, see compile.py
@@ -62,6 +66,7 @@ struct Fa4Variant {
   bool softcap;
   const char* tuning;  // "default", or a tuned variant's name (the arch menu's TUNINGS)
   bool segments;  // reads segment ids (the segments targets' variants)
+  bool mask_array;  // also reads a boolean mask's bits (the masked targets' variants)
   // Loads the module onto every visible device, once per process; later calls return the result.
   cudaError_t (*load)();
   // The exported launcher's return code (0 = launched).

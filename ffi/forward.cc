@@ -18,6 +18,9 @@
 // ids q_segment_ids s32 [b, sq] and kv_segment_ids s32 [b, sk] (a row sees only keys of its own
 // id) and their span tables row_spans s32 [b, ceil(sq / 64), 4], key_spans s32
 // [b, ceil(sk / 64), 4] (fa4_jax/segment_layout.py); it runs the segments variants.
+// `fa4_jax_fwd_masked_v1` adds a boolean mask after those four, mask_bits s32
+// [b, sq, ceil(sk / 32)] (bit k % 32 of word k // 32 of row q: q sees k; fa4_jax/mask_bits.py),
+// whose span tables they are; it runs the mask_array variants.
 //
 // Built with FA4_JAX_TUNING_TARGETS (the benchmarks' development library), it also defines
 // `fa4_jax_dev_fwd_v2`, the same call with a `tuning` string attribute naming the variant.
@@ -28,8 +31,9 @@
 namespace fa4 {
 namespace {
 
-ffi::Error Instantiate(const Errors& err, const Attrs& a, bool segments = false) {
-  return LoadCandidates(err, Fa4Kind::kFwd, segments, a);
+ffi::Error Instantiate(const Errors& err, const Attrs& a, bool segments = false,
+                       bool mask_array = false) {
+  return LoadCandidates(err, Fa4Kind::kFwd, segments, mask_array, a);
 }
 
 // segments: the segments target's operands, nullptr for the others.
@@ -53,7 +57,8 @@ ffi::Error Execute(const Errors& err, std::string_view tuning, cudaStream_t stre
   if (ffi::Error e = ExpectShape(err, "lse", lse->dimensions(), {b, h, sq}); e.failure())
     return e;
   Problem p{Fa4Kind::kFwd, "", dtype, d, dv, SelectMask(a), a.softcap > 0.0f, sq, args.seqlen_k,
-            args.b_lengths > 0, a.top_left, segments != nullptr};
+            args.b_lengths > 0, a.top_left, segments != nullptr,
+            segments != nullptr && segments->mask_bits != nullptr};
   if (ffi::Error e = DeviceArch(err, device, &p.arch); e.failure()) return e;
   const Fa4Variant* variant;
   if (ffi::Error e = FindLoaded(err, p, tuning, &variant); e.failure()) return e;
@@ -100,6 +105,27 @@ ffi::Error SegmentsExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q
                            int32_t window_left, int32_t window_right, float softcap, bool top_left) {
   const SegmentBuffers segments{q_segment_ids, kv_segment_ids, row_spans, key_spans};
   return Execute(kSegmentsErr, {}, stream, device, q, k, v, seq_used_q, seq_used_k, out, lse,
+                 {softmax_scale, causal, window_left, window_right, softcap, top_left}, &segments);
+}
+
+const Errors kMaskedErr("fa4_jax_fwd_masked_v1");
+
+ffi::Error MaskedInstantiate(float softmax_scale, bool causal, int32_t window_left,
+                             int32_t window_right, float softcap, bool top_left) {
+  return Instantiate(kMaskedErr, {softmax_scale, causal, window_left, window_right, softcap, top_left},
+                     /*segments=*/true, /*mask_array=*/true);
+}
+
+ffi::Error MaskedExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                         ffi::AnyBuffer v, ffi::Buffer<ffi::S32> seq_used_q,
+                         ffi::Buffer<ffi::S32> seq_used_k, ffi::Buffer<ffi::S32> q_segment_ids,
+                         ffi::Buffer<ffi::S32> kv_segment_ids, ffi::Buffer<ffi::S32> row_spans,
+                         ffi::Buffer<ffi::S32> key_spans, ffi::Buffer<ffi::S32> mask_bits,
+                         ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                         float softmax_scale, bool causal, int32_t window_left,
+                         int32_t window_right, float softcap, bool top_left) {
+  const SegmentBuffers segments{q_segment_ids, kv_segment_ids, row_spans, key_spans, &mask_bits};
+  return Execute(kMaskedErr, {}, stream, device, q, k, v, seq_used_q, seq_used_k, out, lse,
                  {softmax_scale, causal, window_left, window_right, softcap, top_left}, &segments);
 }
 
@@ -152,6 +178,11 @@ auto BindSegmentsExecute(Binding&& binding) {
   return BindResults(BindSegments(BindInputs(std::forward<Binding>(binding))));
 }
 
+template <typename Binding>
+auto BindMaskedExecute(Binding&& binding) {
+  return BindResults(BindMasked(BindInputs(std::forward<Binding>(binding))));
+}
+
 }  // namespace
 }  // namespace fa4
 
@@ -163,6 +194,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Fa4FwdSegmentsInstantiate, fa4::SegmentsInstantiat
                               fa4::BindAttrs(xla::ffi::Ffi::BindInstantiate()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fa4FwdSegmentsExecute, fa4::SegmentsExecute,
                               fa4::BindSegmentsExecute(xla::ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Fa4FwdMaskedInstantiate, fa4::MaskedInstantiate,
+                              fa4::BindAttrs(xla::ffi::Ffi::BindInstantiate()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Fa4FwdMaskedExecute, fa4::MaskedExecute,
+                              fa4::BindMaskedExecute(xla::ffi::Ffi::Bind()));
 #ifdef FA4_JAX_TUNING_TARGETS
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fa4DevFwdInstantiate, fa4::DevInstantiate,
                               fa4::BindAttrs(xla::ffi::Ffi::BindInstantiate())

@@ -240,7 +240,7 @@ def forward_kernels_only(monkeypatch):
     from fa4_jax import backends, dispatch
 
     monkeypatch.setattr(dispatch, "unsupported_reason",
-                        lambda q, k, v, params, kind="fwd", library=None, segments=False:
+                        lambda q, k, v, params, kind="fwd", library=None, segments=False, mask_array=False:
                         None if kind == "fwd" else "no backward kernel for this arch yet")
     monkeypatch.setattr(dispatch, "forward", lambda q, k, v, params, seq_lengths=None, segment_ids=None, **kwargs:
                         backends._reference_fp32(q, k, v, params, seq_lengths, segment_ids))
@@ -482,16 +482,19 @@ def test_dot_product_attention_masks_and_bias_match_jax_xla(next_key, case):
         np.testing.assert_allclose(got, want, atol=5e-5, rtol=5e-5, err_msg=name)
 
 
-def test_a_mask_runs_on_the_reference_and_says_so(next_key, monkeypatch):
+def test_a_per_head_mask_or_a_bias_runs_on_the_reference_and_says_so(next_key, monkeypatch):
     from fa4_jax import notices
 
     monkeypatch.setattr(notices, "_SAID", set())
     q, k, v = _qkv(next_key)
-    mask = jnp.ones((2, 1, 16, 16), bool)
-    with pytest.warns(fa4_jax.FallbackWarning, match="do not read a mask array"):
-        fa4_jax.dot_product_attention(q, k, v, mask=mask)
+    per_head = jnp.ones((2, 4, 16, 16), bool)
+    with pytest.warns(fa4_jax.FallbackWarning, match="do not read a mask that differs between heads"):
+        fa4_jax.dot_product_attention(q, k, v, mask=per_head)
     with pytest.raises(ValueError, match="implementation='cute' cannot serve this call: the kernels do not read a mask"):
-        fa4_jax.dot_product_attention(q, k, v, mask=mask, implementation="cute")
+        fa4_jax.dot_product_attention(q, k, v, mask=per_head, implementation="cute")
+    with pytest.warns(fa4_jax.FallbackWarning, match="do not read a bias array"):
+        fa4_jax.dot_product_attention(q, k, v, bias=jnp.zeros((1, 1, 16, 16), q.dtype))
+    mask = jnp.ones((2, 1, 16, 16), bool)
     with pytest.raises(ValueError, match="mask dtype should be bool"):
         fa4_jax.dot_product_attention(q, k, v, mask=mask.astype(jnp.float32))
     with pytest.raises(ValueError, match="mask must be broadcastable"):

@@ -64,10 +64,11 @@ def _handler_choice(lib, call: routing.Call) -> str:
     choose.restype = ctypes.c_char_p
     choose.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                        ctypes.c_char_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_int]
+                       ctypes.c_int, ctypes.c_int, ctypes.c_int]
     return choose(routing.KINDS.index(call.kind), call.arch.encode(), routing.DTYPES.index(call.dtype),
                   call.head_dim, call.head_dim_v, call.mask.encode(), int(call.softcap), call.seqlen_q,
-                  call.seqlen_k, int(call.ragged), int(call.top_left), int(call.segments)).decode()
+                  call.seqlen_k, int(call.ragged), int(call.top_left), int(call.segments),
+                  int(call.mask_array)).decode()
 
 
 def test_the_handler_routes_calls_as_fa4_jax_routing_does(library):
@@ -84,7 +85,7 @@ def test_the_handler_routes_calls_as_fa4_jax_routing_does(library):
         for seqlen_q, seqlen_k, ragged, top_left in itertools.product(lengths, lengths, (False, True),
                                                                       (False, True)):
             call = routing.Call(v.kind, v.arch, v.dtype, v.head_dim, v.head_dim_v, v.mask, v.softcap,
-                                seqlen_q, seqlen_k, ragged, top_left, v.segments)
+                                seqlen_q, seqlen_k, ragged, top_left, v.segments, v.mask_array)
             assert _handler_choice(lib, call) == loaded.choose(call).name, call
             calls += 1
     assert calls > 100_000
@@ -195,8 +196,8 @@ _BROKEN_KERNEL = """
 
         @cute.jit
         def __call__(self, mQ, mK, mV, mO, mLSE, mSeqUsedQ, mSeqUsedK, mQSegmentIds, mKSegmentIds,
-                     mRowSpans, mKeySpans, softmax_scale, softcap, window_left, window_right,
-                     top_left, stream):
+                     mRowSpans, mKeySpans, mMaskBits, softmax_scale, softcap, window_left,
+                     window_right, top_left, stream):
             this_name_is_not_defined(mQ)
 """
 

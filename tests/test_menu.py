@@ -27,7 +27,13 @@ def test_menu_covers_the_axes_once():
     for kind, segments in itertools.product(routing.KINDS, (False, True)):
         # dtypes x head dims x masks x softcap, with segment ids and without
         head_dims = sm90.HEAD_DIMS if kind == "fwd" else sm90.BACKWARD_HEAD_DIMS
-        assert sum(v.kind == kind and v.segments == segments for v in defaults) == 2 * len(head_dims) * 3 * 2
+        assert sum(v.kind == kind and v.segments == segments and not v.mask_array
+                   for v in defaults) == 2 * len(head_dims) * 3 * 2
+        # A mask array's kernels: dtypes x head dims, its rules folded into the bits.
+        mask_arrays = {(v.dtype, v.head_dim, v.head_dim_v, v.mask, v.softcap)
+                       for v in defaults if v.kind == kind and v.mask_array}
+        assert mask_arrays == {(dtype, d, dv, "none", False)
+                               for dtype, (d, dv) in itertools.product(routing.DTYPES, head_dims)}
     # The segments kernels run the default tuning only (the routes assume the mask's own blocks).
     assert all(v.tuning == "default" for v in menu.MENU if v.segments)
     assert len(COMPILED) == len(menu.MENU)

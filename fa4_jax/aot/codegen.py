@@ -17,12 +17,14 @@ from fa4_jax.segment_layout import SPAN_CHUNK, SPAN_FIELDS
 _ARGS_FIELD = {"b": "b", "sq": "seqlen_q", "sk": "seqlen_k", "h": "heads", "hk": "heads_k",
                "sq_pad": "seqlen_q_pad", "m_blocks": "semaphore_blocks", "copies": "dq_copies",
                "b_lengths": "b_lengths", "b_dlse": "b_dlse", "b_segments": "b_segments",
-               "q_chunks": "q_chunks", "k_chunks": "k_chunks"}
+               "q_chunks": "q_chunks", "k_chunks": "k_chunks", "b_mask": "b_mask",
+               "k_words": "k_words"}
 _PTR_FIELD = {"mQ": "q", "mK": "k", "mV": "v", "mO": "out", "mLSE": "lse", "mdO": "d_out",
               "mdLSE": "d_lse", "mdQ": "dq", "mdK": "dk", "mdV": "dv", "mdQaccum": "dq_accum",
               "mdPsum": "dpsum", "mLSElog2": "lse_log2", "mSemaphore": "semaphore",
               "mSeqUsedQ": "seq_used_q", "mSeqUsedK": "seq_used_k", "mQSegmentIds": "q_segment_ids",
-              "mKSegmentIds": "kv_segment_ids", "mRowSpans": "row_spans", "mKeySpans": "key_spans"}
+              "mKSegmentIds": "kv_segment_ids", "mRowSpans": "row_spans", "mKeySpans": "key_spans",
+              "mMaskBits": "mask_bits"}
 _KIND = {"fwd": "Fa4Kind::kFwd", "bwd": "Fa4Kind::kBwd"}
 _DTYPE = {"bf16": "Fa4Dtype::kBF16", "fp16": "Fa4Dtype::kF16"}
 assert set(_ARGS_FIELD) == set(DYNAMIC_DIMS)
@@ -97,7 +99,7 @@ static int32_t launch_{n}(const Fa4Args& a, cudaStream_t stream) {{
 def _table_entry(v) -> str:
     return (f'  {{"{v.name}", {_KIND[v.kind]}, "{v.arch}", {_DTYPE[v.dtype]}, {v.head_dim}, '
             f'{v.head_dim_v}, "{v.mask}", {str(v.softcap).lower()}, "{v.tuning}", '
-            f'{str(v.segments).lower()}, load_{v.name}, launch_{v.name}}},')
+            f'{str(v.segments).lower()}, {str(v.mask_array).lower()}, load_{v.name}, launch_{v.name}}},')
 
 
 def _route_entry(arch: str, r) -> str:

@@ -45,12 +45,15 @@ _ALIGN = 16
 # (the common case: vjp.py's symbolic zeros), and the preprocess then reads none.
 # mQSegmentIds / mKSegmentIds and the span tables mRowSpans / mKeySpans (fa4_jax/segment_layout.py;
 # q_chunks = ceil(sq / 64), k_chunks = ceil(sk / 64)): read by the segments variants only; the
-# others take them empty (b_segments = 0) and pass them to no kernel.
+# others take them empty (b_segments = 0) and pass them to no kernel. mMaskBits: a boolean
+# mask packed 32 keys to a word (k_words = ceil(sk / 32); fa4_jax/mask_bits.py), read by the
+# mask_array variants only, empty (b_mask = 0) for the others.
 _SEGMENT_TENSORS = (
     ("mQSegmentIds", "i32", ("b_segments", "sq")),
     ("mKSegmentIds", "i32", ("b_segments", "sk")),
     ("mRowSpans", "i32", ("b_segments", "q_chunks", "span")),
     ("mKeySpans", "i32", ("b_segments", "k_chunks", "span")),
+    ("mMaskBits", "i32", ("b_mask", "sq", "k_words")),
 )
 TENSORS = {
     "fwd": (
@@ -84,7 +87,7 @@ TENSORS = {
     ),
 }
 DYNAMIC_DIMS = ("b", "sq", "sk", "h", "hk", "sq_pad", "m_blocks", "copies", "b_lengths",
-                "b_dlse", "b_segments", "q_chunks", "k_chunks")
+                "b_dlse", "b_segments", "q_chunks", "k_chunks", "b_mask", "k_words")
 STATIC_DIMS = ("d", "dv", "span")
 
 # Each kind's scalar arguments after the tensors (then the CUDA stream): name and dtype.
@@ -140,7 +143,8 @@ def compile_variant(variant, kernel: str, tuning_kwargs: dict, out_dir: str) -> 
     module, cls = kernel.split(":")
     kernel_cls = getattr(importlib.import_module(module), cls)
     kernel_obj = kernel_cls(_dsl_dtype(variant.dtype), variant.head_dim, variant.head_dim_v,
-                            variant.mask, variant.softcap, segments=variant.segments, **tuning_kwargs)
+                            variant.mask, variant.softcap, segments=variant.segments,
+                            mask_array=variant.mask_array, **tuning_kwargs)
     # --keep-cubin writes into CUTE_DSL_DUMP_DIR, read when the DSL is imported: the caller sets it.
     compiled = cute.compile(kernel_obj, *fake_args(variant),
                             options=f"--gpu-arch {variant.arch} --keep-cubin")

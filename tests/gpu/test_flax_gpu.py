@@ -19,19 +19,21 @@ _UNSERVED = "implementation='cute' cannot serve this call"
 STEPS = 5
 
 
-def train_attention_layer(attention_fn, dtype, seed):
-    """Losses of STEPS Adam steps of one attention layer (8 heads of 128) regressing a target."""
+def train_attention_layer(attention_fn, dtype, seed, mask_of=None):
+    """Losses of STEPS Adam steps of one attention layer (8 heads of 128) regressing a target;
+    `mask_of(x)`: the mask the module is called with, as model code passes it."""
     k_x, k_target, k_init = jax.random.split(jax.random.key(seed), 3)
     x = jax.random.normal(k_x, (4, 512, 1024), jnp.float32)
     target = jax.random.normal(k_target, x.shape, jnp.float32)
     module = nn.MultiHeadDotProductAttention(num_heads=8, dtype=dtype, attention_fn=attention_fn)
     params = module.init(k_init, x)["params"]
+    mask = None if mask_of is None else mask_of(x)
     optimizer = optax.adam(1e-3)
 
     @jax.jit
     def step(params, opt_state):
         def loss_fn(p):
-            return jnp.mean((module.apply({"params": p}, x).astype(jnp.float32) - target) ** 2)
+            return jnp.mean((module.apply({"params": p}, x, mask=mask).astype(jnp.float32) - target) ** 2)
 
         loss, grads = jax.value_and_grad(loss_fn)(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -62,4 +64,22 @@ def test_linen_training_on_kernels_tracks_flax_attention(causal, seed):
         raise
     reference = train_attention_layer(flax_attention, jnp.float32, seed)
     flax_bf16 = train_attention_layer(flax_attention, jnp.bfloat16, seed)
+    assert_close_by_rule(on_kernels, reference, flax_bf16, name=f"losses (seed {seed})")
+
+
+def _causal_and_padding_mask(x):
+    # Flax's masks as model code builds them: causal, and each row's padding past a length.
+    lengths = jnp.asarray([512, 300, 1, 450])
+    padding = nn.make_attention_mask(jnp.arange(x.shape[1])[None, :] < lengths[:, None],
+                                     jnp.arange(x.shape[1])[None, :] < lengths[:, None])
+    return nn.combine_masks(nn.make_causal_mask(jnp.ones(x.shape[:2])), padding)
+
+
+def test_linen_model_code_passing_flax_masks_runs_on_the_kernels(seed):
+    # Existing model code, unchanged: the module is called with Flax's mask arrays; the
+    # kernels read them (implementation="cute" raises otherwise).
+    on_kernels = train_attention_layer(make_attention_fn(implementation="cute"), jnp.bfloat16, seed,
+                                       _causal_and_padding_mask)
+    reference = train_attention_layer(nn.dot_product_attention, jnp.float32, seed, _causal_and_padding_mask)
+    flax_bf16 = train_attention_layer(nn.dot_product_attention, jnp.bfloat16, seed, _causal_and_padding_mask)
     assert_close_by_rule(on_kernels, reference, flax_bf16, name=f"losses (seed {seed})")

@@ -9,6 +9,10 @@ partners they see and the partners every one of them sees; a tile reduces its ch
   with the tile and are skipped, not masked;
 - a full range: blocks wholly inside it are visible to every row of the tile, so the unmasked
   loop runs them; only the blocks between the two compare ids, element by element.
+
+A boolean mask (a `mask_array` kernel) rides the same walk: its span tables come from the mask
+(fa4_jax/mask_bits.py), and the blocks between the two ranges also test the mask's bit for each
+score, besides the ids (all equal unless the call also passes segment ids).
 """
 import dataclasses
 import math
@@ -36,7 +40,8 @@ class SegmentIds:
     """One call's ids (q_ids [b, sq], k_ids [b, sk] int32) and span tables (row_spans
     [b, ceil(sq / 64), 4], key_spans [b, ceil(sk / 64), 4]), for tiles of tile_m rows and
     tile_n keys (both multiples of SPAN_CHUNK, except a forward's tile_n, which only divides
-    positions)."""
+    positions). bits: a `mask_array` kernel's mask, [b, sq, ceil(sk / 32)] int32, bit k % 32 of
+    word k // 32 of row q set when query q may see key k; None otherwise."""
 
     tile_m: int
     tile_n: int
@@ -44,6 +49,7 @@ class SegmentIds:
     k_ids: cute.Tensor
     row_spans: cute.Tensor
     key_spans: cute.Tensor
+    bits: cute.Tensor | None = None
 
     @cute.jit
     def _reduce(self, table: cute.Tensor, batch: Int32, block: Int32, tile: cutlass.Constexpr[int],
@@ -80,26 +86,43 @@ class SegmentIds:
         return ids[batch, cutlass.min(position, ids.shape[1] - 1)]
 
     @cute.jit
+    def _hidden_by_mask(self, batch: Int32, query: Int32, key: Int32) -> cutlass.Boolean:
+        """Whether the mask hides key `key` from query `query` (both clamped into the buffer, as
+        `_id` clamps: the length rules mask a tile's overhang)."""
+        query = cutlass.min(query, self.bits.shape[1] - 1)
+        word = self.bits[batch, query, cutlass.min(key >> 5, self.bits.shape[2] - 1)]
+        return ((word >> (key & 31)) & 1) == 0
+
+    @cute.jit
     def _compare(self, scores: cute.Tensor, coords0: cute.Tensor, row_ids: cute.Tensor, row_start: Int32,
-                 col_ids: cute.Tensor, col_start: Int32, batch: Int32, fill: cutlass.Constexpr[float]):
-        """scores[r, c] = fill where the id of row r differs from the id of column c; the tile's
-        rows and columns start at row_start and col_start of row_ids and col_ids
-        (AttentionMask.apply's register scheme). Each id is loaded once per tile."""
+                 col_ids: cute.Tensor, col_start: Int32, batch: Int32, fill: cutlass.Constexpr[float],
+                 rows_are_keys: cutlass.Constexpr[bool]):
+        """scores[r, c] = fill where the id of row r differs from the id of column c, or the mask
+        hides the pair; the tile's rows and columns start at row_start and col_start of row_ids
+        and col_ids (AttentionMask.apply's register scheme). Each id is loaded once per tile;
+        each mask word once per score (an L1 hit for all but the first of a row's 32 keys)."""
         ids_of_rows = cute.make_rmem_tensor((cute.size(scores, mode=[0]),), Int32)
         for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
             ids_of_rows[r] = self._id(row_ids, batch, row_start + coords0[r, 0][0])
         for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-            col_id = self._id(col_ids, batch, col_start + coords0[0, c][1])
+            col = col_start + coords0[0, c][1]
+            col_id = self._id(col_ids, batch, col)
             for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
                 if ids_of_rows[r] != col_id:
                     scores[r, c] = Float32(fill)
+                if cutlass.const_expr(self.bits is not None):
+                    row = row_start + coords0[r, 0][0]
+                    query, key = (col, row) if cutlass.const_expr(rows_are_keys) else (row, col)
+                    if self._hidden_by_mask(batch, query, key):
+                        scores[r, c] = Float32(fill)
 
     @cute.jit
     def apply(self, scores: cute.Tensor, coords0: cute.Tensor, thread_row: Int32, thread_col: Int32,
               m_block: Int32, n_block: Int32, batch: Int32):
-        """scores (rows = queries, cols = keys) to −inf where the row's id differs from the key's."""
+        """scores (rows = queries, cols = keys) to −inf where the row's id differs from the key's
+        (or the mask hides the pair)."""
         self._compare(scores, coords0, self.q_ids, m_block * self.tile_m + thread_row, self.k_ids,
-                      n_block * self.tile_n + thread_col, batch, -math.inf)
+                      n_block * self.tile_n + thread_col, batch, -math.inf, False)
 
     @cute.jit
     def apply_transposed(self, scores_t: cute.Tensor, coords0: cute.Tensor, thread_row: Int32,
@@ -107,4 +130,4 @@ class SegmentIds:
                          fill: cutlass.Constexpr[float]):
         """The same on a transposed tile Sᵀ (rows = keys, cols = queries), to `fill`."""
         self._compare(scores_t, coords0, self.k_ids, n_block * self.tile_n + thread_row, self.q_ids,
-                      m_block * self.tile_m + thread_col, batch, fill)
+                      m_block * self.tile_m + thread_col, batch, fill, True)

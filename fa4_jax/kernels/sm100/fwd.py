@@ -122,14 +122,14 @@ def _tcgen05_before_sync():
 
 class FlashAttentionForwardSm100:
     def __init__(self, dtype, head_dim: int, head_dim_v: int, mask: str, has_softcap: bool,
-                 segments: bool = False, **tuning):
+                 segments: bool = False, mask_array: bool = False, **tuning):
         """`tuning` overrides the tile table's settings (plan.TileConfig's fields)."""
         if mask not in ("none", "causal", "local"):
             raise ValueError(f"mask must be 'none', 'causal' or 'local', got {mask!r}")
         if (head_dim, head_dim_v) not in plan.TILE_CONFIGS:
             raise ValueError(f"no sm100 tile configuration for head_dim={head_dim}, head_dim_v={head_dim_v}")
-        if segments:
-            raise ValueError("the sm100 forward has no segment-ids variant yet")
+        if segments or mask_array:
+            raise ValueError("the sm100 forward has no segment-ids or mask-array variant yet")
         unknown = set(tuning) - set(TUNING_KNOBS)
         if unknown:
             raise TypeError(f"unknown tuning knobs {sorted(unknown)}; known: {TUNING_KNOBS}")
@@ -178,6 +178,7 @@ class FlashAttentionForwardSm100:
         mKSegmentIds: cute.Tensor,
         mRowSpans: cute.Tensor,
         mKeySpans: cute.Tensor,
+        mMaskBits: cute.Tensor,
         softmax_scale: Float32,
         softcap: Float32,
         window_left: Int32,
@@ -187,7 +188,7 @@ class FlashAttentionForwardSm100:
     ):
         """The Hopper kernel's contract (kernels/sm90/fwd.py): mQ [b, sq, h, d], mK [b, sk, hk, d],
         mV [b, sk, hk, dv], mO [b, sq, h, dv], mLSE [b, h, sq] float32, mSeqUsedQ / mSeqUsedK [b]
-        int32 or empty. The segment tensors are unread (no segments variant)."""
+        int32 or empty. The segment and mask tensors are unread (no segments variant)."""
         # (s, d, heads, batch) views; V as (dv, s, heads, batch): P·V's B operand, N-major.
         mQ, mK, mO = [permute_modes(t, (1, 3, 2, 0)) for t in (mQ, mK, mO)]
         mV = permute_modes(mV, (3, 1, 2, 0))

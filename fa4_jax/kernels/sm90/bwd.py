@@ -390,10 +390,11 @@ class _BlockOperands:
 
 class FlashAttentionBackwardSm90:
     def __init__(self, dtype, head_dim: int, head_dim_v: int, mask: str, has_softcap: bool,
-                 segments: bool = False, **tuning):
+                 segments: bool = False, mask_array: bool = False, **tuning):
         """`tuning` overrides the tile table's settings (TileConfig fields of the same name).
         `segments`: the kernel reads segment ids and their span tables
-        (kernels/common/segments.py)."""
+        (kernels/common/segments.py); `mask_array`, a segments kernel that also reads a boolean
+        mask's bits."""
         if mask not in ("none", "causal", "local"):
             raise ValueError(f"mask must be 'none', 'causal' or 'local', got {mask!r}")
         if head_dim not in TILE_CONFIGS:
@@ -404,7 +405,10 @@ class FlashAttentionBackwardSm90:
         self.causal = mask == "causal"
         self.local = mask == "local"
         self.has_softcap = has_softcap
+        if mask_array and not segments:
+            raise ValueError("a mask_array kernel is a segments kernel (it walks the mask's span tables)")
         self.segments = segments
+        self.mask_array = mask_array
         config = SOFTCAP_TILE_CONFIGS.get(head_dim) if has_softcap else None
         self.config = dataclasses.replace(config or TILE_CONFIGS[head_dim], **tuning)
         self.tile_m, self.tile_n, self.stages = self.config.tile_m, self.config.tile_n, self.config.stages
@@ -512,6 +516,7 @@ class FlashAttentionBackwardSm90:
         mKSegmentIds: cute.Tensor,
         mRowSpans: cute.Tensor,
         mKeySpans: cute.Tensor,
+        mMaskBits: cute.Tensor,
         softmax_scale: Float32,
         softcap: Float32,
         window_left: Int32,
@@ -522,7 +527,8 @@ class FlashAttentionBackwardSm90:
         stream: cuda.CUstream,
     ):
         """Tensors as fa4_jax.aot.compile.TENSORS["bwd"] (JAX row-major layouts); the segment
-        ids and span tables are read by a segments kernel only (FlashAttentionForwardSm90)."""
+        ids and span tables are read by a segments kernel only, the mask bits by a mask_array
+        kernel only (FlashAttentionForwardSm90)."""
         self.preprocess(mO, mdO, mLSE, mdLSE, mdPsum, mLSElog2, mdQaccum, mSemaphore, mSeqUsedQ,
                         deterministic, stream)
 
@@ -608,6 +614,7 @@ class FlashAttentionBackwardSm90:
         # Only a segments kernel takes the ids and tables (None: no kernel parameter at all).
         segment_tensors = (mQSegmentIds, mKSegmentIds, mRowSpans, mKeySpans) if self.segments \
             else (None, None, None, None)
+        mask_bits = mMaskBits if self.mask_array else None
         self.kernel(
             mmas.sdp, mmas.dk, mmas.dv, mmas.dq,
             tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
@@ -615,7 +622,7 @@ class FlashAttentionBackwardSm90:
             mdQaccum, mSemaphore, mSeqUsedQ, mSeqUsedK, mQ_k.shape[0], mQ_k.shape[2],
             sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout, sRow_layout, sdQ_layout,
             softmax_scale, score_prescale, scale_log2, window_left, window_right, top_left,
-            deterministic, num_sms, *segment_tensors,
+            deterministic, num_sms, *segment_tensors, mask_bits,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -676,6 +683,7 @@ class FlashAttentionBackwardSm90:
         mKSegmentIds: cute.Tensor | None,
         mRowSpans: cute.Tensor | None,
         mKeySpans: cute.Tensor | None,
+        mMaskBits: cute.Tensor | None,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         cute.arch.griddepcontrol_launch_dependents()
@@ -721,7 +729,8 @@ class FlashAttentionBackwardSm90:
         seqlen_k = entry_length(mSeqUsedK, batch, seqlen_k)
         segments = None
         if cutlass.const_expr(self.segments):
-            segments = SegmentIds(self.tile_m, self.tile_n, mQSegmentIds, mKSegmentIds, mRowSpans, mKeySpans)
+            segments = SegmentIds(self.tile_m, self.tile_n, mQSegmentIds, mKSegmentIds, mRowSpans, mKeySpans,
+                                  mMaskBits)
         key_block = _KeyBlock(n_block, head_kv, batch, num_heads // mK.shape[2], seqlen_q, seqlen_k, segments)
         bounds = MaskBounds(window_left, window_right, top_left if self.causal or self.local else None)
         block_info = BlockInfo(self.tile_m, self.tile_n, self.causal, self.local, bounds)

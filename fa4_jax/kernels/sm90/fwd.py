@@ -311,10 +311,11 @@ class _Problem:
 
 class FlashAttentionForwardSm90:
     def __init__(self, dtype, head_dim: int, head_dim_v: int, mask: str, has_softcap: bool,
-                 segments: bool = False, **tuning):
+                 segments: bool = False, mask_array: bool = False, **tuning):
         """`tuning` overrides the tile table's settings: any of TUNING_KNOBS (the SoftmaxConfig
         and TileConfig fields of the same name). `segments`: the kernel reads segment ids and
-        their span tables (kernels/common/segments.py)."""
+        their span tables (kernels/common/segments.py); `mask_array`, a segments kernel that
+        also reads a boolean mask's bits."""
         if mask not in ("none", "causal", "local"):
             raise ValueError(f"mask must be 'none', 'causal' or 'local', got {mask!r}")
         if (head_dim, head_dim_v) not in TILE_CONFIGS:
@@ -328,7 +329,10 @@ class FlashAttentionForwardSm90:
         self.causal = mask == "causal"
         self.local = mask == "local"
         self.has_softcap = has_softcap
+        if mask_array and not segments:
+            raise ValueError("a mask_array kernel is a segments kernel (it walks the mask's span tables)")
         self.segments = segments
+        self.mask_array = mask_array
         config = TILE_CONFIGS[(head_dim, head_dim_v)]
         softmax_tuning = {k: type(getattr(config.softmax, k))(tuning[k])
                           for k in SOFTMAX_FIELDS if k in tuning}
@@ -423,6 +427,7 @@ class FlashAttentionForwardSm90:
         mKSegmentIds: cute.Tensor,
         mRowSpans: cute.Tensor,
         mKeySpans: cute.Tensor,
+        mMaskBits: cute.Tensor,
         softmax_scale: Float32,
         softcap: Float32,
         window_left: Int32,
@@ -443,7 +448,9 @@ class FlashAttentionForwardSm90:
         mQSegmentIds [b, sq], mKSegmentIds [b, sk] int32 and the span tables mRowSpans
         [b, ceil(sq / 64), 4], mKeySpans [b, ceil(sk / 64), 4] (fa4_jax/segment_layout.py): read
         by a segments kernel (a row sees only keys of its own id; key blocks that share no
-        segment with a tile are skipped), empty and unread otherwise."""
+        segment with a tile are skipped), empty and unread otherwise. mMaskBits [b, sq,
+        ceil(sk / 32)] int32: a boolean mask's bits (kernels/common/segments.py), read by a
+        mask_array kernel, whose span tables are the mask's."""
         # Kernel-side views put the sequence and feature modes first: (s, d, heads, batch).
         mQ, mK, mV, mO = [permute_modes(t, (1, 3, 2, 0)) for t in (mQ, mK, mV, mO)]
         mLSE = permute_modes(mLSE, (2, 1, 0))
@@ -493,11 +500,12 @@ class FlashAttentionForwardSm90:
                                    cute.size(mK.shape[2]), cute.size(mQ.shape[3]))
         # Only a segments kernel takes the ids and tables (None: no kernel parameter at all).
         segment_tensors = (mQSegmentIds, mKSegmentIds, mRowSpans) if self.segments else (None, None, None)
+        mask_bits = mMaskBits if self.mask_array else None
         self.kernel(
             tiled_mma_qk, tiled_mma_pv,
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o,
             mLSE, mSeqUsedQ, mSeqUsedK, sQ_layout, sK_layout, sV_layout, sO_layout,
-            score_prescale, scale_log2, window_left, window_right, top_left, *segment_tensors,
+            score_prescale, scale_log2, window_left, window_right, top_left, *segment_tensors, mask_bits,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -534,6 +542,7 @@ class FlashAttentionForwardSm90:
         mQSegmentIds: cute.Tensor | None,
         mKSegmentIds: cute.Tensor | None,
         mRowSpans: cute.Tensor | None,
+        mMaskBits: cute.Tensor | None,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -563,7 +572,8 @@ class FlashAttentionForwardSm90:
         segments = None
         if cutlass.const_expr(self.segments):
             # The forward reads no key spans: its walk is over key blocks of a query tile.
-            segments = SegmentIds(self.tile_m, self.tile_n, mQSegmentIds, mKSegmentIds, mRowSpans, None)
+            segments = SegmentIds(self.tile_m, self.tile_n, mQSegmentIds, mKSegmentIds, mRowSpans, None,
+                                  mMaskBits)
         problem = _Problem(mQ.shape[0], mK.shape[0], mQ.shape[2], mK.shape[2], mQ.shape[3], mSeqUsedQ, mSeqUsedK,
                            segments)
         bounds = MaskBounds(window_left, window_right, top_left if self.causal or self.local else None)

@@ -102,4 +102,11 @@ MENU: tuple[Variant, ...] = tuple(
     for kind in KINDS
     for dtype, (d, dv), mask, softcap in itertools.product(DTYPES, _HEAD_DIMS_BY_KIND[kind], MASKS,
                                                            (False, True))
-) + tuple(_route_variants())
+) + tuple(_route_variants()) + tuple(
+    # Boolean masks (jax's `mask=`): the causal and window rules and the lengths' clip are folded
+    # into the mask's bits before the call (fa4_jax/mask_bits.py), so one problem class per head
+    # dim serves every mask; jax's dot_product_attention and Flax pass no softcap.
+    Variant(ARCH, dtype, d, dv, "none", False, kind, segments=True, mask_array=True)
+    for kind in KINDS
+    for dtype, (d, dv) in itertools.product(DTYPES, _HEAD_DIMS_BY_KIND[kind])
+)

@@ -1,0 +1,128 @@
+"""GPU tier: jax's boolean `mask=` read in the kernels (the mask_array variants), forward and
+gradients, against `jax.nn.dot_product_attention`.
+
+Masks of every kind jax's and Flax's users pass: a causal array, key and query padding, the
+block diagonal of packed documents, a random mask (every tile partial, so the walk skips
+nothing and every score reads its bit), masks of rank 2 and 3 that jax broadcasts, rows the
+mask hides entirely (jax gives them the mean of the values), and masks combined with is_causal,
+a local window and per-entry lengths. The oracle is jax's XLA path in f32 at full matmul
+precision, the same path in bf16 the low-precision reference (docs/design.md's rule).
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fa4_jax
+from tests.gpu.cases import qkv
+from tests.numerics import assert_close_by_rule
+
+pytestmark = pytest.mark.gpu
+
+
+def _documents(rng, length, sizes=(1, 17, 64, 130, 300)):
+    ids, doc = [], 0
+    while len(ids) < length:
+        ids += [doc] * int(rng.choice(sizes))
+        doc += 1
+    return np.array(ids[:length])
+
+
+def _mask(rng, kind, batch, seqlen_q, seqlen_k):
+    """A bool mask of `kind`, in the shape jax's callers give it (broadcast to [B, N, T, S])."""
+    rows, keys = np.arange(seqlen_q)[:, None], np.arange(seqlen_k)[None, :]
+    if kind == "causal_array":
+        return (keys <= rows)[None, None]
+    if kind == "key_padding":
+        valid = rng.integers(1, seqlen_k + 1, batch)
+        return (np.arange(seqlen_k)[None, :] < valid[:, None])[:, None, None, :]
+    if kind == "query_and_key_padding":
+        q_valid = rng.integers(0, seqlen_q + 1, batch)[:, None, None, None]
+        k_valid = rng.integers(1, seqlen_k + 1, batch)[:, None, None, None]
+        return (rows[None, None] < q_valid) & (keys[None, None] < k_valid)
+    if kind == "documents":
+        q_docs = np.stack([_documents(rng, seqlen_q) for _ in range(batch)])
+        k_docs = q_docs if seqlen_q == seqlen_k else np.stack([_documents(rng, seqlen_k) for _ in range(batch)])
+        return (q_docs[:, None, :, None] == k_docs[:, None, None, :]) & (keys <= rows)
+    if kind == "random":
+        return rng.random((batch, 1, seqlen_q, seqlen_k)) < 0.5
+    if kind == "rank2_band":
+        return np.abs(rows - keys) < 100
+    if kind == "rank3_hidden_rows":
+        mask = rng.random((1, seqlen_q, seqlen_k)) < 0.9
+        mask[:, rng.integers(0, seqlen_q, 20)] = False
+        return mask
+    raise ValueError(kind)
+
+
+KINDS = ("causal_array", "key_padding", "query_and_key_padding", "documents", "random",
+         "rank2_band", "rank3_hidden_rows")
+
+
+def _out_and_grads(attention, q, k, v, d_out):
+    def loss(q, k, v):
+        return jnp.sum(attention(q, k, v).astype(jnp.float32) * d_out.astype(jnp.float32))
+    return jax.jit(lambda q, k, v: (attention(q, k, v), *jax.grad(loss, argnums=(0, 1, 2))(q, k, v)))(q, k, v)
+
+
+def _check(next_key, mask, batch=2, seqlen_q=700, seqlen_k=700, heads_q=4, heads_kv=2, head_dim=128,
+           dtype=jnp.bfloat16, **options):
+    q, k, v = qkv(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype)
+    d_out = jax.random.normal(next_key(), q.shape, dtype)
+    mask = jnp.asarray(mask)
+    # implementation="cute": the kernels must take the call, or it raises.
+    got = _out_and_grads(functools.partial(fa4_jax.dot_product_attention, mask=mask, implementation="cute",
+                                           **options), q, k, v, d_out)
+    xla = functools.partial(jax.nn.dot_product_attention, mask=mask, implementation="xla", **options)
+    with jax.default_matmul_precision("highest"):
+        ref = _out_and_grads(xla, *(x.astype(jnp.float32) for x in (q, k, v)), d_out)
+    lowp = _out_and_grads(xla, q, k, v, d_out)
+    # Rows the mask hides entirely take the mean of the values: their share of dv is added to
+    # the kernel's dv in the inputs' dtype, one rounding more than jax makes.
+    for name, result, want, want_lowp in zip(("out", "dq", "dk", "dv"), got, ref, lowp):
+        assert_close_by_rule(result, want, want_lowp, name=name, factor=3 if name == "dv" else 2)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_masks_match_jax(next_key, seed, kind):
+    rng = np.random.default_rng(seed)
+    _check(next_key, _mask(rng, kind, 2, 700, 700))
+
+
+@pytest.mark.parametrize("kind", ["key_padding", "documents", "random"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(300, 1000), (1000, 389)])
+def test_cross_attention_masks(next_key, seed, kind, seqlen_q, seqlen_k):
+    rng = np.random.default_rng(seed)
+    _check(next_key, _mask(rng, kind, 2, seqlen_q, seqlen_k), seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 192, 256])
+def test_head_dims(next_key, seed, head_dim):
+    rng = np.random.default_rng(seed)
+    _check(next_key, _mask(rng, "documents", 2, 700, 700), head_dim=head_dim)
+
+
+@pytest.mark.parametrize("options", [dict(is_causal=True), dict(local_window_size=(50, 20)),
+                                     dict(is_causal=True, local_window_size=(64, 0))],
+                         ids=["is_causal", "window", "causal_window"])
+@pytest.mark.parametrize("kind", ["key_padding", "random"])
+def test_with_jax_causal_and_window(next_key, seed, kind, options):
+    rng = np.random.default_rng(seed)
+    _check(next_key, _mask(rng, kind, 2, 500, 640), seqlen_q=500, seqlen_k=640, **options)
+
+
+def test_with_lengths(next_key, seed):
+    rng = np.random.default_rng(seed)
+    lengths = dict(query_seq_lengths=jnp.asarray([0, 700, 1, 350], jnp.int32),
+                   key_value_seq_lengths=jnp.asarray([700, 0, 260, 699], jnp.int32))
+    _check(next_key, _mask(rng, "documents", 4, 700, 700), batch=4, **lengths)
+
+
+@pytest.mark.parametrize("heads_q,heads_kv", [(8, 1), (6, 6)])
+def test_gqa_mqa_and_fp16(next_key, seed, heads_q, heads_kv):
+    rng = np.random.default_rng(seed)
+    _check(next_key, _mask(rng, "documents", 2, 700, 700), heads_q=heads_q, heads_kv=heads_kv,
+           dtype=jnp.float16)
+

@@ -1,0 +1,145 @@
+"""CPU tier: a boolean mask as the kernels read it (fa4_jax.mask_bits): its bits, its span
+tables against a brute-force walk of the mask, the causal and window rules folded in against the
+reference's own rule, and the routing of mask calls (head-shared masks to the mask_array
+kernels, per-head masks and biases to the reference)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fa4_jax
+from fa4_jax import dispatch, ffi, mask_bits
+from fa4_jax.aot import menu
+from fa4_jax.api import _folded_mask_params
+from fa4_jax.kernels.sm90 import menu as sm90
+from fa4_jax.params import AttentionParams
+from fa4_jax.reference import attention_reference
+from fa4_jax.segment_layout import NO_SPAN, SPAN_CHUNK
+from fa4_jax.vjp import attention_op
+
+
+def _random_mask(rng, batch, seqlen_q, seqlen_k, density):
+    mask = rng.random((batch, seqlen_q, seqlen_k)) < density
+    mask[:, rng.integers(0, seqlen_q, 3)] = False  # rows that see nothing
+    mask[:, :, rng.integers(0, seqlen_k, 3)] = False  # keys no row sees
+    return mask
+
+
+def _brute_force_table(seen, count):
+    """The span table of positions (rows of `seen`) over partners (its columns), walked."""
+    entries = []
+    for start in range(0, seen.shape[0], SPAN_CHUNK):
+        lo, hi, full_lo, full_hi = NO_SPAN, 0, 0, NO_SPAN
+        for position in range(start, min(start + SPAN_CHUNK, seen.shape[0], count)):
+            partners = np.flatnonzero(seen[position])
+            if partners.size:
+                lo, hi = min(lo, partners[0]), max(hi, partners[-1] + 1)
+            if partners.size and partners[-1] - partners[0] + 1 == partners.size:
+                full_lo, full_hi = max(full_lo, partners[0]), min(full_hi, partners[-1] + 1)
+            else:
+                full_lo, full_hi = max(full_lo, NO_SPAN), min(full_hi, 0)
+        entries.append((lo, hi, full_lo, full_hi))
+    return np.array(entries)
+
+
+def _params(causal=False, window=(None, None), top_left=False):
+    return AttentionParams(softmax_scale=0.3, causal=causal, window_left=window[0],
+                           window_right=window[1], softcap=None, top_left=top_left, deterministic=False)
+
+
+@pytest.mark.parametrize("seqlen_k", [1, 31, 32, 33, 97, 200])
+def test_bits_round_trip(seed, seqlen_k):
+    mask = _random_mask(np.random.default_rng(seed), 2, 70, seqlen_k, 0.5)
+    bits = mask_bits.pack(jnp.asarray(mask))
+    assert bits.shape == (2, 70, -(-seqlen_k // 32)) and bits.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(mask_bits.unpack(bits, seqlen_k)), mask)
+    # Bit k % 32 of word k // 32, as the kernels read it.
+    words = np.asarray(bits).view(np.uint32)
+    b, q, k = 1, 11, seqlen_k - 1
+    assert bool((words[b, q, k // 32] >> (k % 32)) & 1) == mask[b, q, k]
+
+
+@pytest.mark.parametrize("density", [0.0, 0.03, 0.5, 1.0])
+@pytest.mark.parametrize("rules", [dict(), dict(causal=True), dict(window=(40, 7)),
+                                   dict(causal=True, top_left=True)], ids=["none", "causal", "window", "top_left"])
+def test_span_tables_are_the_masks(seed, density, rules):
+    rng = np.random.default_rng(seed)
+    batch, seqlen_q, seqlen_k = 3, 150, 333
+    mask = _random_mask(rng, batch, seqlen_q, seqlen_k, density)
+    lengths = (jnp.asarray([150, 77, 0], jnp.int32), jnp.asarray([333, 300, 5], jnp.int32))
+    params = _params(**rules)
+    q_ids, kv_ids, row_spans, key_spans, bits = mask_bits.operands(jnp.asarray(mask), params, lengths,
+                                                                   seqlen_q, seqlen_k)
+    seen = np.asarray(mask_bits.visible(jnp.asarray(mask), params, lengths, seqlen_q, seqlen_k))
+    np.testing.assert_array_equal(np.asarray(mask_bits.unpack(bits, seqlen_k)), seen)
+    assert not np.asarray(q_ids).any() and not np.asarray(kv_ids).any()
+    for b in range(batch):
+        q_len, kv_len = (int(x[b]) for x in lengths)
+        np.testing.assert_array_equal(np.asarray(row_spans[b]), _brute_force_table(seen[b], q_len))
+        np.testing.assert_array_equal(np.asarray(key_spans[b]), _brute_force_table(seen[b].T, kv_len))
+
+
+@pytest.mark.parametrize("rules", [dict(causal=True), dict(window=(30, 0)), dict(window=(None, 12)),
+                                   dict(causal=True, top_left=True)], ids=["causal", "left", "right", "top_left"])
+def test_the_folded_rules_are_the_references(seed, rules):
+    # The kernels' call: the rules and lengths folded into the bits, params without them; run
+    # here on the reference (which unpacks the bits), against the reference with the rules.
+    rng = np.random.default_rng(seed)
+    batch, seqlen_q, seqlen_k, heads = 2, 90, 130, 2
+    q, k, v = (jnp.asarray(rng.standard_normal((batch, n, heads, 16)), jnp.float32)
+               for n in (seqlen_q, seqlen_k, seqlen_k))
+    mask = jnp.asarray(_random_mask(rng, batch, seqlen_q, seqlen_k, 0.7))
+    lengths = (jnp.asarray([90, 41], jnp.int32), jnp.asarray([101, 130], jnp.int32))
+    params = _params(**rules)
+    operands = mask_bits.operands(mask, params, lengths, seqlen_q, seqlen_k)
+    folded = _folded_mask_params(params)
+    got = attention_op(q, k, v, folded, lengths, operands)
+    want = attention_reference(q, k, v, softmax_scale=params.softmax_scale, causal=params.causal,
+                               window_left=params.window_left, window_right=params.window_right,
+                               top_left=params.top_left, mask=mask[:, None], query_seq_lengths=lengths[0],
+                               key_value_seq_lengths=lengths[1], compute_dtype=jnp.float32)
+    for name, a, b in zip(("out", "lse"), got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5, err_msg=name)
+
+
+@pytest.fixture
+def h200_menu(monkeypatch):
+    """The shipping menu's router as on an H200, without a GPU."""
+    library = ffi.Library(path="(menu)", fwd_target="f", bwd_target="b",
+                          compiled=frozenset(v.name for v in menu.MENU),
+                          routes=tuple((sm90.ARCH, route) for route in sm90.ROUTES),
+                          dq_copies_max_keys={sm90.ARCH: dict(sm90.DQ_COPIES_MAX_KEYS)},
+                          tuning_targets=False, head_dims={sm90.ARCH: frozenset(sm90.HEAD_DIMS)},
+                          fwd_segments_target="fs", bwd_segments_target="bs",
+                          fwd_masked_target="fm", bwd_masked_target="bm")
+    monkeypatch.setattr(ffi, "load", lambda *args, **kwargs: library)
+    monkeypatch.setattr(dispatch, "device_arch", lambda: (sm90.ARCH, None))
+    monkeypatch.setattr(dispatch, "sm_count", lambda: 132)
+
+
+@pytest.mark.parametrize("mask_shape", [(2, 1, 300, 500), (1, 1, 300, 500), (1, 1, 1, 500), (2, 1, 300, 1)])
+@pytest.mark.parametrize("options", [dict(), dict(causal=True), dict(window_size=(64, 0))])
+def test_head_shared_masks_run_the_mask_array_kernels(h200_menu, mask_shape, options):
+    q = jax.ShapeDtypeStruct((2, 300, 8, 88), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 500, 2, 88), jnp.bfloat16)
+    mask = jax.ShapeDtypeStruct(mask_shape, jnp.bool_)
+    explanation = fa4_jax.explain(q, kv, kv, mask=mask, **options)
+    # Every mask kind folds into the bits: the "none" class, zero-padded to d96 as any d88 call.
+    assert explanation.backend == "cute"
+    assert explanation.forward_variant == "fwd_sm90a_bf16_d96_dv96_boolmask"
+    assert explanation.backward_variant == "bwd_sm90a_bf16_d96_dv96_boolmask"
+    assert explanation.split_kv == 1 and not explanation.pack_gqa
+
+
+def test_what_the_mask_array_kernels_do_not_take_runs_on_the_reference(h200_menu):
+    q = jax.ShapeDtypeStruct((2, 300, 8, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 500, 2, 128), jnp.bfloat16)
+    for mask_shape, options, reason in (
+            ((2, 8, 300, 500), {}, "a mask that differs between heads"),
+            ((2, 1, 300, 500), dict(softcap=20.0), "no fwd kernel for sm_90a bf16 none softcap with a mask array")):
+        explanation = fa4_jax.explain(q, kv, kv, mask=jax.ShapeDtypeStruct(mask_shape, jnp.bool_), **options)
+        assert explanation.backend == "reference" and reason in explanation.reason
+        with pytest.raises(ValueError, match="implementation='cute' cannot serve this call"):
+            fa4_jax.explain(q, kv, kv, mask=jax.ShapeDtypeStruct(mask_shape, jnp.bool_),
+                            implementation="cute", **options)
+
