@@ -10,11 +10,12 @@ dim serves every mask (the variants with `mask_array`, problem class "none").
 
 The bits are the mask packed 32 keys to an int32 word: [b, sq, ceil(sk / 32)], bit k % 32 of
 word k // 32 of row q set when q sees k; 1/8 of the boolean mask's bytes. The tables come from
-the bits (rows) and from one reduction over the boolean mask (keys): no float [sq, sk] buffer,
-and no pass beyond those two over the caller's mask.
+the bits: one pass over the caller's mask in all, and no float [sq, sk] buffer. A table's full
+range is the partners every counted position sees, when they form one run (a mask need not be
+one run per row, as segment ids are: its rows' intersection may still be).
 
-The ids the segments kernels also compare are all 0 (one segment): a call with segment ids and
-a mask folds the ids into the mask instead.
+The mask_array kernels test bits instead of comparing ids: a call with segment ids and a mask
+folds the ids into the mask, and the id operands are all 0.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fa4_jax.segments import chunk_table
+from fa4_jax.reference import MaskSpec
+from fa4_jax.segment_layout import NO_SPAN, SPAN_CHUNK
 
 WORD_BITS = 32
 
@@ -32,20 +34,11 @@ def visible(mask, params, seq_lengths, seqlen_q: int, seqlen_k: int):
     mask [b | 1, sq | 1, sk | 1] (its head axis dropped: one mask for every head), the call's
     causal and window rules (`params`, aligned as `params.top_left` says) and its lengths
     (q_len, kv_len) [b], whose padding rows and keys see nothing."""
-    q_len, kv_len = seq_lengths
-    batch = q_len.shape[0]
-    rows = jnp.arange(seqlen_q, dtype=jnp.int32)[None, :, None]
-    keys = jnp.arange(seqlen_k, dtype=jnp.int32)[None, None, :]
-    q_len, kv_len = q_len[:, None, None], kv_len[:, None, None]
-    diagonal = rows + (0 if params.top_left else kv_len - q_len)
-    seen = jnp.broadcast_to(mask, (batch, seqlen_q, seqlen_k)) & (rows < q_len) & (keys < kv_len)
-    if params.causal:
-        seen &= keys <= diagonal
-    if params.window_left is not None:
-        seen &= keys >= diagonal - params.window_left
-    if params.window_right is not None:
-        seen &= keys <= diagonal + params.window_right
-    return seen
+    q_len, kv_len = (x[:, None, None] for x in seq_lengths)
+    rule = MaskSpec(q_len, kv_len, params.causal, params.window_left, params.window_right, params.top_left)
+    seen = rule.visible(jnp.arange(seqlen_q, dtype=jnp.int32), jnp.arange(seqlen_k, dtype=jnp.int32))
+    # Lengths as arrays make the rule ragged (MaskSpec.ragged): rows past q_len see no key.
+    return jnp.broadcast_to(mask, seen.shape) & seen
 
 
 def pack(seen):
@@ -67,28 +60,77 @@ def unpack(bits, seqlen_k: int):
     return seen.reshape(*bits.shape[:-1], -1)[..., :seqlen_k].astype(bool)
 
 
-def _row_runs(bits):
-    """Per row of bits [b, sq, words]: (first seen key, last seen key, how many), each int32
-    [b, sq] (first and last arbitrary where none is seen)."""
-    words = jax.lax.bitcast_convert_type(bits, jnp.uint32)
+def _bit_runs(words):
+    """Over the last axis of uint32 words read as one bit string: (first set bit, last set bit,
+    how many), int32 (first NO_SPAN and last -1 where none is set)."""
     base = jnp.arange(words.shape[-1], dtype=jnp.int32) * WORD_BITS
     nonzero = words != 0
     lowest = words & (jnp.uint32(0) - words)  # the lowest set bit alone
     first_in_word = WORD_BITS - 1 - jax.lax.clz(lowest).astype(jnp.int32)
     last_in_word = WORD_BITS - 1 - jax.lax.clz(words).astype(jnp.int32)
-    first = jnp.min(jnp.where(nonzero, base + first_in_word, np.iinfo(np.int32).max), axis=-1)
+    first = jnp.min(jnp.where(nonzero, base + first_in_word, NO_SPAN), axis=-1)
     last = jnp.max(jnp.where(nonzero, base + last_in_word, -1), axis=-1)
     count = jnp.sum(jax.lax.population_count(words).astype(jnp.int32), axis=-1)
     return first, last, count
 
 
-def _key_runs(seen):
-    """Per key of seen [b, sq, sk]: (first row that sees it, last, how many), int32 [b, sk]."""
-    rows = jnp.arange(seen.shape[1], dtype=jnp.int32)[None, :, None]
-    first = jnp.min(jnp.where(seen, rows, np.iinfo(np.int32).max), axis=1)
-    last = jnp.max(jnp.where(seen, rows, -1), axis=1)
-    count = jnp.sum(seen, axis=1, dtype=jnp.int32)
-    return first, last, count
+def _entries(any_first, any_last, every_first, every_last, every_count, counted):
+    """Span entries (LO, HI, FULL_LO, FULL_HI) [..., 4]: the hull of the partners any counted
+    position sees, and the partners every one sees when they form one run (else none); the
+    reductions' identities where no position is counted (fa4_jax/segment_layout.py)."""
+    one_run = (every_count > 0) & (every_last - every_first + 1 == every_count)
+    lo = jnp.where(counted, any_first, NO_SPAN)
+    hi = jnp.where(counted, any_last + 1, 0)
+    full_lo = jnp.where(counted, jnp.where(one_run, every_first, NO_SPAN), 0)
+    full_hi = jnp.where(counted, jnp.where(one_run, every_last + 1, 0), NO_SPAN)
+    return jnp.stack([lo, hi, full_lo, full_hi], axis=-1).astype(jnp.int32)
+
+
+def _row_spans(words, q_len):
+    """Row spans [b, ceil(sq / 64), 4] of bits words [b, sq, W] (uint32), rows below q_len
+    counted: per 64 rows, the OR of their words (keys any of them sees) and the AND (keys all
+    of them see), then each one's runs: a reduction over 1/8 of the mask's bytes."""
+    batch, seqlen_q, width = words.shape
+    chunks = -(-seqlen_q // SPAN_CHUNK)
+    counted = jnp.arange(chunks * SPAN_CHUNK, dtype=jnp.int32)[None, :] < q_len[:, None]
+    words = jnp.pad(words, [(0, 0), (0, chunks * SPAN_CHUNK - seqlen_q), (0, 0)])
+    by_chunk = (batch, chunks, SPAN_CHUNK, width)
+    counted_words = counted[..., None]
+    any_words = jax.lax.reduce(jnp.where(counted_words, words, 0).reshape(by_chunk),
+                               np.uint32(0), jax.lax.bitwise_or, (2,))
+    every_words = jax.lax.reduce(jnp.where(counted_words, words, ~np.uint32(0)).reshape(by_chunk),
+                                 ~np.uint32(0), jax.lax.bitwise_and, (2,))
+    any_first, any_last, _ = _bit_runs(any_words)
+    return _entries(any_first, any_last, *_bit_runs(every_words),
+                    counted.reshape(batch, chunks, SPAN_CHUNK).any(axis=-1))
+
+
+def _key_spans(words, kv_len, seqlen_k: int):
+    """Key spans [b, ceil(sk / 64), 4] of bits words [b, sq, W] (uint32), keys below kv_len
+    counted: per row and 64 keys (two words), whether it sees any and every counted one, then
+    the runs of those rows down each column (the rows past their length see none)."""
+    batch, seqlen_q, width = words.shape
+    chunks = -(-seqlen_k // SPAN_CHUNK)
+    words_per_chunk = SPAN_CHUNK // WORD_BITS
+    keys = jnp.arange(chunks * SPAN_CHUNK, dtype=jnp.int32).reshape(chunks * words_per_chunk, WORD_BITS)
+    weights = jnp.left_shift(jnp.uint32(1), jnp.arange(WORD_BITS, dtype=jnp.uint32))
+    counted_bits = jnp.sum(jnp.where(keys[None] < kv_len[:, None, None], weights, 0), axis=-1,
+                           dtype=jnp.uint32)  # [b, words]: each word's counted keys
+    words = jnp.pad(words, [(0, 0), (0, 0), (0, chunks * words_per_chunk - width)])
+    by_chunk = (batch, seqlen_q, chunks, words_per_chunk)
+    sees_any = jnp.any(words.reshape(by_chunk) != 0, axis=-1)
+    counted_by_chunk = counted_bits.reshape(batch, 1, chunks, words_per_chunk)
+    sees_every = jnp.all(words.reshape(by_chunk) & counted_by_chunk == counted_by_chunk, axis=-1)
+    rows = jnp.arange(seqlen_q, dtype=jnp.int32)[None, :, None]
+
+    def runs(seen):
+        first = jnp.min(jnp.where(seen, rows, NO_SPAN), axis=1)
+        last = jnp.max(jnp.where(seen, rows, -1), axis=1)
+        return first, last, jnp.sum(seen, axis=1, dtype=jnp.int32)
+
+    any_first, any_last, _ = runs(sees_any)
+    counted = jnp.arange(chunks, dtype=jnp.int32)[None, :] * SPAN_CHUNK < kv_len[:, None]
+    return _entries(any_first, any_last, *runs(sees_every), counted)
 
 
 def operands(mask, params, seq_lengths, seqlen_q: int, seqlen_k: int):
@@ -97,10 +139,8 @@ def operands(mask, params, seq_lengths, seqlen_q: int, seqlen_k: int):
     `visible`); computed once per call, for the forward and its backward."""
     q_len, kv_len = seq_lengths
     batch = q_len.shape[0]
-    seen = visible(mask, params, seq_lengths, seqlen_q, seqlen_k)
-    bits = pack(seen)
-    row_spans = jax.vmap(chunk_table)(*_row_runs(bits), q_len)
-    key_spans = jax.vmap(chunk_table)(*_key_runs(seen), kv_len)
+    bits = pack(visible(mask, params, seq_lengths, seqlen_q, seqlen_k))
+    words = jax.lax.bitcast_convert_type(bits, jnp.uint32)
     q_ids = jnp.zeros((batch, seqlen_q), jnp.int32)
     kv_ids = jnp.zeros((batch, seqlen_k), jnp.int32)
-    return q_ids, kv_ids, row_spans, key_spans, bits
+    return q_ids, kv_ids, _row_spans(words, q_len), _key_spans(words, kv_len, seqlen_k), bits

@@ -101,7 +101,7 @@ def attention_reference(
         raise ValueError("give both query_segment_ids and kv_segment_ids, or neither")
     score_tiles = _ScoreTiles.of(mask, bias, query_segment_ids, kv_segment_ids, heads_kv,
                                  q_chunk, kv_chunk)
-    mask = _MaskSpec(valid_q, valid_k, causal, window_left, window_right, top_left)
+    mask = MaskSpec(valid_q, valid_k, causal, window_left, window_right, top_left)
 
     q_tiles = _tile_queries(query.astype(compute_dtype), q_chunk, heads_kv)
     k_tiles = _tile_keys(key.astype(compute_dtype), kv_chunk)
@@ -156,7 +156,7 @@ def dense_attention(q, k, v, *, compute_dtype, softmax_scale=None, softcap=None,
     if softcap is not None:
         cap = jnp.asarray(softcap, compute_dtype)
         scores = cap * jnp.tanh(scores / cap)
-    visible = _MaskSpec(seqlen_q, seqlen_k, causal, window_left, window_right).visible(
+    visible = MaskSpec(seqlen_q, seqlen_k, causal, window_left, window_right).visible(
         jnp.arange(seqlen_q), jnp.arange(seqlen_k))
     if query_segment_ids is not None:
         visible = visible & (query_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :])
@@ -172,12 +172,13 @@ def dense_attention(q, k, v, *, compute_dtype, softmax_scale=None, softcap=None,
     return out, jnp.where(empty[..., 0], -jnp.inf, lse[..., 0])
 
 
-class _MaskSpec:
+class MaskSpec:
     """Mask description; `visible` evaluates it on one tile of indices.
 
     seqlen_q and seqlen_k are static ints (the whole arrays), or, for a ragged batch, int32
-    arrays [batch, 1, 1, 1, 1] of each entry's valid lengths, shaped to broadcast against the
-    [batch, heads_kv, groups, q_chunk, kv_chunk] score tile. The diagonal runs through
+    arrays of each entry's valid lengths shaped to broadcast against the score tile:
+    [batch, 1, 1, 1, 1] for the reference's [batch, heads_kv, groups, q_chunk, kv_chunk] tiles,
+    [batch, 1, 1] for a mask's [batch, sq, sk] (fa4_jax.mask_bits). The diagonal runs through
     (i, i + offset): offset = seqlen_k - seqlen_q (bottom-right), or 0 when top_left.
     """
 
@@ -191,7 +192,7 @@ class _MaskSpec:
         self.window_right = window_right
 
     def visible(self, q_index, k_index):
-        """Bool [q_chunk, kv_chunk], or [batch, 1, 1, q_chunk, kv_chunk] when ragged: which
+        """Bool [q_chunk, kv_chunk], or broadcast with the lengths' shape when ragged: which
         (row, key) pairs take part in the softmax."""
         q_index = q_index[:, None]
         k_index = k_index[None, :]

@@ -16,8 +16,10 @@ differentiable and take memory O(total tokens):
 """
 from __future__ import annotations
 
+import functools
 import numbers
 
+import jax
 import jax.numpy as jnp
 
 from fa4_jax.api import attention
@@ -123,30 +125,57 @@ def _aligned_rows(q, k, v, cu_seqlens_q, cu_seqlens_k, options, return_lse):
     position = jnp.arange(q.shape[0] + k.shape[0], dtype=jnp.int32)
     sequence = jnp.minimum(jnp.searchsorted(ends, position, side="right"), ends.shape[0] - 1)
 
-    def side(cu_seqlens, lengths, no_match):
+    def side(cu_seqlens, lengths, total, no_match):
         """(the packed token at each row position, 0 in the gaps; whether one is there; the
-        row's segment ids) of one side."""
+        row's segment ids; each packed token's row position, 0 past the last sequence; whether
+        it has one) of one side."""
         index = position - (ends[sequence] - lengths[sequence])  # within the sequence's tokens
         valid = (index >= 0) & (index < lengths[sequence]) & (position < ends[-1])
         token = jnp.where(valid, cu_seqlens[sequence] + index, 0)
-        return token, valid, jnp.where(valid, sequence, no_match).astype(jnp.int32)
+        token_sequence, token_index = _token_positions(cu_seqlens, total)
+        placed = jnp.arange(total, dtype=jnp.int32) < cu_seqlens[-1]
+        row_position = jnp.where(placed, ends[token_sequence] - lengths[token_sequence] + token_index, 0)
+        return token, valid, jnp.where(valid, sequence, no_match).astype(jnp.int32), row_position, placed
 
-    def gather(x, token, valid):
-        return jnp.where(valid[:, None, None], jnp.take(x, token, axis=0, mode="clip"), jnp.zeros((), x.dtype))
-
-    q_token, q_valid, q_ids = side(cu_seqlens_q, lengths_q, -1)
-    k_token, k_valid, kv_ids = side(cu_seqlens_k, lengths_k, -2)
-    q_row, k_row, v_row = gather(q, q_token, q_valid), gather(k, k_token, k_valid), gather(v, k_token, k_valid)
+    q_token, q_valid, q_ids, q_position, q_placed = side(cu_seqlens_q, lengths_q, q.shape[0], -1)
+    k_token, k_valid, kv_ids, k_position, k_placed = side(cu_seqlens_k, lengths_k, k.shape[0], -2)
+    to_row_q, to_row_k = (q_token, q_valid, q_position, q_placed), (k_token, k_valid, k_position, k_placed)
+    q_row, k_row, v_row = _moved(q, *to_row_q), _moved(k, *to_row_k), _moved(v, *to_row_k)
     out, lse = attention(q_row[None], k_row[None], v_row[None], return_lse=True,
                          query_segment_ids=q_ids[None], kv_segment_ids=kv_ids[None], **options)
-    # Each packed query token's row position; tokens past cu_seqlens_q[-1] belong to no
-    # sequence and give what a row that sees no key gives.
-    sequence, index = _token_positions(cu_seqlens_q, q.shape[0])
-    placed = jnp.arange(q.shape[0], dtype=jnp.int32) < cu_seqlens_q[-1]
-    position = jnp.where(placed, ends[sequence] - lengths_q[sequence] + index, 0)
-    out = jnp.where(placed[:, None, None], out[0, position], jnp.zeros((), out.dtype))
-    lse = jnp.where(placed[None, :], lse[0][:, position], -jnp.inf)
+    # Back to the packed tokens (tokens past cu_seqlens_q[-1] belong to no sequence and give
+    # what a row that sees no key gives), the inverse move.
+    from_row = (q_position, q_placed, q_token, q_valid)
+    out = _moved(out[0], *from_row)
+    lse = jnp.swapaxes(_moved(jnp.swapaxes(lse[0], 0, 1), *from_row, fill=-jnp.inf), 0, 1)
     return (out, lse) if return_lse else out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _moved(x, index, valid, inverse, inverse_valid, fill=0.0):
+    """x's rows moved: row i of the result is x[index[i]] where valid[i], else `fill`. The move
+    is one-to-one where valid (`inverse` [len(x)] maps back, inverse_valid where it does), so
+    its gradient is the inverse move, a gather too: the transpose of a gather that XLA must take
+    for a scatter-add, whose repeated index 0 (every gap position) serialises on one row."""
+    return jnp.where(_rows(valid, x), jnp.take(x, index, axis=0, mode="clip"), jnp.asarray(fill, x.dtype))
+
+
+def _rows(flags, x):
+    return flags.reshape(flags.shape + (1,) * (x.ndim - 1))
+
+
+def _moved_fwd(x, index, valid, inverse, inverse_valid, fill):
+    return _moved(x, index, valid, inverse, inverse_valid, fill), (index, valid, inverse, inverse_valid)
+
+
+def _moved_bwd(fill, residuals, cotangent):
+    index, valid, inverse, inverse_valid = residuals
+    d_x = jnp.where(_rows(inverse_valid, cotangent), jnp.take(cotangent, inverse, axis=0, mode="clip"),
+                    jnp.zeros((), cotangent.dtype))
+    return d_x, None, None, None, None
+
+
+_moved.defvjp(_moved_fwd, _moved_bwd)
 
 
 def _sequence_ids(cu_seqlens, total, no_match):

@@ -8,7 +8,8 @@ def test_dry_run_times_every_peer_and_skips_cudnn(tmp_path):
     assert bench_packed.main(["--dry-run", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "packed.json").read_text())["results"]
     timed = {(row["mode"], row["peer"]) for row in rows if row["status"] == "ok"}
-    for peer in ("fa4_jax_segments", "fa4_jax_varlen", "fa4_jax_varlen_apart", "fa4_jax_dense_equal"):
+    for peer in ("fa4_jax_segments", "fa4_jax_varlen", "fa4_jax_varlen_apart", "fa4_jax_mask",
+                 "fa4_jax_dense_equal"):
         assert {("fwd", peer), ("fwd_bwd", peer)} <= timed
     assert ("fwd", "span_tables") in timed and ("fwd_bwd", "span_tables") not in timed
     assert all(row["status"] == "skipped" for row in rows if row["peer"] == "cudnn_mask")

@@ -26,18 +26,19 @@ def _random_mask(rng, batch, seqlen_q, seqlen_k, density):
 
 
 def _brute_force_table(seen, count):
-    """The span table of positions (rows of `seen`) over partners (its columns), walked."""
+    """The span table of positions (rows of `seen`) over partners (its columns), walked: the
+    hull of what any counted position sees, and what every one sees when that is one run."""
     entries = []
     for start in range(0, seen.shape[0], SPAN_CHUNK):
-        lo, hi, full_lo, full_hi = NO_SPAN, 0, 0, NO_SPAN
-        for position in range(start, min(start + SPAN_CHUNK, seen.shape[0], count)):
-            partners = np.flatnonzero(seen[position])
-            if partners.size:
-                lo, hi = min(lo, partners[0]), max(hi, partners[-1] + 1)
-            if partners.size and partners[-1] - partners[0] + 1 == partners.size:
-                full_lo, full_hi = max(full_lo, partners[0]), min(full_hi, partners[-1] + 1)
-            else:
-                full_lo, full_hi = max(full_lo, NO_SPAN), min(full_hi, 0)
+        counted = range(start, min(start + SPAN_CHUNK, seen.shape[0], count))
+        if not counted:
+            entries.append((NO_SPAN, 0, 0, NO_SPAN))
+            continue
+        any_seen = np.flatnonzero(seen[list(counted)].any(axis=0))
+        every_seen = np.flatnonzero(seen[list(counted)].all(axis=0))
+        lo, hi = (any_seen[0], any_seen[-1] + 1) if any_seen.size else (NO_SPAN, 0)
+        one_run = every_seen.size and every_seen[-1] - every_seen[0] + 1 == every_seen.size
+        full_lo, full_hi = (every_seen[0], every_seen[-1] + 1) if one_run else (NO_SPAN, 0)
         entries.append((lo, hi, full_lo, full_hi))
     return np.array(entries)
 

@@ -9,6 +9,8 @@ match nothing, non-contiguous ids, ragged lengths, empty and one-token documents
 - for packed documents in self-attention (one packing on both sides) the visit range is exactly
   the blocks that hold a visible pair, so the work is the useful work's, rounded to blocks.
 """
+import functools
+
 import numpy as np
 import pytest
 
@@ -159,11 +161,13 @@ def _tile_ranges(table, tile, other_tile):
         (full_lo + other_tile - 1) // other_tile, full_hi // other_tile
 
 
-def _kernel_mask(q_ids, kv_ids, table, tile_of_row, tile_of_key, transposed):
+def _kernel_mask(q_ids, kv_ids, table, tile_of_row, tile_of_key, transposed, bits=None):
     """[b, sq, sk]: what a kernel walking the table computes for each pair: inside a visited
-    block, and either in a full block or of equal ids. transposed: the backward's walk (key
-    blocks over query tiles, the key spans)."""
+    block, and either in a full block or of equal ids (with mask bits: shown by the mask).
+    transposed: the backward's walk (key blocks over query tiles, the key spans)."""
     import jax.numpy as jnp
+
+    from fa4_jax import mask_bits
 
     rows, keys = jnp.arange(q_ids.shape[1]), jnp.arange(kv_ids.shape[1])
     if transposed:
@@ -174,7 +178,10 @@ def _kernel_mask(q_ids, kv_ids, table, tile_of_row, tile_of_key, transposed):
         lo, hi, full_lo, full_hi = _tile_ranges(table, tile_of_row, tile_of_key)
         walker, walked = rows // tile_of_row, keys // tile_of_key
         inside = lambda a, b: (a[:, walker, None] <= walked[None, None, :]) & (walked[None, None, :] < b[:, walker, None])
-    same = q_ids[:, :, None] == kv_ids[:, None, :]
+    if bits is None:
+        same = q_ids[:, :, None] == kv_ids[:, None, :]
+    else:
+        same = mask_bits.unpack(bits, kv_ids.shape[1])
     return inside(lo, hi) & (inside(full_lo, full_hi) | same)
 
 
@@ -182,9 +189,9 @@ def _kernel_mask(q_ids, kv_ids, table, tile_of_row, tile_of_key, transposed):
 def segment_kernels(monkeypatch):
     """The segments custom calls replaced by a model of the kernels: each computes only the pairs
     its walk over the span tables reaches (the forward: query tiles of 128 rows over key blocks
-    of 128; the backward: key blocks of 128 over query tiles of 64), comparing ids only outside
-    the full blocks, in fp32. The sm90 menu is the library, as on an H200. Returns the list of
-    calls made ("fwd", "bwd")."""
+    of 128; the backward: key blocks of 128 over query tiles of 64), comparing ids (or reading
+    a mask's bits) only outside the full blocks, in fp32. The sm90 menu is the library, as on
+    an H200. Returns the list of calls made ("fwd", "bwd")."""
     import jax
     import jax.numpy as jnp
 
@@ -204,15 +211,15 @@ def segment_kernels(monkeypatch):
             key_value_seq_lengths=lengths[1] if ragged_call else None, compute_dtype=jnp.float32)
 
     def fake_forward(library, q, k, v, lengths, attrs, tuning=None, segments=None):
-        q_ids, kv_ids, row_spans, _ = segments
+        q_ids, kv_ids, row_spans, _, *bits = segments
         calls.append("fwd")
-        return reference(q, k, v, attrs, lengths, _kernel_mask(q_ids, kv_ids, row_spans, 128, 128, False))
+        return reference(q, k, v, attrs, lengths, _kernel_mask(q_ids, kv_ids, row_spans, 128, 128, False, *bits))
 
     def fake_backward(library, q, k, v, out, lse, d_out, d_lse, lengths, attrs, deterministic, dq_copies,
                       tuning=None, segments=None):
-        q_ids, kv_ids, _, key_spans = segments
+        q_ids, kv_ids, _, key_spans, *bits = segments
         calls.append("bwd")
-        mask = _kernel_mask(q_ids, kv_ids, key_spans, 64, 128, True)
+        mask = _kernel_mask(q_ids, kv_ids, key_spans, 64, 128, True, *bits)
         _, vjp = jax.vjp(lambda q, k, v: reference(q, k, v, attrs, lengths, mask), q, k, v)
         d_lse = jnp.zeros(lse.shape, jnp.float32) if d_lse is None else d_lse
         return tuple(g.astype(x.dtype) for g, x in zip(vjp((d_out.astype(q.dtype), d_lse)), (q, k, v)))
@@ -220,7 +227,8 @@ def segment_kernels(monkeypatch):
     library = ffi.Library(path="(menu)", fwd_target="f", bwd_target="b",
                           compiled=frozenset(v.name for v in sm90.MENU), routes=(), dq_copies_max_keys={},
                           tuning_targets=False, head_dims={sm90.ARCH: frozenset(sm90.HEAD_DIMS)},
-                          fwd_segments_target="fs", bwd_segments_target="bs")
+                          fwd_segments_target="fs", bwd_segments_target="bs",
+                          fwd_masked_target="fm", bwd_masked_target="bm")
     monkeypatch.setattr(ffi, "load", lambda *args, **kwargs: library)
     monkeypatch.setattr(dispatch, "device_arch", lambda: (sm90.ARCH, None))
     monkeypatch.setattr(dispatch, "sm_count", lambda: 132)
@@ -302,3 +310,45 @@ def test_segment_ids_travel_with_the_batch(next_key, segment_kernels, axis_sizes
     for got, want in zip(compiled(*inputs), jax.jit(step)(*inputs)):
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
     assert "fwd" in segment_kernels and "bwd" in segment_kernels
+
+
+@pytest.mark.parametrize("kind, options", [
+    ("documents", dict(is_causal=True)), ("random", dict()), ("padding", dict(local_window_size=(100, 30))),
+    ("documents", dict(query_seq_lengths=np.array([300, 0, 17], np.int32),
+                       key_value_seq_lengths=np.array([250, 300, 299], np.int32)))],
+    ids=["documents_causal", "random", "padding_window", "documents_lengths"])
+def test_mask_calls_reach_the_mask_array_kernels_and_match_jax(next_key, segment_kernels, kind, options):
+    # dot_product_attention(mask=) on the modelled kernels (the walk over the mask's span
+    # tables, bits read outside the full blocks) against jax's own, values and gradients: a
+    # table that skips a block with a visible pair, or calls a block full that is not, fails.
+    import jax
+    import jax.numpy as jnp
+
+    import fa4_jax
+
+    rng = np.random.default_rng(len(kind))
+    rows, keys = np.arange(300)[:, None], np.arange(300)[None, :]
+    if kind == "documents":
+        q_ids = np.stack([_packing(rng, 300, "packed") for _ in range(3)])
+        mask = (q_ids[:, None, :, None] == q_ids[:, None, None, :]) & (keys <= rows)
+    elif kind == "random":
+        mask = rng.random((3, 1, 300, 300)) < 0.4
+    else:
+        mask = (np.arange(300)[None, :] < np.array([300, 131, 7])[:, None])[:, None, None, :]
+    mask = jnp.asarray(mask)
+    q, k, v = (jax.random.normal(next_key(), (3, 300, 4, 64), jnp.bfloat16) for _ in range(3))
+    lengths = {name: jnp.asarray(x) for name, x in options.items() if name.endswith("lengths")}
+    static = {name: x for name, x in options.items() if not name.endswith("lengths")}
+
+    d_out = jax.random.normal(next_key(), q.shape, jnp.float32)
+
+    def out_and_grads(attend, q, k, v):
+        out, pullback = jax.vjp(lambda q, k, v: attend(q, k, v, mask=mask, **lengths, **static), q, k, v)
+        return (out, *pullback(d_out.astype(out.dtype)))
+
+    got = out_and_grads(functools.partial(fa4_jax.dot_product_attention, implementation="cute"), q, k, v)
+    want = out_and_grads(functools.partial(jax.nn.dot_product_attention, implementation="xla"),
+                         *(x.astype(jnp.float32) for x in (q, k, v)))
+    assert segment_kernels == ["fwd", "bwd"]
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w), rtol=3e-2, atol=3e-2, err_msg=name)

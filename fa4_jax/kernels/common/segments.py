@@ -11,8 +11,8 @@ partners they see and the partners every one of them sees; a tile reduces its ch
   loop runs them; only the blocks between the two compare ids, element by element.
 
 A boolean mask (a `mask_array` kernel) rides the same walk: its span tables come from the mask
-(fa4_jax/mask_bits.py), and the blocks between the two ranges also test the mask's bit for each
-score, besides the ids (all equal unless the call also passes segment ids).
+(fa4_jax/mask_bits.py), and the blocks between the two ranges test the mask's bit for each score
+instead of the ids (the caller folds a call's segment ids into the mask).
 """
 import dataclasses
 import math
@@ -97,23 +97,27 @@ class SegmentIds:
     def _compare(self, scores: cute.Tensor, coords0: cute.Tensor, row_ids: cute.Tensor, row_start: Int32,
                  col_ids: cute.Tensor, col_start: Int32, batch: Int32, fill: cutlass.Constexpr[float],
                  rows_are_keys: cutlass.Constexpr[bool]):
-        """scores[r, c] = fill where the id of row r differs from the id of column c, or the mask
-        hides the pair; the tile's rows and columns start at row_start and col_start of row_ids
-        and col_ids (AttentionMask.apply's register scheme). Each id is loaded once per tile;
-        each mask word once per score (an L1 hit for all but the first of a row's 32 keys)."""
-        ids_of_rows = cute.make_rmem_tensor((cute.size(scores, mode=[0]),), Int32)
-        for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
-            ids_of_rows[r] = self._id(row_ids, batch, row_start + coords0[r, 0][0])
-        for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-            col = col_start + coords0[0, c][1]
-            col_id = self._id(col_ids, batch, col)
-            for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
-                if ids_of_rows[r] != col_id:
-                    scores[r, c] = Float32(fill)
-                if cutlass.const_expr(self.bits is not None):
+        """scores[r, c] = fill where the id of row r differs from the id of column c (or, with
+        mask bits, where the mask hides the pair); the tile's rows and columns start at
+        row_start and col_start of row_ids and col_ids (AttentionMask.apply's register scheme).
+        Each id is loaded once per tile; each mask word once per score (an L1 hit for all but the
+        first of a row's 32 keys)."""
+        if cutlass.const_expr(self.bits is not None):
+            for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+                col = col_start + coords0[0, c][1]
+                for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
                     row = row_start + coords0[r, 0][0]
                     query, key = (col, row) if cutlass.const_expr(rows_are_keys) else (row, col)
                     if self._hidden_by_mask(batch, query, key):
+                        scores[r, c] = Float32(fill)
+        else:
+            ids_of_rows = cute.make_rmem_tensor((cute.size(scores, mode=[0]),), Int32)
+            for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
+                ids_of_rows[r] = self._id(row_ids, batch, row_start + coords0[r, 0][0])
+            for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+                col_id = self._id(col_ids, batch, col_start + coords0[0, c][1])
+                for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
+                    if ids_of_rows[r] != col_id:
                         scores[r, c] = Float32(fill)
 
     @cute.jit

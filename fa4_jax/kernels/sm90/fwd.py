@@ -346,7 +346,9 @@ class FlashAttentionForwardSm90:
         # Both ping-pong settings: an ablation row compiles its tuning at both masks.
         if (config.pingpong or config.masked_pingpong) and config.mma_warp_groups == 1:
             raise ValueError(f"{config}: ping-pong needs two or more MMA warp groups")
-        config = config.for_mask(self.causal or self.local)
+        # A mask array is a mask: its kernels take the masked settings (128-key blocks at d128,
+        # heavy tiles first), which causal-shaped masks, the common kind, want.
+        config = config.for_mask(self.causal or self.local or mask_array)
         if config.tile_n % 16 or not 16 <= config.tile_n <= 256:
             raise ValueError(f"{config}: tile_n must be a multiple of 16 (P·V's k16 blocks), at most 256")
         if not 0.0 <= config.softmax.exp2_poly_share <= 1.0 or config.softmax.rescale_threshold < 0.0:
@@ -357,7 +359,7 @@ class FlashAttentionForwardSm90:
         self.tile_m, self.tile_n, self.kv_stages = config.tile_m, config.tile_n, config.kv_stages
         self.scheduler = TileScheduler(
             config.scheduler,
-            self.tile_m, reverse_m=self.causal or self.local,
+            self.tile_m, reverse_m=self.causal or self.local or mask_array,
             kv_bytes_per_key=(head_dim + head_dim_v) * dtype.width // 8,
             num_sms=hardware.NUM_SMS,
         )
