@@ -104,7 +104,7 @@ ABLATIONS = (
                   "lse_late", "stores_first", "exp2_mufu", "poly25", "dq_after_dk")),
     ("bwd", 192, ("scores_late", "dq_writer1", "det_one_copy", "dq_writers3", "release_early")),
     ("bwd", 256, ("dq_writer1", "det_one_copy", "dq_writers3", "lse_early", "stores_first",
-                  "poly25", "release_late", "scores_ahead")),
+                  "poly25", "release_late")),
 )
 
 

@@ -128,13 +128,14 @@ def peers(case: PackedCase, implementation: str, max_mask_gib: float):
 
     def varlen(apart):
         def attend(q, k, v, q_ids, kv_ids):
-            packed = [x.reshape(-1, *x.shape[2:])[flat_index] for x in (q, k, v)]
+            packed = [jnp.take(x.reshape(-1, *x.shape[2:]), flat_index, axis=0, unique_indices=True,
+                               indices_are_sorted=True) for x in (q, k, v)]
             # A second array of the same values: varlen_attention cannot know the packing is one.
             cu_k = jnp.array(cu_seqlens) if apart else cu_seqlens
             out = fa4_jax.varlen_attention(*packed, cu_seqlens, cu_k, max_seqlen_q=longest,
                                            max_seqlen_k=longest, causal=True, implementation=implementation)
             return jnp.zeros((case.rows * case.row_tokens, *out.shape[1:]), out.dtype).at[flat_index].set(
-                out).reshape(q.shape)
+                out, unique_indices=True, indices_are_sorted=True).reshape(q.shape)
         return attend
 
     def span_tables(q, k, v, q_ids, kv_ids):

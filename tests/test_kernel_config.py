@@ -113,8 +113,8 @@ def _backward(head_dim=64, mask="none", softcap=False, **tuning):
 
 @pytest.mark.parametrize("head_dim, tuning", [
     (128, dict(tile_m=96)),  # one or two 64-row WGMMA tiles per warp group only
-    # d256 has one Q/dO stage: the next Q cannot load ahead unless this one is released early.
-    (256, dict(scores_ahead=True, release_early=False)),
+    # d256 has one Q/dO stage: the next Q cannot load ahead.
+    (256, dict(scores_ahead=True)),
     (64, dict(scores_ahead=True)),  # and d64's dq_during_dk: two overlaps of one hand-over
     (256, dict(dq_writers=4)),  # the producer group has three warps besides the loader
     (128, dict(stages=3)),  # pds_stages 2 does not divide it
@@ -200,12 +200,7 @@ def _menus():
 def test_every_menu_variant_constructs_its_kernel(built, variant):
     # A tuning its kernel refuses (an ablation's settings against a head dim's table, say) fails
     # here in seconds, not after a build's other variants have compiled.
-    import importlib
+    from fa4_jax.aot.compile import construct_kernel
 
-    from fa4_jax.aot.compile import _dsl_dtype
-
-    module, cls = built.kernel_class(variant).split(":")
-    kernel = getattr(importlib.import_module(module), cls)(
-        _dsl_dtype(variant.dtype), variant.head_dim, variant.head_dim_v, variant.mask, variant.softcap,
-        segments=variant.segments, **built.tuning_kwargs(variant))
+    kernel = construct_kernel(variant, built.kernel_class(variant), built.tuning_kwargs(variant))
     assert kernel.head_dim == variant.head_dim

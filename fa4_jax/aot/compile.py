@@ -135,16 +135,21 @@ def _dsl_dtype(dtype: str):
     return {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[dtype]
 
 
-def compile_variant(variant, kernel: str, tuning_kwargs: dict, out_dir: str) -> None:
-    """Writes NAME.h, NAME.o and the kernel cubin(s) into out_dir; kernel is "module:Class",
-    constructed with the variant's problem class and `tuning_kwargs`."""
-    import cutlass.cute as cute
-
+def construct_kernel(variant, kernel: str, tuning_kwargs: dict):
+    """The kernel object of a variant: kernel is "module:Class", constructed with the variant's
+    problem class and `tuning_kwargs` (the build's, and the tests' check that each constructs)."""
     module, cls = kernel.split(":")
     kernel_cls = getattr(importlib.import_module(module), cls)
-    kernel_obj = kernel_cls(_dsl_dtype(variant.dtype), variant.head_dim, variant.head_dim_v,
-                            variant.mask, variant.softcap, segments=variant.segments,
-                            mask_array=variant.mask_array, **tuning_kwargs)
+    return kernel_cls(_dsl_dtype(variant.dtype), variant.head_dim, variant.head_dim_v, variant.mask,
+                      variant.softcap, segments=variant.segments, mask_array=variant.mask_array,
+                      **tuning_kwargs)
+
+
+def compile_variant(variant, kernel: str, tuning_kwargs: dict, out_dir: str) -> None:
+    """Writes NAME.h, NAME.o and the kernel cubin(s) into out_dir (`construct_kernel`'s)."""
+    import cutlass.cute as cute
+
+    kernel_obj = construct_kernel(variant, kernel, tuning_kwargs)
     # --keep-cubin writes into CUTE_DSL_DUMP_DIR, read when the DSL is imported: the caller sets it.
     compiled = cute.compile(kernel_obj, *fake_args(variant),
                             options=f"--gpu-arch {variant.arch} --keep-cubin")

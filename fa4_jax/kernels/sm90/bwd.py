@@ -69,7 +69,8 @@ Segment ids (a `segments` kernel; kernels/common/segments.py): in default mode a
 only the query blocks in its span (a deterministic call walks the mask's: see `kernel`), a query
 block takes the adds of the key blocks in its own span as the forward visits them (`_dq_turn`,
 so turns count those), no rotated walk, and ids are compared on the pairs outside the key
-block's full span (`dkv_step`).
+block's full span (`dkv_step`). A `mask_array` kernel is the same walk over a boolean mask's
+span tables, testing its bits instead of ids.
 """
 import dataclasses
 import enum
@@ -457,9 +458,10 @@ class FlashAttentionBackwardSm90:
         if config.release_early and (config.dkv_from_registers or config.dq_during_dk):
             raise ValueError(f"{config}: release_early orders dV, dK, then dQ (dkv_from_registers and "
                              "dq_during_dk off)")
-        if config.scores_ahead and config.stages < 2 and not config.release_early:
-            raise ValueError(f"{config}: scores_ahead needs two Q/dO stages, or one released early "
-                             "(the next block's Q loads while this block's is still read)")
+        if config.scores_ahead and config.stages < 2:
+            raise ValueError(f"{config}: scores_ahead needs two Q/dO stages (the next block's Q "
+                             "loads while this block's is still read; released early, at d256 it "
+                             "measured 7-11% slower: docs/perf-log.md)")
 
     def _tiled_mmas(self) -> _Mmas:
         """Sᵀ/dPᵀ, dK, dV and dQ WGMMAs for the two MMA warp groups."""

@@ -34,7 +34,8 @@ narrowed to the hull of the keys its rows share a segment with (the load warp an
 groups walk the same range, `_Problem.visited_blocks`), the unmasked loop to the blocks all of
 its rows see whole, and the mask on the other blocks compares ids (`mma_segment_blocks`). The
 narrowed first blocks of the routed tunings assume the mask's own range: segments kernels run
-the default tuning.
+the default tuning. A `mask_array` kernel walks a boolean mask's span tables the same way and
+tests the mask's bits where a segments kernel compares ids; it runs the masked tile settings.
 """
 import dataclasses
 import enum
