@@ -352,3 +352,25 @@ def test_mask_calls_reach_the_mask_array_kernels_and_match_jax(next_key, segment
     assert segment_kernels == ["fwd", "bwd"]
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w), rtol=3e-2, atol=3e-2, err_msg=name)
+
+
+def test_a_mask_with_segment_ids_folds_the_ids_into_the_mask(next_key, segment_kernels):
+    # attention(mask=, query_segment_ids=, kv_segment_ids=, causal=True): the ids fold into the
+    # mask's bits (the mask kernels read no ids); against the reference with all three.
+    import jax
+    import jax.numpy as jnp
+
+    import fa4_jax
+
+    rng = np.random.default_rng(5)
+    q_ids, kv_ids = (jnp.asarray(np.stack([_packing(rng, 300, "padded") for _ in range(2)]), jnp.int32)
+                     for _ in range(2))
+    mask = jnp.asarray(rng.random((2, 1, 300, 300)) < 0.7)
+    q, k, v = (jax.random.normal(next_key(), (2, 300, 4, 64), jnp.bfloat16) for _ in range(3))
+    options = dict(causal=True, mask=mask, query_segment_ids=q_ids, kv_segment_ids=kv_ids)
+    got = fa4_jax.attention(q, k, v, implementation="cute", return_lse=True, **options)
+    want = fa4_jax.attention(*(x.astype(jnp.float32) for x in (q, k, v)), implementation="reference",
+                             return_lse=True, **options)
+    assert segment_kernels == ["fwd"]
+    for name, g, w in zip(("out", "lse"), got, want):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w), rtol=2e-2, atol=2e-2, err_msg=name)
