@@ -90,47 +90,58 @@ def _entries(any_first, any_last, every_first, every_last, every_count, counted)
     return jnp.stack([lo, hi, full_lo, full_hi], axis=-1).astype(jnp.int32)
 
 
-def _row_spans(words, q_len):
-    """Row spans [b, ceil(sq / 64), 4] of bits words [b, sq, W] (uint32), rows below q_len
-    counted: per 64 rows, the OR of their words (keys any of them sees) and the AND (keys all
-    of them see), then each one's runs: a reduction over 1/8 of the mask's bytes."""
+def _chunk_words(words, q_len):
+    """Per 64 rows of bits words [b, sq, W] (uint32): (OR of their words: keys any of them
+    sees; AND over the rows below q_len: keys all counted ones see, all ones where none is
+    counted; AND over every row: keys all 64 see, rows past q_len seeing none), [b, chunks, W]
+    each, and whether each chunk holds a counted row [b, chunks]: one pass over 1/8 of the
+    mask's bytes, which both tables read instead of the words."""
     batch, seqlen_q, width = words.shape
     chunks = -(-seqlen_q // SPAN_CHUNK)
     counted = jnp.arange(chunks * SPAN_CHUNK, dtype=jnp.int32)[None, :] < q_len[:, None]
     words = jnp.pad(words, [(0, 0), (0, chunks * SPAN_CHUNK - seqlen_q), (0, 0)])
     by_chunk = (batch, chunks, SPAN_CHUNK, width)
-    counted_words = counted[..., None]
-    any_words = jax.lax.reduce(jnp.where(counted_words, words, 0).reshape(by_chunk),
-                               np.uint32(0), jax.lax.bitwise_or, (2,))
-    every_words = jax.lax.reduce(jnp.where(counted_words, words, ~np.uint32(0)).reshape(by_chunk),
-                                 ~np.uint32(0), jax.lax.bitwise_and, (2,))
+    ones = ~np.uint32(0)
+    any_words = jax.lax.reduce(words.reshape(by_chunk), np.uint32(0), jax.lax.bitwise_or, (2,))
+    counted_words = jnp.where(counted[..., None], words, ones).reshape(by_chunk)
+    every_counted = jax.lax.reduce(counted_words, ones, jax.lax.bitwise_and, (2,))
+    every_row = jax.lax.reduce(words.reshape(by_chunk), ones, jax.lax.bitwise_and, (2,))
+    return any_words, every_counted, every_row, counted.reshape(batch, chunks, SPAN_CHUNK).any(axis=-1)
+
+
+def _row_spans(any_words, every_counted, has_counted_rows):
+    """Row spans [b, ceil(sq / 64), 4]: the runs of each 64 rows' OR (LO, HI) and AND (the full
+    range) of words (`_chunk_words`)."""
     any_first, any_last, _ = _bit_runs(any_words)
-    return _entries(any_first, any_last, *_bit_runs(every_words),
-                    counted.reshape(batch, chunks, SPAN_CHUNK).any(axis=-1))
+    return _entries(any_first, any_last, *_bit_runs(every_counted), has_counted_rows)
 
 
-def _key_spans(words, kv_len, seqlen_k: int):
-    """Key spans [b, ceil(sk / 64), 4] of bits words [b, sq, W] (uint32), keys below kv_len
-    counted: per row and 64 keys (two words), whether it sees any and every counted one, then
-    the runs of those rows down each column (the rows past their length see none)."""
-    batch, seqlen_q, width = words.shape
+def _key_spans(any_words, every_row, kv_len, seqlen_k: int):
+    """Key spans [b, ceil(sk / 64), 4], in whole 64-row chunks: per chunk of rows and 64 keys
+    (two words of `_chunk_words`' OR and AND), whether a row of the chunk sees one of the counted
+    keys (below kv_len) and whether every row sees every one, then the runs of those chunks down
+    each column. The hull and the full range come out rounded outward and inward to 64 rows,
+    which changes no tile's blocks: the backward's query tiles are multiples of 64 rows."""
+    batch, row_chunks, width = any_words.shape
     chunks = -(-seqlen_k // SPAN_CHUNK)
     words_per_chunk = SPAN_CHUNK // WORD_BITS
     keys = jnp.arange(chunks * SPAN_CHUNK, dtype=jnp.int32).reshape(chunks * words_per_chunk, WORD_BITS)
     weights = jnp.left_shift(jnp.uint32(1), jnp.arange(WORD_BITS, dtype=jnp.uint32))
     counted_bits = jnp.sum(jnp.where(keys[None] < kv_len[:, None, None], weights, 0), axis=-1,
-                           dtype=jnp.uint32)  # [b, words]: each word's counted keys
-    words = jnp.pad(words, [(0, 0), (0, 0), (0, chunks * words_per_chunk - width)])
-    by_chunk = (batch, seqlen_q, chunks, words_per_chunk)
-    sees_any = jnp.any(words.reshape(by_chunk) != 0, axis=-1)
-    counted_by_chunk = counted_bits.reshape(batch, 1, chunks, words_per_chunk)
-    sees_every = jnp.all(words.reshape(by_chunk) & counted_by_chunk == counted_by_chunk, axis=-1)
-    rows = jnp.arange(seqlen_q, dtype=jnp.int32)[None, :, None]
+                           dtype=jnp.uint32).reshape(batch, 1, chunks, words_per_chunk)
+
+    def by_key_chunk(x):
+        x = jnp.pad(x, [(0, 0), (0, 0), (0, chunks * words_per_chunk - width)])
+        return x.reshape(batch, row_chunks, chunks, words_per_chunk)
+
+    sees_any = jnp.any(by_key_chunk(any_words) != 0, axis=-1)
+    sees_every = jnp.all(by_key_chunk(every_row) & counted_bits == counted_bits, axis=-1)
+    starts = jnp.arange(row_chunks, dtype=jnp.int32)[None, :, None] * SPAN_CHUNK
 
     def runs(seen):
-        first = jnp.min(jnp.where(seen, rows, NO_SPAN), axis=1)
-        last = jnp.max(jnp.where(seen, rows, -1), axis=1)
-        return first, last, jnp.sum(seen, axis=1, dtype=jnp.int32)
+        first = jnp.min(jnp.where(seen, starts, NO_SPAN), axis=1)
+        last = jnp.max(jnp.where(seen, starts + SPAN_CHUNK - 1, -1), axis=1)
+        return first, last, jnp.sum(seen, axis=1, dtype=jnp.int32) * SPAN_CHUNK
 
     any_first, any_last, _ = runs(sees_any)
     counted = jnp.arange(chunks, dtype=jnp.int32)[None, :] * SPAN_CHUNK < kv_len[:, None]
@@ -144,7 +155,9 @@ def operands(mask, params, seq_lengths, seqlen_q: int, seqlen_k: int):
     q_len, kv_len = seq_lengths
     batch = q_len.shape[0]
     bits = pack(visible(mask, params, seq_lengths, seqlen_q, seqlen_k))
-    words = jax.lax.bitcast_convert_type(bits, jnp.uint32)
+    any_words, every_counted, every_row, has_counted_rows = _chunk_words(
+        jax.lax.bitcast_convert_type(bits, jnp.uint32), q_len)
     q_ids = jnp.zeros((batch, seqlen_q), jnp.int32)
     kv_ids = jnp.zeros((batch, seqlen_k), jnp.int32)
-    return q_ids, kv_ids, _row_spans(words, q_len), _key_spans(words, kv_len, seqlen_k), bits
+    return (q_ids, kv_ids, _row_spans(any_words, every_counted, has_counted_rows),
+            _key_spans(any_words, every_row, kv_len, seqlen_k), bits)

@@ -153,12 +153,9 @@ def test_softmax_work_stays_under_the_pv_gemm(library, name, floor):
 # and the wait for P·V must hold them on the MUFU pipe: tile_n / 2 per thread (64 rows × tile_n
 # over 128 threads), less those the FMA pipes compute.
 def _fwd_sm90_config(variant):
-    import cutlass
+    from fa4_jax.aot.compile import construct_kernel
 
-    from fa4_jax.kernels.sm90.fwd import FlashAttentionForwardSm90
-
-    return FlashAttentionForwardSm90(cutlass.BFloat16, variant.head_dim, variant.head_dim_v,
-                                     variant.mask, variant.softcap, **menu.tuning_kwargs(variant)).config
+    return construct_kernel(variant, menu.kernel_class(variant), menu.tuning_kwargs(variant)).config
 
 
 @pytest.mark.parametrize("variant", [v for v in menu.MENU if v.arch == "sm_90a" and v.kind == "fwd"],
