@@ -33,11 +33,20 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32
 
-from fa4_jax.kernels.common.exp2 import exp2_poly, exp2_poly_pair, uses_poly
+from fa4_jax.kernels.common.exp2 import LOG2_E, exp2_poly, exp2_poly_pair, uses_poly
 
 # The four lanes of a quad hold one accumulator row between them (Hopper's WGMMA C layout);
 # on Blackwell one thread holds a whole row (one TMEM lane).
 WGMMA_LANES_PER_ROW = 4
+
+
+def score_scales(softmax_scale: Float32, softcap: Float32, has_softcap: bool):
+    """(score_prescale, scale_log2) of the kernels' host side: with softcap the scores become
+    tanh(s · scale / softcap), and softcap · log2(e) carries them into the exp2 domain; without
+    it, scale · log2(e) does (and the scores are not prescaled)."""
+    if has_softcap:
+        return softmax_scale / softcap, softcap * LOG2_E
+    return Float32(1.0), softmax_scale * LOG2_E
 
 
 def _row_max(x: Float32, lanes: int) -> Float32:

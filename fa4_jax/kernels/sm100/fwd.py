@@ -43,11 +43,10 @@ from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from fa4_jax.kernels.common.block_info import BlockInfo, MaskBounds
-from fa4_jax.kernels.common.exp2 import LOG2_E
 from fa4_jax.kernels.common.layouts import permute_modes
 from fa4_jax.kernels.common.mask import AttentionMask
 from fa4_jax.kernels.common.ragged import entry_length
-from fa4_jax.kernels.common.softmax import OnlineSoftmax, SoftmaxConfig
+from fa4_jax.kernels.common.softmax import OnlineSoftmax, SoftmaxConfig, score_scales
 from fa4_jax.kernels.common.tile_scheduler import TileScheduler
 from fa4_jax.kernels.sm100 import hardware, plan
 from fa4_jax.kernels.sm100.plan import Q_STAGES, ROWS_PER_STAGE, Barrier, Role
@@ -243,12 +242,7 @@ class FlashAttentionForwardSm100:
         assert SharedStorage.size_in_bytes() <= hardware.SMEM_BYTES, (
             f"{self.config}: {SharedStorage.size_in_bytes()} bytes of shared memory")
 
-        if cutlass.const_expr(self.has_softcap):
-            score_prescale = softmax_scale / softcap
-            scale_log2 = softcap * LOG2_E
-        else:
-            score_prescale = Float32(1.0)
-            scale_log2 = softmax_scale * LOG2_E
+        score_prescale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
 
         grid = self.scheduler.grid(cute.size(mQ.shape[0]), cute.size(mK.shape[0]), cute.size(mQ.shape[2]),
                                    cute.size(mK.shape[2]), cute.size(mQ.shape[3]))

@@ -90,11 +90,12 @@ from fa4_jax.kernels.bwd_post import BackwardPostprocess
 from fa4_jax.kernels.bwd_pre import BackwardPreprocess
 from fa4_jax.bwd_workspace import BWD_SEMAPHORE_ROWS
 from fa4_jax.kernels.common.block_info import BlockInfo, MaskBounds
-from fa4_jax.kernels.common.exp2 import LOG2_E, exp2_poly, uses_poly
+from fa4_jax.kernels.common.exp2 import exp2_poly, uses_poly
 from fa4_jax.kernels.common.layouts import acc_as_operand_a, acc_rows_cols, fragment_order_view, permute_modes
 from fa4_jax.kernels.common.mask import AttentionMask
 from fa4_jax.kernels.common.ragged import entry_length
 from fa4_jax.kernels.common.segments import SegmentIds
+from fa4_jax.kernels.common.softmax import score_scales
 from fa4_jax.kernels.sm90 import hardware
 from fa4_jax.kernels.sm90.operands import smem_layout, swizzled_tensor, tma_pipeline, wgmma_gemm
 
@@ -597,14 +598,7 @@ class FlashAttentionBackwardSm90:
             f"{self.config} needs {SharedStorage.size_in_bytes()} bytes of shared memory")
         self.shared_storage = SharedStorage
 
-        # With softcap the scores become tanh(s·scale/softcap), and softcap·log2(e) carries them
-        # into the exp2 domain; without it, scale·log2(e) does (as in the forward).
-        if cutlass.const_expr(self.has_softcap):
-            score_prescale = softmax_scale / softcap
-            scale_log2 = softcap * LOG2_E
-        else:
-            score_prescale = Float32(1.0)
-            scale_log2 = softmax_scale * LOG2_E
+        score_prescale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
 
         # Key blocks are the fastest grid mode, so in deterministic mode a CTA is never resident
         # while one of lower key block (whose dQ adds it waits for) has not been launched yet.

@@ -50,14 +50,13 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from fa4_jax.kernels.common.block_info import BlockInfo, MaskBounds
-from fa4_jax.kernels.common.exp2 import LOG2_E
 from fa4_jax.kernels.common.layouts import (
     acc_as_operand_a, acc_prefix, acc_rows_cols, convert_pairs, opaque_int32, permute_modes,
 )
 from fa4_jax.kernels.common.mask import AttentionMask
 from fa4_jax.kernels.common.ragged import entry_length
 from fa4_jax.kernels.common.segments import SegmentIds
-from fa4_jax.kernels.common.softmax import OnlineSoftmax, SoftmaxConfig, scale_rows
+from fa4_jax.kernels.common.softmax import OnlineSoftmax, SoftmaxConfig, scale_rows, score_scales
 from fa4_jax.kernels.common.tile_scheduler import TileScheduler
 from fa4_jax.kernels.sm90 import hardware
 from fa4_jax.kernels.sm90.operands import smem_layout, swizzled_tensor, tma_pipeline, wgmma_gemm
@@ -490,14 +489,7 @@ class FlashAttentionForwardSm90:
 
         self.shared_storage = self._shared_storage(sQ_layout, sK_layout, sV_layout, sO_layout)
 
-        # With softcap the scores become tanh(s·scale/softcap), and softcap·log2(e) carries them
-        # into the exp2 domain; without it, scale·log2(e) does.
-        if cutlass.const_expr(self.has_softcap):
-            score_prescale = softmax_scale / softcap
-            scale_log2 = softcap * LOG2_E
-        else:
-            score_prescale = Float32(1.0)
-            scale_log2 = softmax_scale * LOG2_E
+        score_prescale, scale_log2 = score_scales(softmax_scale, softcap, self.has_softcap)
 
         grid = self.scheduler.grid(cute.size(mQ.shape[0]), cute.size(mK.shape[0]), cute.size(mQ.shape[2]),
                                    cute.size(mK.shape[2]), cute.size(mQ.shape[3]))
