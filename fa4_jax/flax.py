@@ -17,11 +17,12 @@ One callable serves both Flax APIs:
 Masks: Flax describes masking with a dense boolean array `[batch..., heads, q_len, kv_len]`
 (`nn.make_causal_mask`, `nn.make_attention_mask`), and an additive `bias=` likewise. The adapters
 take both with Flax's semantics (a row its mask hides entirely gets the mean of the values, as
-Flax's uniform softmax over the dtype's minimum gives it); until the kernels read such arrays,
-those calls run on the pure-JAX reference, chunked, with a FallbackWarning. Under `jit` the
-array is a tracer whose intent (causal? a window?) cannot be read back, so for the kernels'
-speed choose the pattern when the function is made: `make_attention_fn(causal=True)` instead of
-`nn.make_causal_mask`, or `make_attention_fn(window_size=(left, right))`. The adapters refuse
+Flax's uniform softmax over the dtype's minimum gives it). A mask shared by the heads (what
+`nn.make_causal_mask` and `nn.make_attention_mask` build) runs on the kernels, packed to bits
+(`fa4_jax.mask_bits`); a per-head mask or a bias runs on the pure-JAX reference, chunked, with a
+FallbackWarning. A mask is packed on every call, so where the pattern is known when the function
+is made, `make_attention_fn(causal=True)` or `make_attention_fn(window_size=(left, right))` costs
+less than the same mask as an array. The adapters refuse
 what they cannot honour - dropout while training, sowing the attention weights, quantised
 einsum overrides - naming the argument, so nothing is silently computed differently from Flax.
 
