@@ -87,8 +87,8 @@ def make_attention_fn(
     ):
         """Flax `dot_product_attention` contract, computed by `fa4_jax.attention`.
 
-        Honoured: query/key/value, `mask` and `bias` (broadcast as Flax does; on the
-        reference), `dtype` (inputs are cast to it; default: their common
+        Honoured: query/key/value, `mask` and `bias` (broadcast as Flax does; a mask shared by
+        the heads on the kernels, a per-head mask or a bias on the reference), `dtype` (inputs are cast to it; default: their common
         dtype), `dropout_rate` with `deterministic=True` (no dropout is applied), NNX's
         `is_causal` (Flax's top-left causal mask, tril over [q_len, kv_len]). Accepted and not
         forwarded: `precision`
