@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 import fa4_jax
 from benchmarks.bench_attention import FWD_BWD_FLOP_FACTOR, MODES, Settings, time_step
+from benchmarks.bench_packed import input_sets, step
 
 
 def peers(implementation: str):
@@ -55,23 +56,6 @@ def peers(implementation: str):
         result["cudnn_is_causal"] = lambda q, k, v, mask: cudnn(q, k, v, is_causal=True)
         result["cudnn_mask"] = lambda q, k, v, mask: cudnn(q, k, v, mask=mask)
     return result
-
-
-def _inputs(shape, seed: int, mask):
-    keys = jax.random.split(jax.random.key(seed), 8)
-    tensors = [jax.random.normal(key, shape, jnp.bfloat16) for key in keys]
-    jax.block_until_ready(tensors)
-    return [(*tensors[0:4], mask), (*tensors[4:8], mask)]
-
-
-def _step(attend, mode: str):
-    if mode == "fwd":
-        return jax.jit(lambda q, k, v, do, mask: attend(q, k, v, mask))
-
-    def loss(q, k, v, do, mask):
-        return jnp.sum(attend(q, k, v, mask).astype(jnp.float32) * do.astype(jnp.float32))
-
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
 
 def main(argv=None) -> int:
@@ -103,7 +87,7 @@ def main(argv=None) -> int:
                     continue
                 record = dict(seqlen=seqlen, batch=batch, mode=mode, peer=peer)
                 try:
-                    timing = time_step(_step(attend, mode), _inputs(shape, len(results), mask), settings)
+                    timing = time_step(step(attend, mode), input_sets(shape, len(results), (mask,)), settings)
                 except Exception as error:  # noqa: BLE001 - a peer that cannot run is reported
                     message = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
                     print(f"  {mode:7s} {peer:18s} error: {message}", flush=True)

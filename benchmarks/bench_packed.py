@@ -164,21 +164,21 @@ def peers(case: PackedCase, implementation: str, max_mask_gib: float):
     return result
 
 
-def _inputs(shape, seed: int, ids):
-    """Two (q, k, v, d_out, q_ids, kv_ids) sets."""
+def input_sets(shape, seed: int, extras):
+    """Two (q, k, v, d_out, *extras) sets (extras: the step's other arguments, ids or a mask)."""
     keys = jax.random.split(jax.random.key(seed), 8)
     tensors = [jax.random.normal(key, shape, jnp.bfloat16) for key in keys]
     jax.block_until_ready(tensors)
-    return [(*tensors[0:4], *ids), (*tensors[4:8], *ids)]
+    return [(*tensors[0:4], *extras), (*tensors[4:8], *extras)]
 
 
-def _step(attend, mode: str):
-    """A jit'd step of (q, k, v, d_out, q_ids, kv_ids): the forward, or its value and gradients."""
+def step(attend, mode: str):
+    """A jit'd step of (q, k, v, d_out, *extras): the forward, or its value and gradients."""
     if mode == "fwd":
-        return jax.jit(lambda q, k, v, do, *ids: attend(q, k, v, *ids))
+        return jax.jit(lambda q, k, v, do, *extras: attend(q, k, v, *extras))
 
-    def loss(q, k, v, do, *ids):
-        return jnp.sum(attend(q, k, v, *ids).astype(jnp.float32) * do.astype(jnp.float32))
+    def loss(q, k, v, do, *extras):
+        return jnp.sum(attend(q, k, v, *extras).astype(jnp.float32) * do.astype(jnp.float32))
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
@@ -225,7 +225,7 @@ def main(argv=None) -> int:
                     results.append(dict(record, status="skipped", reason=attend))
                     continue
                 try:
-                    timing = time_step(_step(attend, mode), _inputs(inputs[peer], len(results), ids), settings)
+                    timing = time_step(step(attend, mode), input_sets(inputs[peer], len(results), ids), settings)
                 except Exception as error:  # noqa: BLE001 - a peer that cannot run is reported
                     message = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
                     print(f"  {mode:7s} {peer:22s} error: {message}", flush=True)

@@ -29,6 +29,11 @@ from fa4_jax.segment_layout import NO_SPAN, SPAN_CHUNK
 WORD_BITS = 32
 
 
+def _bit_weights():
+    """uint32 [32]: bit i of a word alone (a bool's weight in a word's sum)."""
+    return jnp.left_shift(jnp.uint32(1), jnp.arange(WORD_BITS, dtype=jnp.uint32))
+
+
 def visible(mask, params, seq_lengths, seqlen_q: int, seqlen_k: int):
     """Bool [b, sq, sk]: which (row, key) pairs take part in the softmax, from the caller's
     mask [b | 1, sq | 1, sk | 1] (its head axis dropped: one mask for every head), the call's
@@ -50,8 +55,7 @@ def pack(seen):
     batch, seqlen_q, seqlen_k = seen.shape
     words = -(-seqlen_k // WORD_BITS)
     padded = jnp.pad(seen, [(0, 0), (0, 0), (0, words * WORD_BITS - seqlen_k)])
-    weights = jnp.left_shift(jnp.uint32(1), jnp.arange(WORD_BITS, dtype=jnp.uint32))
-    bits = jnp.sum(padded.reshape(batch, seqlen_q, words, WORD_BITS).astype(jnp.uint32) * weights,
+    bits = jnp.sum(padded.reshape(batch, seqlen_q, words, WORD_BITS).astype(jnp.uint32) * _bit_weights(),
                    axis=-1, dtype=jnp.uint32)
     return jax.lax.bitcast_convert_type(bits, jnp.int32)
 
@@ -126,8 +130,7 @@ def _key_spans(any_words, every_row, kv_len, seqlen_k: int):
     chunks = -(-seqlen_k // SPAN_CHUNK)
     words_per_chunk = SPAN_CHUNK // WORD_BITS
     keys = jnp.arange(chunks * SPAN_CHUNK, dtype=jnp.int32).reshape(chunks * words_per_chunk, WORD_BITS)
-    weights = jnp.left_shift(jnp.uint32(1), jnp.arange(WORD_BITS, dtype=jnp.uint32))
-    counted_bits = jnp.sum(jnp.where(keys[None] < kv_len[:, None, None], weights, 0), axis=-1,
+    counted_bits = jnp.sum(jnp.where(keys[None] < kv_len[:, None, None], _bit_weights(), 0), axis=-1,
                            dtype=jnp.uint32).reshape(batch, 1, chunks, words_per_chunk)
 
     def by_key_chunk(x):

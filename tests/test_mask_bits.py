@@ -10,14 +10,13 @@ import numpy as np
 import pytest
 
 import fa4_jax
-from fa4_jax import dispatch, ffi, mask_bits
-from fa4_jax.aot import menu
+from fa4_jax import mask_bits
 from fa4_jax.api import _folded_mask_params
-from fa4_jax.kernels.sm90 import menu as sm90
 from fa4_jax.params import AttentionParams
 from fa4_jax.reference import attention_reference
 from fa4_jax.segment_layout import NO_SPAN, SPAN_CHUNK
 from fa4_jax.vjp import attention_op
+from tests.h200_menu import use_h200_menu
 
 
 def _random_mask(rng, batch, seqlen_q, seqlen_k, density):
@@ -131,16 +130,7 @@ def test_the_folded_rules_are_the_references(seed, rules):
 @pytest.fixture
 def h200_menu(monkeypatch):
     """The shipping menu's router as on an H200, without a GPU."""
-    library = ffi.Library(path="(menu)", fwd_target="f", bwd_target="b",
-                          compiled=frozenset(v.name for v in menu.MENU),
-                          routes=tuple((sm90.ARCH, route) for route in sm90.ROUTES),
-                          dq_copies_max_keys={sm90.ARCH: dict(sm90.DQ_COPIES_MAX_KEYS)},
-                          tuning_targets=False, head_dims={sm90.ARCH: frozenset(sm90.HEAD_DIMS)},
-                          fwd_segments_target="fs", bwd_segments_target="bs",
-                          fwd_masked_target="fm", bwd_masked_target="bm")
-    monkeypatch.setattr(ffi, "load", lambda *args, **kwargs: library)
-    monkeypatch.setattr(dispatch, "device_arch", lambda: (sm90.ARCH, None))
-    monkeypatch.setattr(dispatch, "sm_count", lambda: 132)
+    use_h200_menu(monkeypatch)
 
 
 @pytest.mark.parametrize("mask_shape", [(2, 1, 300, 500), (1, 1, 300, 500), (1, 1, 1, 500), (2, 1, 300, 1)])

@@ -195,9 +195,9 @@ def segment_kernels(monkeypatch):
     import jax
     import jax.numpy as jnp
 
-    from fa4_jax import dispatch, ffi
-    from fa4_jax.kernels.sm90 import menu as sm90
+    from fa4_jax import ffi
     from fa4_jax.reference import attention_reference
+    from tests.h200_menu import use_h200_menu
 
     calls = []
 
@@ -224,14 +224,7 @@ def segment_kernels(monkeypatch):
         d_lse = jnp.zeros(lse.shape, jnp.float32) if d_lse is None else d_lse
         return tuple(g.astype(x.dtype) for g, x in zip(vjp((d_out.astype(q.dtype), d_lse)), (q, k, v)))
 
-    library = ffi.Library(path="(menu)", fwd_target="f", bwd_target="b",
-                          compiled=frozenset(v.name for v in sm90.MENU), routes=(), dq_copies_max_keys={},
-                          tuning_targets=False, head_dims={sm90.ARCH: frozenset(sm90.HEAD_DIMS)},
-                          fwd_segments_target="fs", bwd_segments_target="bs",
-                          fwd_masked_target="fm", bwd_masked_target="bm")
-    monkeypatch.setattr(ffi, "load", lambda *args, **kwargs: library)
-    monkeypatch.setattr(dispatch, "device_arch", lambda: (sm90.ARCH, None))
-    monkeypatch.setattr(dispatch, "sm_count", lambda: 132)
+    use_h200_menu(monkeypatch)
     monkeypatch.setattr(ffi, "forward_call", fake_forward)
     monkeypatch.setattr(ffi, "backward_call", fake_backward)
     # A call traced before with the same shapes and params (every mask call's params are the

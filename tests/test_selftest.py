@@ -8,7 +8,7 @@ import pytest
 
 from fa4_jax import dispatch, ffi, selftest
 from fa4_jax.aot import menu
-from fa4_jax.kernels.sm90 import menu as sm90
+from tests.h200_menu import use_h200_menu
 
 
 def test_without_a_gpu_there_is_nothing_to_check():
@@ -21,15 +21,7 @@ def test_without_a_gpu_there_is_nothing_to_check():
 def test_the_probes_reach_every_shipped_variant(monkeypatch):
     # The router and the menu as on an H200; the checks themselves replaced by a record of the
     # call, so this is the probe selection alone.
-    library = ffi.Library(path="(menu)", fwd_target="f", bwd_target="b",
-                          compiled=frozenset(v.name for v in menu.MENU), routes=tuple(
-                              (sm90.ARCH, route) for route in sm90.ROUTES),
-                          dq_copies_max_keys={sm90.ARCH: dict(sm90.DQ_COPIES_MAX_KEYS)},
-                          tuning_targets=False, head_dims={sm90.ARCH: frozenset(sm90.HEAD_DIMS)},
-                          fwd_segments_target="fs", bwd_segments_target="bs")
-    monkeypatch.setattr(ffi, "load", lambda *args, **kwargs: library)
-    monkeypatch.setattr(dispatch, "device_arch", lambda: (sm90.ARCH, None))
-    monkeypatch.setattr(dispatch, "sm_count", lambda: 132)
+    use_h200_menu(monkeypatch)
 
     def fake_check(problem, dtype, d, dv, options, seqlen_q, seqlen_k, seed, implementation="cute"):
         import fa4_jax

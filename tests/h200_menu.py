@@ -1,0 +1,23 @@
+"""The shipping library as the run time sees it on an H200, for CPU tests of routing and calls."""
+from __future__ import annotations
+
+from fa4_jax import dispatch, ffi
+from fa4_jax.aot import menu
+from fa4_jax.kernels.sm90 import menu as sm90
+
+
+def use_h200_menu(monkeypatch) -> ffi.Library:
+    """`ffi.load` returns the shipping menu's library (every variant, Hopper's routes and dQ
+    rule, the segments and masked targets) and the default device is an sm_90a with 132 SMs;
+    no kernel runs (the custom calls are the caller's to replace). Returns the Library."""
+    library = ffi.Library(path="(menu)", fwd_target="f", bwd_target="b",
+                          compiled=frozenset(v.name for v in menu.MENU),
+                          routes=tuple((sm90.ARCH, route) for route in sm90.ROUTES),
+                          dq_copies_max_keys={sm90.ARCH: dict(sm90.DQ_COPIES_MAX_KEYS)},
+                          tuning_targets=False, head_dims={sm90.ARCH: frozenset(sm90.HEAD_DIMS)},
+                          fwd_segments_target="fs", bwd_segments_target="bs",
+                          fwd_masked_target="fm", bwd_masked_target="bm")
+    monkeypatch.setattr(ffi, "load", lambda *args, **kwargs: library)
+    monkeypatch.setattr(dispatch, "device_arch", lambda: (sm90.ARCH, None))
+    monkeypatch.setattr(dispatch, "sm_count", lambda: 132)
+    return library
