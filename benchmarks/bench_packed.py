@@ -11,6 +11,9 @@ forward+backward, on the same documents:
 - fa4_jax_dense_equal: the same kernels' dense call on one sequence per row of the same useful
   work (causal, sqrt(2 · pairs per row) tokens rounded to 128): what the packed call should
   approach;
+- fa4_jax_dense_docs (cases of equal documents only): the same documents as a dense batch, one
+  sequence each: the kernels' own speed on sequences that short, which the packed call cannot
+  beat (its tiles are as short), so the gap to it is the cost of the segment ids alone;
 - fa4_jax_varlen_apart: `fa4_jax.varlen_attention` with two cu_seqlens arrays (so it cannot
   assume one packing): the documents gathered into rows of total_q + total_k positions that
   align each document's diagonal with the row's (the padded ragged batch this replaced is in
@@ -24,7 +27,9 @@ forward+backward, on the same documents:
 
 Document lengths are long-tailed (a log-normal with a median of 600 tokens, clipped to the row),
 drawn with a fixed seed; the "one long + short" case is one 32k document and 255 of 128 tokens
-in a 64k row, timed against that 32k document alone (fa4_jax_long_alone).
+in a 64k row, timed against that 32k document alone (fa4_jax_long_alone); two cases of equal
+documents, 512 tokens (on the kernels' 128-token blocks) and 500 (across them), time the
+packing against the same documents batched (fa4_jax_dense_docs).
 
 TF/s count the useful work only: 4 · heads · d · (pairs a causal document attends) per
 document, forward+backward 3.5×. The timer is bench_attention's; the segment ids are arguments
@@ -77,6 +82,14 @@ class PackedCase:
             ids[r, :sum(row)] = np.repeat(np.arange(len(row), dtype=np.int32), row)
         return jnp.asarray(ids), jnp.asarray(np.where(ids < 0, -2, ids))
 
+    def equal_documents(self) -> int | None:
+        """The documents' length when every row holds documents of one length and no padding
+        (then they batch densely), else None."""
+        lengths = {n for row in self.lengths for n in row}
+        if len(lengths) == 1 and all(sum(row) == self.row_tokens for row in self.lengths):
+            return lengths.pop()
+        return None
+
     def equal_dense_tokens(self) -> int:
         """The causal sequence length of the same useful pairs, rounded to 128."""
         return max(128, round(math.sqrt(2 * self.useful_pairs / self.rows) / 128) * 128)
@@ -101,11 +114,14 @@ def long_tailed_rows(rng, rows: int, row_tokens: int, median: float = 600.0) -> 
 def cases(dry_run: bool) -> list[PackedCase]:
     rng = np.random.default_rng(0)
     if dry_run:
-        return [PackedCase("long-tailed", 2, 256, 2, 32, long_tailed_rows(rng, 2, 256, median=40.0))]
+        return [PackedCase("long-tailed", 2, 256, 2, 32, long_tailed_rows(rng, 2, 256, median=40.0)),
+                PackedCase("equal 40", 2, 200, 2, 32, ((40,) * 5,) * 2)]
     return [
         PackedCase("long-tailed 16k", 4, 16384, 16, 128, long_tailed_rows(rng, 4, 16384)),
         PackedCase("long-tailed 64k", 1, 65536, 16, 128, long_tailed_rows(rng, 1, 65536)),
         PackedCase("one long + short", 1, 65536, 16, 128, ((32768,) + (128,) * 255,)),
+        PackedCase("equal 512", 4, 16384, 16, 128, ((512,) * 32,) * 4),
+        PackedCase("equal 500", 4, 16000, 16, 128, ((500,) * 32,) * 4),
     ]
 
 
@@ -212,6 +228,10 @@ def main(argv=None) -> int:
         dense_tokens = case.equal_dense_tokens()
         inputs["fa4_jax_dense_equal"], runs["fa4_jax_dense_equal"] = _dense(case.rows, dense_tokens, case,
                                                                              implementation)
+        if case.equal_documents():
+            documents = sum(len(row) for row in case.lengths)
+            inputs["fa4_jax_dense_docs"], runs["fa4_jax_dense_docs"] = _dense(documents, case.equal_documents(),
+                                                                           case, implementation)
         if case.name == "one long + short":
             inputs["fa4_jax_long_alone"], runs["fa4_jax_long_alone"] = _dense(1, case.lengths[0][0], case,
                                                                              implementation)
@@ -231,7 +251,7 @@ def main(argv=None) -> int:
                     print(f"  {mode:7s} {peer:22s} error: {message}", flush=True)
                     results.append(dict(record, status="error", error=message))
                     continue
-                # The dense rows do their own (equal or the long document's) work.
+                # dense_equal and long_alone do their own work; dense_docs the same documents'.
                 flops = case.flops(mode)
                 if peer == "span_tables":
                     flops = 0.0

@@ -7,7 +7,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from fa4_jax.kernels.common.block_info import MaskBounds
-from fa4_jax.kernels.common.segments import SegmentIds
+from fa4_jax.kernels.common.segments import BlockSpans, SegmentIds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +44,11 @@ class AttentionMask:
         seqlen_q: Int32,
         seqlen_k: Int32,
         batch: Int32 | None = None,
+        fetched=None,
+        segments_needed=None,
     ):
+        """`fetched`: what `fetch` loaded for this block, or None (loaded here);
+        `segments_needed`: whether the segment rules apply to the block (None: they do)."""
         window_left, window_right = self.bounds.window_left, self.bounds.window_right
         offset = self.bounds.offset(seqlen_q, seqlen_k)
         for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
@@ -66,7 +70,18 @@ class AttentionMask:
                     if col < col_lo:
                         scores[r, c] = -Float32.inf
         if cutlass.const_expr(self.segments is not None):
-            self.segments.apply(scores, coords0, thread_row, thread_col, m_block, n_block, batch)
+            self.segments.apply(scores, coords0, thread_row, thread_col, m_block, n_block, batch, fetched,
+                                segments_needed)
+
+    def fetch(self, scores: cute.Tensor, coords0: cute.Tensor, thread_row: Int32, thread_col: Int32,
+              m_block: Int32, n_block: Int32, batch: Int32 | None = None, segments_needed=None):
+        """What `apply` reads from memory for block (m_block, n_block), the segment ids, loaded
+        into registers now, so that a step can issue the loads before it waits for the block's
+        scores (SegmentIds.fetch); None when the rules read nothing."""
+        if self.segments is None:
+            return None
+        return self.segments.fetch(scores, coords0, thread_row, thread_col, m_block, n_block, batch,
+                                   segments_needed)
 
     @cute.jit
     def apply_key_tail(
@@ -134,3 +149,34 @@ class AttentionMask:
         if cutlass.const_expr(self.segments is not None):
             self.segments.apply_transposed(scores_t, coords0, thread_row, thread_col, m_block, n_block, batch,
                                            fill)
+
+
+@dataclasses.dataclass(frozen=True)
+class TileMask:
+    """An AttentionMask bound to one thread's registers of one query tile: its coordinate
+    scheme, the tile's m_block, its entry's lengths and, with segments, the entry and the
+    tile's spans over key blocks (SegmentIds.key_blocks): the segment rules are fetched and
+    applied only on blocks outside the full span. What a key block's step fetches ahead of its
+    scores and then applies to them."""
+
+    mask: AttentionMask
+    coords0: cute.Tensor
+    thread_row: Int32
+    thread_col: Int32
+    m_block: Int32
+    seqlen_q: Int32
+    seqlen_k: Int32
+    batch: Int32 | None = None
+    spans: BlockSpans | None = None
+
+    def _segments_needed(self, n_block: Int32):
+        return None if self.spans is None else self.spans.partial(n_block)
+
+    def fetch(self, scores: cute.Tensor, n_block: Int32):
+        """AttentionMask.fetch for key block n_block."""
+        return self.mask.fetch(scores, self.coords0, self.thread_row, self.thread_col, self.m_block, n_block,
+                               self.batch, self._segments_needed(n_block))
+
+    def apply(self, scores: cute.Tensor, n_block: Int32, fetched=None):
+        self.mask.apply(scores, self.coords0, self.thread_row, self.thread_col, self.m_block, n_block,
+                        self.seqlen_q, self.seqlen_k, self.batch, fetched, self._segments_needed(n_block))

@@ -34,6 +34,11 @@ class BlockSpans:
     full_lo: Int32
     full_hi: Int32
 
+    def partial(self, block: Int32):
+        """Whether some pair of `block` and the tile is hidden (outside the full range): the
+        blocks whose ids (or mask bits) must be compared."""
+        return (block < self.full_lo) | (block >= self.full_hi)
+
 
 @dataclasses.dataclass(frozen=True)
 class SegmentIds:
@@ -94,14 +99,64 @@ class SegmentIds:
         return ((word >> (key & 31)) & 1) == 0
 
     @cute.jit
+    def _load_ids(self, scores: cute.Tensor, coords0: cute.Tensor, row_ids: cute.Tensor, row_start: Int32,
+                  col_ids: cute.Tensor, col_start: Int32, batch: Int32, needed) -> cute.Tensor:
+        """The ids of the thread's score rows, then of its columns: [rows + cols] int32 registers,
+        loaded only where `needed` (None: always)."""
+        rows, cols = cute.size(scores, mode=[0]), cute.size(scores, mode=[1])
+        ids = cute.make_rmem_tensor((rows + cols,), Int32)
+        # Two calls, because None (no run-time test at all) is not a value a branch can take.
+        if cutlass.const_expr(needed is None):
+            self._load_ids_into(ids, coords0, row_ids, row_start, col_ids, col_start, batch, rows, cols)
+        elif needed:
+            self._load_ids_into(ids, coords0, row_ids, row_start, col_ids, col_start, batch, rows, cols)
+        return ids
+
+    @cute.jit
+    def _load_ids_into(self, ids: cute.Tensor, coords0: cute.Tensor, row_ids: cute.Tensor, row_start: Int32,
+                       col_ids: cute.Tensor, col_start: Int32, batch: Int32, rows: cutlass.Constexpr[int],
+                       cols: cutlass.Constexpr[int]):
+        for r in cutlass.range_constexpr(rows):
+            ids[r] = self._id(row_ids, batch, row_start + coords0[r, 0][0])
+        for c in cutlass.range_constexpr(cols):
+            ids[rows + c] = self._id(col_ids, batch, col_start + coords0[0, c][1])
+
+    def fetch(self, scores: cute.Tensor, coords0: cute.Tensor, thread_row: Int32, thread_col: Int32,
+              m_block: Int32, n_block: Int32, batch: Int32, needed=None):
+        """The ids `apply` compares on this thread's scores of block (m_block, n_block), loaded
+        into registers where `needed` (None: always); None for a mask's bits, which `apply`
+        reads per score.
+
+        A step calls it before it waits for the block's S GEMM: loaded after that wait (ptxas
+        keeps loads below a WGMMA wait), each masked block paid a whole L2 round trip on its
+        critical path (docs/perf-log.md, "Segment ids: fetched ahead of the S GEMM")."""
+        if self.bits is not None:
+            return None
+        return self._load_ids(scores, coords0, self.q_ids, m_block * self.tile_m + thread_row, self.k_ids,
+                              n_block * self.tile_n + thread_col, batch, needed)
+
+    @cute.jit
     def _compare(self, scores: cute.Tensor, coords0: cute.Tensor, row_ids: cute.Tensor, row_start: Int32,
                  col_ids: cute.Tensor, col_start: Int32, batch: Int32, fill: cutlass.Constexpr[float],
-                 rows_are_keys: cutlass.Constexpr[bool]):
+                 rows_are_keys: cutlass.Constexpr[bool], fetched, needed):
         """scores[r, c] = fill where the id of row r differs from the id of column c (or, with
-        mask bits, where the mask hides the pair); the tile's rows and columns start at
-        row_start and col_start of row_ids and col_ids (AttentionMask.apply's register scheme).
-        Each id is loaded once per tile; each mask word once per score (an L1 hit for all but the
-        first of a row's 32 keys)."""
+        mask bits, where the mask hides the pair), where `needed` (None: everywhere); the
+        tile's rows and columns start at row_start and col_start of row_ids and col_ids
+        (AttentionMask.apply's register scheme). `fetched`: the ids as `fetch` loaded them, or
+        None to load them here."""
+        if cutlass.const_expr(needed is None):
+            self._compare_all(scores, coords0, row_ids, row_start, col_ids, col_start, batch, fill, rows_are_keys,
+                              fetched)
+        elif needed:
+            self._compare_all(scores, coords0, row_ids, row_start, col_ids, col_start, batch, fill, rows_are_keys,
+                              fetched)
+
+    @cute.jit
+    def _compare_all(self, scores: cute.Tensor, coords0: cute.Tensor, row_ids: cute.Tensor, row_start: Int32,
+                     col_ids: cute.Tensor, col_start: Int32, batch: Int32, fill: cutlass.Constexpr[float],
+                     rows_are_keys: cutlass.Constexpr[bool], fetched):
+        """`_compare` on every score. Each id not fetched is loaded once per tile; each mask word
+        once per score (an L1 hit for all but the first of a row's 32 keys)."""
         if cutlass.const_expr(self.bits is not None):
             for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
                 col = col_start + coords0[0, c][1]
@@ -111,22 +166,29 @@ class SegmentIds:
                     if self._hidden_by_mask(batch, query, key):
                         scores[r, c] = Float32(fill)
         else:
-            ids_of_rows = cute.make_rmem_tensor((cute.size(scores, mode=[0]),), Int32)
-            for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
-                ids_of_rows[r] = self._id(row_ids, batch, row_start + coords0[r, 0][0])
+            rows = cute.size(scores, mode=[0])
+            ids_of_rows = fetched  # its first `rows` entries
+            if cutlass.const_expr(fetched is None):
+                ids_of_rows = cute.make_rmem_tensor((rows,), Int32)
+                for r in cutlass.range_constexpr(rows):
+                    ids_of_rows[r] = self._id(row_ids, batch, row_start + coords0[r, 0][0])
             for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-                col_id = self._id(col_ids, batch, col_start + coords0[0, c][1])
-                for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
+                if cutlass.const_expr(fetched is None):
+                    col_id = self._id(col_ids, batch, col_start + coords0[0, c][1])
+                else:
+                    col_id = fetched[rows + c]
+                for r in cutlass.range_constexpr(rows):
                     if ids_of_rows[r] != col_id:
                         scores[r, c] = Float32(fill)
 
     @cute.jit
     def apply(self, scores: cute.Tensor, coords0: cute.Tensor, thread_row: Int32, thread_col: Int32,
-              m_block: Int32, n_block: Int32, batch: Int32):
+              m_block: Int32, n_block: Int32, batch: Int32, fetched=None, needed=None):
         """scores (rows = queries, cols = keys) to −inf where the row's id differs from the key's
-        (or the mask hides the pair)."""
+        (or the mask hides the pair), where `needed` (None: always); `fetched` from `fetch`, or
+        None."""
         self._compare(scores, coords0, self.q_ids, m_block * self.tile_m + thread_row, self.k_ids,
-                      n_block * self.tile_n + thread_col, batch, -math.inf, False)
+                      n_block * self.tile_n + thread_col, batch, -math.inf, False, fetched, needed)
 
     @cute.jit
     def apply_transposed(self, scores_t: cute.Tensor, coords0: cute.Tensor, thread_row: Int32,
@@ -134,4 +196,4 @@ class SegmentIds:
                          fill: cutlass.Constexpr[float]):
         """The same on a transposed tile Sᵀ (rows = keys, cols = queries), to `fill`."""
         self._compare(scores_t, coords0, self.k_ids, n_block * self.tile_n + thread_row, self.q_ids,
-                      m_block * self.tile_m + thread_col, batch, fill, True)
+                      m_block * self.tile_m + thread_col, batch, fill, True, None, None)

@@ -32,7 +32,8 @@ and only writes those zeros.
 Segment ids (a `segments` kernel; kernels/common/segments.py): a tile's key blocks are also
 narrowed to the hull of the keys its rows share a segment with (the load warp and the MMA warp
 groups walk the same range, `_Problem.visited_blocks`), the unmasked loop to the blocks all of
-its rows see whole, and the mask on the other blocks compares ids (`mma_segment_blocks`). The
+its rows see whole, and the mask on the other blocks compares ids (`mma_segment_blocks`), loaded
+before the block's S GEMM is awaited and skipped on blocks inside the full span (`TileMask`). The
 narrowed first blocks of the routed tunings assume the mask's own range: segments kernels run
 the default tuning. A `mask_array` kernel walks a boolean mask's span tables the same way and
 tests the mask's bits where a segments kernel compares ids; it runs the masked tile settings.
@@ -53,7 +54,7 @@ from fa4_jax.kernels.common.block_info import BlockInfo, MaskBounds
 from fa4_jax.kernels.common.layouts import (
     acc_as_operand_a, acc_prefix, acc_rows_cols, convert_pairs, opaque_int32, permute_modes,
 )
-from fa4_jax.kernels.common.mask import AttentionMask
+from fa4_jax.kernels.common.mask import AttentionMask, TileMask
 from fa4_jax.kernels.common.ragged import entry_length
 from fa4_jax.kernels.common.segments import SegmentIds
 from fa4_jax.kernels.common.softmax import OnlineSoftmax, SoftmaxConfig, scale_rows, score_scales
@@ -697,20 +698,16 @@ class FlashAttentionForwardSm90:
         # Both warp groups run the same number of GEMM turns per tile, so the ping-pong token is
         # back with the first group at every tile boundary: one hand-over for the whole CTA.
         self.pingpong_init(warp_group)
-        tile_mask = functools.partial(
-            mask.apply, coords0=score_coords0, thread_row=thread_origin[0], thread_col=thread_origin[1],
-        )
         for tile_i in cutlass.range(problem.tile_count(self.scheduler), unroll=1):
             m_block, seqlen_q, seqlen_k, n_block_min, n_block_max = problem.key_blocks(
                 self.scheduler, block_info, tile_i
             )
-            apply_mask = functools.partial(tile_mask, m_block=m_block, seqlen_q=seqlen_q,
-                                           seqlen_k=seqlen_k)
-            segment_spans = None
+            segment_spans, batch = None, None
             if cutlass.const_expr(problem.segments is not None):
                 _, _, batch = problem.tile(self.scheduler, tile_i)
                 segment_spans = problem.segments.key_blocks(batch, m_block)
-                apply_mask = functools.partial(apply_mask, batch=batch)
+            apply_mask = TileMask(mask, score_coords0, thread_origin[0], thread_origin[1], m_block, seqlen_q,
+                                  seqlen_k, batch, segment_spans)
             masked = functools.partial(step, apply_mask=apply_mask)
             acc_o.fill(0.0)
             softmax.reset()
@@ -907,11 +904,12 @@ class FlashAttentionForwardSm90:
         GEMMs. The highest block holds the sequence tail (and the diagonal): always masked, and
         for an entry shorter than the buffer its V rows past the keys are zeroed. Every group
         issues it at once, outside the ping-pong turns."""
+        fetched = apply_mask.fetch(acc_rows_cols(blocks.acc_s), n_block)
         blocks.pipeline_k.consumer_wait(kv_state)
         wgmma_gemm(blocks.tiled_mma_qk, blocks.acc_s, blocks.tSrQ, blocks.tSrK[None, None, None, kv_state.index],
                   zero_init=True, wait_group=0)
         blocks.pipeline_k.consumer_release(kv_state)
-        self.softmax_block(blocks, n_block, apply_mask)
+        self.softmax_block(blocks, n_block, apply_mask, fetched)
         if seqlen_k < problem.seqlen_k:
             self.zero_v_past_keys(sV, blocks.pipeline_v, kv_state, n_block, seqlen_k, tidx)
 
@@ -961,6 +959,9 @@ class FlashAttentionForwardSm90:
         """
         v_state = kv_state.clone()
         kv_state.advance()
+        fetched = None
+        if cutlass.const_expr(apply_mask is not None):
+            fetched = apply_mask.fetch(acc_rows_cols(blocks.acc_s), n_block)
         blocks.pipeline_k.consumer_wait(kv_state)
         self.pingpong_wait(warp_group)
         wgmma_gemm(blocks.tiled_mma_qk, blocks.acc_s, blocks.tSrQ, blocks.tSrK[None, None, None, kv_state.index],
@@ -972,7 +973,7 @@ class FlashAttentionForwardSm90:
         self.pingpong_yield(warp_group)
         warpgroup.wait_group(1)
         blocks.pipeline_k.consumer_release(kv_state)
-        moved = self.softmax_block(blocks, n_block, apply_mask, convert_p=False)
+        moved = self.softmax_block(blocks, n_block, apply_mask, fetched, convert_p=False)
         # P_{j-1} (registers read by the in-flight WGMMA) and O may be touched only after it
         # retires: the wait in the rescale branch (`retire_pv`, TileConfig.pv_wait_in_branch), or
         # before it, where ptxas may hoist it into the softmax.
@@ -1007,14 +1008,16 @@ class FlashAttentionForwardSm90:
         blocks.pipeline_v.consumer_release(kv_state)
 
     @cute.jit
-    def softmax_block(self, blocks, n_block, apply_mask, convert_p: cutlass.Constexpr[bool] = True):
-        """Softcap and mask S in place, then the online-softmax step; P = S in the input dtype."""
+    def softmax_block(self, blocks, n_block, apply_mask, fetched=None, convert_p: cutlass.Constexpr[bool] = True):
+        """Softcap and mask S in place (`apply_mask`: the tile's TileMask, or None; `fetched`,
+        what its `fetch` loaded for this block), then the online-softmax step; P = S in the
+        input dtype."""
         if cutlass.const_expr(self.has_softcap):
             for i in cutlass.range_constexpr(cute.size(blocks.acc_s)):
                 blocks.acc_s[i] = cute.math.tanh(blocks.acc_s[i] * blocks.score_prescale, fastmath=True)
         scores = acc_rows_cols(blocks.acc_s)
         if cutlass.const_expr(apply_mask is not None):
-            apply_mask(scores, n_block=n_block)
+            apply_mask.apply(scores, n_block, fetched)
         moved = blocks.softmax.step(scores, blocks.row_scale)
         if cutlass.const_expr(convert_p):
             convert_pairs(blocks.acc_s, blocks.p)
