@@ -47,7 +47,7 @@ class AttentionMask:
         fetched=None,
         segments_needed=None,
     ):
-        """`fetched`: what `fetch` loaded for this block, or None (loaded here);
+        """`fetched`: what TileMask.fetch loaded for this block, or None (loaded here);
         `segments_needed`: whether the segment rules apply to the block (None: they do)."""
         window_left, window_right = self.bounds.window_left, self.bounds.window_right
         offset = self.bounds.offset(seqlen_q, seqlen_k)
@@ -72,16 +72,6 @@ class AttentionMask:
         if cutlass.const_expr(self.segments is not None):
             self.segments.apply(scores, coords0, thread_row, thread_col, m_block, n_block, batch, fetched,
                                 segments_needed)
-
-    def fetch(self, scores: cute.Tensor, coords0: cute.Tensor, thread_row: Int32, thread_col: Int32,
-              m_block: Int32, n_block: Int32, batch: Int32 | None = None, segments_needed=None):
-        """What `apply` reads from memory for block (m_block, n_block), the segment ids, loaded
-        into registers now, so that a step can issue the loads before it waits for the block's
-        scores (SegmentIds.fetch); None when the rules read nothing."""
-        if self.segments is None:
-            return None
-        return self.segments.fetch(scores, coords0, thread_row, thread_col, m_block, n_block, batch,
-                                   segments_needed)
 
     @cute.jit
     def apply_key_tail(
@@ -173,9 +163,13 @@ class TileMask:
         return None if self.spans is None else self.spans.partial(n_block)
 
     def fetch(self, scores: cute.Tensor, n_block: Int32):
-        """AttentionMask.fetch for key block n_block."""
-        return self.mask.fetch(scores, self.coords0, self.thread_row, self.thread_col, self.m_block, n_block,
-                               self.batch, self._segments_needed(n_block))
+        """What `apply` reads from memory for key block n_block, the segment ids, loaded into
+        registers now, so that a step can issue the loads before it waits for the block's
+        scores (SegmentIds.fetch); None when the rules read nothing."""
+        if self.mask.segments is None:
+            return None
+        return self.mask.segments.fetch(scores, self.coords0, self.thread_row, self.thread_col, self.m_block,
+                                        n_block, self.batch, self._segments_needed(n_block))
 
     def apply(self, scores: cute.Tensor, n_block: Int32, fetched=None):
         self.mask.apply(scores, self.coords0, self.thread_row, self.thread_col, self.m_block, n_block,
