@@ -159,6 +159,10 @@ class TileMask:
     batch: Int32 | None = None
     spans: BlockSpans | None = None
 
+    def __post_init__(self):
+        if self.mask.segments is not None and self.spans is None:
+            raise ValueError("a TileMask with segment ids needs the tile's spans (SegmentIds.key_blocks)")
+
     def _segments_needed(self, n_block: Int32):
         return None if self.spans is None else self.spans.partial(n_block)
 

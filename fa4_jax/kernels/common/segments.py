@@ -102,30 +102,21 @@ class SegmentIds:
     def _load_ids(self, scores: cute.Tensor, coords0: cute.Tensor, row_ids: cute.Tensor, row_start: Int32,
                   col_ids: cute.Tensor, col_start: Int32, batch: Int32, needed) -> cute.Tensor:
         """The ids of the thread's score rows, then of its columns: [rows + cols] int32 registers,
-        loaded only where `needed` (None: always)."""
+        loaded where `needed`."""
         rows, cols = cute.size(scores, mode=[0]), cute.size(scores, mode=[1])
         ids = cute.make_rmem_tensor((rows + cols,), Int32)
-        # Two calls, because None (no run-time test at all) is not a value a branch can take.
-        if cutlass.const_expr(needed is None):
-            self._load_ids_into(ids, coords0, row_ids, row_start, col_ids, col_start, batch, rows, cols)
-        elif needed:
-            self._load_ids_into(ids, coords0, row_ids, row_start, col_ids, col_start, batch, rows, cols)
+        if needed:
+            for r in cutlass.range_constexpr(rows):
+                ids[r] = self._id(row_ids, batch, row_start + coords0[r, 0][0])
+            for c in cutlass.range_constexpr(cols):
+                ids[rows + c] = self._id(col_ids, batch, col_start + coords0[0, c][1])
         return ids
 
-    @cute.jit
-    def _load_ids_into(self, ids: cute.Tensor, coords0: cute.Tensor, row_ids: cute.Tensor, row_start: Int32,
-                       col_ids: cute.Tensor, col_start: Int32, batch: Int32, rows: cutlass.Constexpr[int],
-                       cols: cutlass.Constexpr[int]):
-        for r in cutlass.range_constexpr(rows):
-            ids[r] = self._id(row_ids, batch, row_start + coords0[r, 0][0])
-        for c in cutlass.range_constexpr(cols):
-            ids[rows + c] = self._id(col_ids, batch, col_start + coords0[0, c][1])
-
     def fetch(self, scores: cute.Tensor, coords0: cute.Tensor, thread_row: Int32, thread_col: Int32,
-              m_block: Int32, n_block: Int32, batch: Int32, needed=None):
+              m_block: Int32, n_block: Int32, batch: Int32, needed):
         """The ids `apply` compares on this thread's scores of block (m_block, n_block), loaded
-        into registers where `needed` (None: always); None for a mask's bits, which `apply`
-        reads per score.
+        into registers where `needed` (the block is partial: BlockSpans.partial); None for a
+        mask's bits, which `apply` reads per score.
 
         A step calls it before it waits for the block's S GEMM: loaded after that wait (ptxas
         keeps loads below a WGMMA wait), each masked block paid a whole L2 round trip on its
