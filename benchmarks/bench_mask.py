@@ -43,8 +43,7 @@ def peers(implementation: str):
         from fa4_jax.params import AttentionParams
 
         params = _folded_mask_params(AttentionParams(softmax_scale=1.0))
-        lengths = tuple(jnp.full((q.shape[0],), n, jnp.int32) for n in (q.shape[1], k.shape[1]))
-        return mask_bits.operands(mask[:, 0], params, lengths, q.shape[1], k.shape[1])
+        return mask_bits.operands(mask[:, 0], params, None, q.shape[1], k.shape[1], q.shape[0])
 
     result = {
         "fa4_jax_is_causal": lambda q, k, v, mask: drop_in(q, k, v, is_causal=True),
@@ -63,6 +62,7 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, the reference")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--seqlens", default="4096,16384")
+    p.add_argument("--peers", default="", help="comma-separated peer names (default: all)")
     p.add_argument("--out", default=".bench_mask")
     args = p.parse_args(argv)
     if args.dry_run:
@@ -83,6 +83,8 @@ def main(argv=None) -> int:
         for mode in args.modes.split(","):
             flops = 2 * batch * heads * head_dim * seqlen ** 2 * (FWD_BWD_FLOP_FACTOR if mode == "fwd_bwd" else 1)
             for peer, attend in peers(implementation).items():
+                if args.peers and peer not in args.peers.split(","):
+                    continue
                 if peer == "mask_operands" and mode != "fwd":
                     continue
                 record = dict(seqlen=seqlen, batch=batch, mode=mode, peer=peer)

@@ -174,9 +174,7 @@ class _ScoreArrays:
         mask = self.mask[:, 0]
         if self.query_segment_ids is not None:
             mask = mask & (self.query_segment_ids[:, :, None] == self.kv_segment_ids[:, None, :])
-        if seq_lengths is None:
-            seq_lengths = (jnp.full((batch,), seqlen_q, jnp.int32), jnp.full((batch,), seqlen_k, jnp.int32))
-        operands = mask_bits.operands(mask, params, seq_lengths, seqlen_q, seqlen_k)
+        operands = mask_bits.operands(mask, params, seq_lengths, seqlen_q, seqlen_k, batch)
         return _folded_mask_params(params), operands
 
 

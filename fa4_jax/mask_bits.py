@@ -24,9 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from fa4_jax.reference import MaskSpec
+from fa4_jax.segment_layout import MASK_WORD_BITS as WORD_BITS
 from fa4_jax.segment_layout import NO_SPAN, SPAN_CHUNK
-
-WORD_BITS = 32
 
 
 def _bit_weights():
@@ -151,10 +150,19 @@ def _key_spans(any_words, every_row, kv_len, seqlen_k: int):
     return _entries(any_first, any_last, *runs(sees_every), counted)
 
 
-def operands(mask, params, seq_lengths, seqlen_q: int, seqlen_k: int):
+def operands(mask, params, seq_lengths, seqlen_q: int, seqlen_k: int, batch: int | None = None):
     """The masked custom calls' five operands (q_ids, kv_ids, row_spans, key_spans, bits), int32,
     from the caller's bool mask [b | 1, sq | 1, sk | 1] and the call's rules and lengths (as for
-    `visible`); computed once per call, for the forward and its backward."""
+    `visible`); computed once per call, for the forward and its backward.
+
+    seq_lengths None: every one of the call's `batch` entries runs at full length. A mask shared
+    by the batch (axis 0 of size 1) is then folded, packed and reduced once, and its operands
+    broadcast to the batch: at 4 entries a quarter of the passes over the mask."""
+    if seq_lengths is None:
+        shared = mask.shape[0]
+        full = tuple(jnp.full((shared,), n, jnp.int32) for n in (seqlen_q, seqlen_k))
+        return tuple(jnp.broadcast_to(x, (batch,) + x.shape[1:])
+                     for x in operands(mask, params, full, seqlen_q, seqlen_k))
     q_len, kv_len = seq_lengths
     batch = q_len.shape[0]
     bits = pack(visible(mask, params, seq_lengths, seqlen_q, seqlen_k))

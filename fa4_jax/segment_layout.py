@@ -35,3 +35,5 @@ SPAN_FIELDS = 4
 # "No position": above any sequence position the int32 ABI allows, far enough below 2^31 that
 # the kernels' block arithmetic (adding a tile width before dividing) cannot overflow.
 NO_SPAN = 1 << 30
+# A boolean mask's bits (fa4_jax/mask_bits.py): keys per int32 word.
+MASK_WORD_BITS = 32

@@ -104,6 +104,24 @@ def test_span_tables_are_the_masks(seed, density, rules):
                     assert rows.stop <= seqlen_q and seen[b, rows, keys].all(), (key_block, query_block)
 
 
+@pytest.mark.parametrize("mask_batch", [1, 3])
+@pytest.mark.parametrize("rules", [dict(), dict(causal=True), dict(window=(40, 7))], ids=["none", "causal", "window"])
+def test_full_lengths_fold_a_shared_mask_once(seed, mask_batch, rules):
+    # Without lengths a batch-shared mask is folded once and broadcast: the same operands as the
+    # mask broadcast first and folded with every entry's full lengths.
+    rng = np.random.default_rng(seed)
+    batch, seqlen_q, seqlen_k = 3, 150, 333
+    mask = jnp.asarray(_random_mask(rng, mask_batch, seqlen_q, seqlen_k, 0.6))
+    params = _params(**rules)
+    full = tuple(jnp.full((batch,), n, jnp.int32) for n in (seqlen_q, seqlen_k))
+    want = mask_bits.operands(jnp.broadcast_to(mask, (batch, seqlen_q, seqlen_k)), params, full, seqlen_q,
+                              seqlen_k)
+    got = mask_bits.operands(mask, params, None, seqlen_q, seqlen_k, batch)
+    for name, a, b in zip(("q_ids", "kv_ids", "row_spans", "key_spans", "bits"), got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
 @pytest.mark.parametrize("rules", [dict(causal=True), dict(window=(30, 0)), dict(window=(None, 12)),
                                    dict(causal=True, top_left=True)], ids=["causal", "left", "right", "top_left"])
 def test_the_folded_rules_are_the_references(seed, rules):

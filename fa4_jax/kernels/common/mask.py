@@ -167,9 +167,9 @@ class TileMask:
         return None if self.spans is None else self.spans.partial(n_block)
 
     def fetch(self, scores: cute.Tensor, n_block: Int32):
-        """What `apply` reads from memory for key block n_block, the segment ids, loaded into
-        registers now, so that a step can issue the loads before it waits for the block's
-        scores (SegmentIds.fetch); None when the rules read nothing."""
+        """What `apply` reads from memory for key block n_block, the segment ids or the mask's
+        words, loaded into registers now, so that a step can issue the loads before it waits for
+        the block's scores (SegmentIds.fetch); None when the rules read nothing."""
         if self.mask.segments is None:
             return None
         return self.mask.segments.fetch(scores, self.coords0, self.thread_row, self.thread_col, self.m_block,

@@ -12,7 +12,9 @@ partners they see and the partners every one of them sees; a tile reduces its ch
 
 A boolean mask (a `mask_array` kernel) rides the same walk: its span tables come from the mask
 (fa4_jax/mask_bits.py), and the blocks between the two ranges test the mask's bit for each score
-instead of the ids (the caller folds a call's segment ids into the mask).
+instead of the ids (the caller folds a call's segment ids into the mask), from the words that
+cover the thread's rows (forward: fetched ahead of the S GEMM, as the ids are) or its columns
+(backward: one per query column, shared by the thread's keys).
 """
 import dataclasses
 import math
@@ -21,7 +23,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from fa4_jax.segment_layout import FULL_HI, FULL_LO, HI, LO, NO_SPAN, SPAN_CHUNK
+from fa4_jax.segment_layout import FULL_HI, FULL_LO, HI, LO, MASK_WORD_BITS, NO_SPAN, SPAN_CHUNK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +57,11 @@ class SegmentIds:
     row_spans: cute.Tensor
     key_spans: cute.Tensor
     bits: cute.Tensor | None = None
+
+    def __post_init__(self):
+        if self.bits is not None and self.tile_n % MASK_WORD_BITS:
+            raise ValueError(f"tile_n={self.tile_n}: a mask's key blocks must start on a word of its bits "
+                             f"(a multiple of {MASK_WORD_BITS} keys)")
 
     @cute.jit
     def _reduce(self, table: cute.Tensor, batch: Int32, block: Int32, tile: cutlass.Constexpr[int],
@@ -91,14 +98,6 @@ class SegmentIds:
         return ids[batch, cutlass.min(position, ids.shape[1] - 1)]
 
     @cute.jit
-    def _hidden_by_mask(self, batch: Int32, query: Int32, key: Int32) -> cutlass.Boolean:
-        """Whether the mask hides key `key` from query `query` (both clamped into the buffer, as
-        `_id` clamps: the length rules mask a tile's overhang)."""
-        query = cutlass.min(query, self.bits.shape[1] - 1)
-        word = self.bits[batch, query, cutlass.min(key >> 5, self.bits.shape[2] - 1)]
-        return ((word >> (key & 31)) & 1) == 0
-
-    @cute.jit
     def _load_ids(self, scores: cute.Tensor, coords0: cute.Tensor, row_ids: cute.Tensor, row_start: Int32,
                   col_ids: cute.Tensor, col_start: Int32, batch: Int32, needed) -> cute.Tensor:
         """The ids of the thread's score rows, then of its columns: [rows + cols] int32 registers,
@@ -112,65 +111,108 @@ class SegmentIds:
                 ids[rows + c] = self._id(col_ids, batch, col_start + coords0[0, c][1])
         return ids
 
+    @cute.jit
+    def _load_row_words(self, scores: cute.Tensor, coords0: cute.Tensor, row_start: Int32, n_block: Int32,
+                        batch: Int32, needed) -> cute.Tensor:
+        """The mask words of the thread's score rows over key block n_block, [rows · words]
+        int32 registers (words = tile_n / 32, row by row), loaded where `needed`. A row past the
+        buffer reads its last row and a word past it its last word: the length rules mask the
+        tile's overhang."""
+        rows, words = cute.size(scores, mode=[0]), self.tile_n // MASK_WORD_BITS
+        fetched = cute.make_rmem_tensor((rows * words,), Int32)
+        if needed:
+            first = n_block * words
+            for r in cutlass.range_constexpr(rows):
+                query = cutlass.min(row_start + coords0[r, 0][0], self.bits.shape[1] - 1)
+                for w in cutlass.range_constexpr(words):
+                    fetched[r * words + w] = self.bits[batch, query, cutlass.min(first + w, self.bits.shape[2] - 1)]
+        return fetched
+
     def fetch(self, scores: cute.Tensor, coords0: cute.Tensor, thread_row: Int32, thread_col: Int32,
               m_block: Int32, n_block: Int32, batch: Int32, needed):
-        """The ids `apply` compares on this thread's scores of block (m_block, n_block), loaded
-        into registers where `needed` (the block is partial: BlockSpans.partial); None for a
-        mask's bits, which `apply` reads per score.
+        """What `apply` reads on this thread's scores of block (m_block, n_block), loaded into
+        registers where `needed` (the block is partial: BlockSpans.partial): the ids it compares,
+        or a mask's words over the block's keys (8 for two rows of 128 keys, where testing a bit
+        per score loaded a word per score, 64).
 
         A step calls it before it waits for the block's S GEMM: loaded after that wait (ptxas
         keeps loads below a WGMMA wait), each masked block paid a whole L2 round trip on its
         critical path (docs/perf-log.md, "Segment ids: fetched ahead of the S GEMM")."""
         if self.bits is not None:
-            return None
+            return self._load_row_words(scores, coords0, m_block * self.tile_m + thread_row, n_block, batch, needed)
         return self._load_ids(scores, coords0, self.q_ids, m_block * self.tile_m + thread_row, self.k_ids,
                               n_block * self.tile_n + thread_col, batch, needed)
 
     @cute.jit
+    def _test_row_words(self, scores: cute.Tensor, coords0: cute.Tensor, thread_col: Int32, words: cute.Tensor,
+                        needed):
+        """scores[r, c] = −inf where the mask word of row r (`_load_row_words`) hides column c,
+        where `needed`. A column's word and bit: the block starts on a word (tile_n is a multiple
+        of 32) and the thread's first column is below 8, so a column offset of o lies in word
+        o // 32 at bit thread_col + o % 32 (`_check_word_layout`)."""
+        if needed:
+            per_row = self.tile_n // MASK_WORD_BITS
+            shifted = cute.make_rmem_tensor((cute.size(words),), Int32)
+            for i in cutlass.range_constexpr(cute.size(words)):
+                shifted[i] = words[i] >> thread_col
+            for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
+                for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
+                    col = coords0[r, c][1]
+                    if (shifted[r * per_row + col // MASK_WORD_BITS] >> (col % MASK_WORD_BITS)) & 1 == 0:
+                        scores[r, c] = -Float32.inf
+
+    @cute.jit
+    def _test_bits_transposed(self, scores_t: cute.Tensor, coords0: cute.Tensor, key_start: Int32,
+                              query_start: Int32, batch: Int32, fill: cutlass.Constexpr[float]):
+        """scores_t[r, c] (rows = keys, cols = queries) = fill where the mask hides key r from
+        query c: one word per column and 32 rows of keys, shared by the thread's keys in it (2 of
+        them, where testing a bit per score loaded a word per score). key_start = the thread's
+        first key, whose offset in its word is below 24 (`_check_word_layout`), so a row offset
+        o lies in word key_start // 32 + o // 32 at bit key_start % 32 + o % 32."""
+        rows = cute.size(scores_t, mode=[0])
+        groups = _row_word_groups(coords0)
+        key_word, key_bit = key_start >> 5, key_start & (MASK_WORD_BITS - 1)
+        for c in cutlass.range_constexpr(cute.size(scores_t, mode=[1])):
+            query = cutlass.min(query_start + coords0[0, c][1], self.bits.shape[1] - 1)
+            for g in cutlass.range_constexpr(len(groups)):
+                word = self.bits[batch, query, cutlass.min(key_word + groups[g], self.bits.shape[2] - 1)]
+                for r in cutlass.range_constexpr(rows):
+                    row = coords0[r, 0][0]
+                    if cutlass.const_expr(row // MASK_WORD_BITS == groups[g]):
+                        if (word >> (key_bit + row % MASK_WORD_BITS)) & 1 == 0:
+                            scores_t[r, c] = Float32(fill)
+
+    @cute.jit
     def _compare(self, scores: cute.Tensor, coords0: cute.Tensor, row_ids: cute.Tensor, row_start: Int32,
-                 col_ids: cute.Tensor, col_start: Int32, batch: Int32, fill: cutlass.Constexpr[float],
-                 rows_are_keys: cutlass.Constexpr[bool], fetched, needed):
-        """scores[r, c] = fill where the id of row r differs from the id of column c (or, with
-        mask bits, where the mask hides the pair), where `needed` (None: everywhere); the
-        tile's rows and columns start at row_start and col_start of row_ids and col_ids
-        (AttentionMask.apply's register scheme). `fetched`: the ids as `fetch` loaded them, or
-        None to load them here."""
+                 col_ids: cute.Tensor, col_start: Int32, batch: Int32, fill: cutlass.Constexpr[float], fetched,
+                 needed):
+        """scores[r, c] = fill where the id of row r differs from the id of column c, where
+        `needed` (None: everywhere); the tile's rows and columns start at row_start and col_start
+        of row_ids and col_ids (AttentionMask.apply's register scheme). `fetched`: the ids as
+        `fetch` loaded them, or None to load them here."""
         if cutlass.const_expr(needed is None):
-            self._compare_all(scores, coords0, row_ids, row_start, col_ids, col_start, batch, fill, rows_are_keys,
-                              fetched)
+            self._compare_all(scores, coords0, row_ids, row_start, col_ids, col_start, batch, fill, fetched)
         elif needed:
-            self._compare_all(scores, coords0, row_ids, row_start, col_ids, col_start, batch, fill, rows_are_keys,
-                              fetched)
+            self._compare_all(scores, coords0, row_ids, row_start, col_ids, col_start, batch, fill, fetched)
 
     @cute.jit
     def _compare_all(self, scores: cute.Tensor, coords0: cute.Tensor, row_ids: cute.Tensor, row_start: Int32,
-                     col_ids: cute.Tensor, col_start: Int32, batch: Int32, fill: cutlass.Constexpr[float],
-                     rows_are_keys: cutlass.Constexpr[bool], fetched):
-        """`_compare` on every score. Each id not fetched is loaded once per tile; each mask word
-        once per score (an L1 hit for all but the first of a row's 32 keys)."""
-        if cutlass.const_expr(self.bits is not None):
-            for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-                col = col_start + coords0[0, c][1]
-                for r in cutlass.range_constexpr(cute.size(scores, mode=[0])):
-                    row = row_start + coords0[r, 0][0]
-                    query, key = (col, row) if cutlass.const_expr(rows_are_keys) else (row, col)
-                    if self._hidden_by_mask(batch, query, key):
-                        scores[r, c] = Float32(fill)
-        else:
-            rows = cute.size(scores, mode=[0])
-            ids_of_rows = fetched  # its first `rows` entries
+                     col_ids: cute.Tensor, col_start: Int32, batch: Int32, fill: cutlass.Constexpr[float], fetched):
+        """`_compare` on every score; each id not fetched is loaded once per tile."""
+        rows = cute.size(scores, mode=[0])
+        ids_of_rows = fetched  # its first `rows` entries
+        if cutlass.const_expr(fetched is None):
+            ids_of_rows = cute.make_rmem_tensor((rows,), Int32)
+            for r in cutlass.range_constexpr(rows):
+                ids_of_rows[r] = self._id(row_ids, batch, row_start + coords0[r, 0][0])
+        for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
             if cutlass.const_expr(fetched is None):
-                ids_of_rows = cute.make_rmem_tensor((rows,), Int32)
-                for r in cutlass.range_constexpr(rows):
-                    ids_of_rows[r] = self._id(row_ids, batch, row_start + coords0[r, 0][0])
-            for c in cutlass.range_constexpr(cute.size(scores, mode=[1])):
-                if cutlass.const_expr(fetched is None):
-                    col_id = self._id(col_ids, batch, col_start + coords0[0, c][1])
-                else:
-                    col_id = fetched[rows + c]
-                for r in cutlass.range_constexpr(rows):
-                    if ids_of_rows[r] != col_id:
-                        scores[r, c] = Float32(fill)
+                col_id = self._id(col_ids, batch, col_start + coords0[0, c][1])
+            else:
+                col_id = fetched[rows + c]
+            for r in cutlass.range_constexpr(rows):
+                if ids_of_rows[r] != col_id:
+                    scores[r, c] = Float32(fill)
 
     @cute.jit
     def apply(self, scores: cute.Tensor, coords0: cute.Tensor, thread_row: Int32, thread_col: Int32,
@@ -178,13 +220,51 @@ class SegmentIds:
         """scores (rows = queries, cols = keys) to −inf where the row's id differs from the key's
         (or the mask hides the pair), where `needed` (None: always); `fetched` from `fetch`, or
         None."""
-        self._compare(scores, coords0, self.q_ids, m_block * self.tile_m + thread_row, self.k_ids,
-                      n_block * self.tile_n + thread_col, batch, -math.inf, False, fetched, needed)
+        if cutlass.const_expr(self.bits is not None):
+            _check_word_layout(coords0, 1, COLUMN_ORIGIN_MAX)
+            if cutlass.const_expr(needed is None):
+                needed = True
+            words = fetched
+            if cutlass.const_expr(fetched is None):
+                words = self._load_row_words(scores, coords0, m_block * self.tile_m + thread_row, n_block, batch,
+                                             needed)
+            self._test_row_words(scores, coords0, thread_col, words, needed)
+        else:
+            self._compare(scores, coords0, self.q_ids, m_block * self.tile_m + thread_row, self.k_ids,
+                          n_block * self.tile_n + thread_col, batch, -math.inf, fetched, needed)
 
     @cute.jit
     def apply_transposed(self, scores_t: cute.Tensor, coords0: cute.Tensor, thread_row: Int32,
                          thread_col: Int32, m_block: Int32, n_block: Int32, batch: Int32,
                          fill: cutlass.Constexpr[float]):
         """The same on a transposed tile Sᵀ (rows = keys, cols = queries), to `fill`."""
-        self._compare(scores_t, coords0, self.k_ids, n_block * self.tile_n + thread_row, self.q_ids,
-                      m_block * self.tile_m + thread_col, batch, fill, True, None, None)
+        if cutlass.const_expr(self.bits is not None):
+            _check_word_layout(coords0, 0, ROW_ORIGIN_MAX)
+            self._test_bits_transposed(scores_t, coords0, n_block * self.tile_n + thread_row,
+                                       m_block * self.tile_m + thread_col, batch, fill)
+        else:
+            self._compare(scores_t, coords0, self.k_ids, n_block * self.tile_n + thread_row, self.q_ids,
+                          m_block * self.tile_m + thread_col, batch, fill, None, None)
+
+
+# A thread's first register of a WGMMA accumulator, modulo 32: its column 2 · (lane % 4) is at
+# most 6; its row 16 · (warp % 4) + lane / 4 is at most 23. With a block that starts on a mask
+# word, a register at offset o from it shares the word of offset o − o % 32 while o % 32 plus
+# this stays below 32.
+COLUMN_ORIGIN_MAX = 6
+ROW_ORIGIN_MAX = 23
+
+
+def _row_word_groups(coords0: cute.Tensor) -> list[int]:
+    """The words (from the thread's first key's) that a thread's rows of keys fall in."""
+    return sorted({coords0[r, 0][0] // MASK_WORD_BITS for r in range(cute.size(coords0, mode=[0]))})
+
+
+def _check_word_layout(coords0: cute.Tensor, mode: int, origin_max: int):
+    """Raise at trace time unless every register offset of `coords0` along `mode` (1: columns,
+    0: rows) stays in its word from any thread origin up to origin_max (mod 32)."""
+    offsets = {coords0[r, c][mode] % MASK_WORD_BITS
+               for r in range(cute.size(coords0, mode=[0])) for c in range(cute.size(coords0, mode=[1]))}
+    if max(offsets) + origin_max >= MASK_WORD_BITS:
+        raise ValueError(f"mask words: register offsets {sorted(offsets)} (mod {MASK_WORD_BITS}) from a thread "
+                         f"origin up to {origin_max} cross a word; the bit tests assume they do not")
