@@ -126,3 +126,50 @@ def test_gqa_mqa_and_fp16(next_key, seed, heads_q, heads_kv):
     _check(next_key, _mask(rng, "documents", 2, 700, 700), heads_q=heads_q, heads_kv=heads_kv,
            dtype=jnp.float16)
 
+
+
+# Keys per case stay below 2**INDEX_BITS: a key's index in INDEX_BITS columns of its value.
+INDEX_BITS = 10
+
+
+def _leak_case(rng, layout, batch, seqlen_q, seqlen_k):
+    """(the call's mask or segment-id arguments, bool [batch, seqlen_q, seqlen_k] visible pairs),
+    every tile partial: a random mask, or random ids of three segments that do not run."""
+    if layout == "mask":
+        visible = rng.random((batch, seqlen_q, seqlen_k)) < 0.5
+        return dict(mask=jnp.asarray(visible[:, None])), visible
+    q_ids, kv_ids = rng.integers(0, 3, (batch, seqlen_q)), rng.integers(0, 3, (batch, seqlen_k))
+    arrays = dict(query_segment_ids=jnp.asarray(q_ids, jnp.int32), kv_segment_ids=jnp.asarray(kv_ids, jnp.int32))
+    return arrays, q_ids[:, :, None] == kv_ids[:, None, :]
+
+
+@pytest.mark.parametrize("layout", ["mask", "segment_ids"])
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128, 160, 192, 256])
+def test_hidden_keys_leak_nothing(seed, layout, head_dim):
+    # Exact, where the numerics rule is not (one key too many in a row of 150 moves out by less
+    # than a bf16 rounding): with q = 0 every visible key weighs the same, so lse = log(count of
+    # the row's visible keys), out[..., j] = the share of them with bit j % 10 of their index set,
+    # and dV[k] = the sum of 1 / count over the rows that see key k. A key leaked or lost moves
+    # lse by log(1 + 1/700) or more, out and dV by 1 / count: 4 fp16 spacings or more.
+    rng = np.random.default_rng(seed)
+    batch, seqlen_q, seqlen_k, heads = 2, 333, 700, 2
+    head_dim_v = 128 if head_dim == 192 else head_dim
+    arrays, visible = _leak_case(rng, layout, batch, seqlen_q, seqlen_k)
+    index_bits = (np.arange(seqlen_k)[:, None] >> (np.arange(head_dim_v) % INDEX_BITS)[None, :]) & 1
+    q = jnp.zeros((batch, seqlen_q, heads, head_dim), jnp.float16)
+    k = jax.random.normal(jax.random.key(seed), (batch, seqlen_k, heads, head_dim), jnp.float16)
+    v = jnp.asarray(np.broadcast_to(index_bits[None, :, None, :], (batch, seqlen_k, heads, head_dim_v)),
+                    jnp.float16)
+    attend = functools.partial(fa4_jax.attention, q, k, implementation="cute", **arrays)
+    out, lse = jax.jit(lambda v: attend(v, return_lse=True))(v)
+    dv = jax.jit(jax.grad(lambda v: jnp.sum(attend(v).astype(jnp.float32))))(v)
+
+    count = visible.sum(axis=-1)  # [batch, seqlen_q], never 0 here
+    want_lse = np.log(count)[:, None, :]
+    want_out = (visible.astype(np.float64) @ index_bits / count[..., None])[:, :, None, :]
+    want_dv = (visible / count[..., None]).sum(axis=1)[:, :, None, None]
+    np.testing.assert_allclose(np.asarray(lse), np.broadcast_to(want_lse, lse.shape), rtol=0, atol=1e-5)
+    out = np.asarray(out, np.float64)
+    spacing = np.spacing(np.abs(want_out).astype(np.float16)).astype(np.float64)
+    assert np.all(np.abs(out - want_out) <= spacing), np.abs(out - want_out).max()
+    np.testing.assert_allclose(np.asarray(dv, np.float64), np.broadcast_to(want_dv, dv.shape), rtol=1e-3, atol=0)
