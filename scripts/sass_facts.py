@@ -34,7 +34,7 @@ FAMILIES = {
     "local_store": "STL",
     "tma_load": "UTMALDG",
     "tma_store": "UTMASTG",
-    "global_store": "STG",
+    "global_store": "STG.E",       # st.global (not UTMASTG, whose name holds "STG")
     "bar_sync": "BAR.SYNC",
     "mbarrier_wait": "SYNCS.PHASECHK",
 }

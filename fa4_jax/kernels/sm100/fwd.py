@@ -22,7 +22,8 @@ diagonal):
   the correction through shared memory and writes P_i into the second half of S_i's columns;
 - the correction warp group rescales O_i in TMEM when a warp's rows moved their maximum (FA4's
   conditional rescaling makes that rare: a vote skips the rest), and at the end divides O_i by
-  the row sums and writes O and LSE from registers to global memory.
+  the row sums into Q_i's shared memory, free by then, for one TMA store per stage, and writes
+  LSE from registers.
 
 Ragged batches (mSeqUsedQ, mSeqUsedK) follow the Hopper kernel's contract: keys past an entry's
 length are masked and the V rows of its last block past it are zeroed in shared memory by the
@@ -107,6 +108,17 @@ class _SoftmaxBlock:
     pipe_s: pipeline.PipelineUmmaAsync
     pipe_stats: pipeline.PipelineAsync
     score_prescale: Float32
+
+
+@dataclasses.dataclass(frozen=True)
+class _Epilogue:
+    """Where the correction warp group puts a tile's results: O through each stage's shared
+    memory (sO[i], in Q_i's bytes) and a TMA store, LSE from registers."""
+
+    tma_atom_o: cute.CopyAtom
+    mO: cute.Tensor
+    sO: list
+    mLSE: cute.Tensor
 
 
 def _tcgen05_after_sync():
@@ -222,6 +234,14 @@ class FlashAttentionForwardSm100:
             load_op, mK, cute.select(sK_layout, mode=[0, 1, 2]), mma_tiler_qk, tiled_mma_qk, cluster.shape)
         tma_atom_v, tma_v = cute.nvgpu.make_tiled_tma_atom_B(
             load_op, mV, cute.select(sV_layout, mode=[0, 1, 2]), mma_tiler_pv, tiled_mma_pv, cluster.shape)
+        # O_i is staged in Q_i's buffer: the stage's last P·V completes after every MMA that read
+        # Q (one thread's tcgen05 MMAs complete in order), so it is free when O_i is final.
+        sO_layout = sm100_utils.make_smem_layout_epi(self.dtype, utils.LayoutEnum.ROW_MAJOR,
+                                                     (ROWS_PER_STAGE, self.head_dim_v), 1)
+        sO_layout = cute.select(sO_layout, mode=[0, 1])
+        assert cute.cosize(sO_layout) <= cute.cosize(cute.select(sQ_layout, mode=[0, 1, 2])), "O_i exceeds Q_i's buffer"
+        tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (ROWS_PER_STAGE, self.head_dim_v))
         self.tma_bytes_q = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1, 2]))
         self.tma_bytes_kv = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1, 2]))
         self.tma_bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1, 2]))
@@ -248,7 +268,8 @@ class FlashAttentionForwardSm100:
                                    cute.size(mK.shape[2]), cute.size(mQ.shape[3]))
         self.kernel(
             tiled_mma_qk, tiled_mma_pv, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v,
-            mO, mLSE, mSeqUsedQ, mSeqUsedK, sQ_layout, sK_layout, tP_layout, sV_layout,
+            tma_atom_o, tma_o, mLSE, mSeqUsedQ, mSeqUsedK, sQ_layout, sK_layout, tP_layout, sV_layout,
+            sO_layout,
             score_prescale, scale_log2, window_left, window_right, top_left,
         ).launch(grid=grid, block=[plan.NUM_THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
                  min_blocks_per_mp=1)
@@ -266,6 +287,7 @@ class FlashAttentionForwardSm100:
         mK: cute.Tensor,
         tma_atom_v: cute.CopyAtom,
         mV: cute.Tensor,
+        tma_atom_o: cute.CopyAtom,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
         mSeqUsedQ: cute.Tensor,
@@ -274,6 +296,7 @@ class FlashAttentionForwardSm100:
         sK_layout: cute.ComposedLayout,
         tP_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
         score_prescale: Float32,
         scale_log2: Float32,
         window_left: Int32,
@@ -284,7 +307,7 @@ class FlashAttentionForwardSm100:
         load_warp = plan.role(Role.LOAD).warps[0]
         mma_warp = plan.role(Role.MMA).warps[0]
         if warp == load_warp:
-            for atom in (tma_atom_q, tma_atom_k, tma_atom_v):
+            for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o):
                 cpasync.prefetch_descriptor(atom)
 
         storage = utils.SmemAllocator().allocate(self.shared_storage)
@@ -298,6 +321,10 @@ class FlashAttentionForwardSm100:
         sK = storage.sKV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         # V's stages are K's bytes (at K's stage stride), seen through V's own layout.
         sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
+        # O_i in Q_i's bytes, seen through O's own layout.
+        q_stage_elems = cute.cosize(cute.select(sQ_layout.outer, mode=[0, 1, 2]))
+        sO = [cute.make_tensor(cute.recast_ptr(sQ.iterator + i * q_stage_elems, sO_layout.inner), sO_layout.outer)
+              for i in range(Q_STAGES)]
         row_stats = storage.row_stats.get_tensor(
             cute.make_layout((ROWS_PER_STAGE, NUM_STATS, Q_STAGES)))
 
@@ -337,7 +364,8 @@ class FlashAttentionForwardSm100:
             cute.arch.setmaxregister_decrease(plan.role(Role.CORRECTION).registers)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
-            self.correction(tiled_mma_pv, tmem_ptr, row_stats, mO, mLSE, pipes, tile_problem(), scale_log2)
+            self.correction(tiled_mma_pv, tmem_ptr, row_stats, _Epilogue(tma_atom_o, mO, sO, mLSE), pipes,
+                            tile_problem(), scale_log2)
             _tcgen05_before_sync()
             tmem_barrier.arrive()
 
@@ -646,8 +674,9 @@ class FlashAttentionForwardSm100:
     # --- correction warp group ----------------------------------------------------------------
 
     @cute.jit
-    def correction(self, tiled_mma_pv, tmem_ptr, row_stats, mO, mLSE, pipes, tile, scale_log2):
-        """O_i's rescales in TMEM, then O = O_i / ℓ and LSE to global memory, one row per thread."""
+    def correction(self, tiled_mma_pv, tmem_ptr, row_stats, epilogue, pipes, tile, scale_log2):
+        """O_i's rescales in TMEM, then O = O_i / ℓ through shared memory and a TMA store, and
+        LSE, one row per thread."""
         row = cute.arch.thread_idx()[0] % ROWS_PER_STAGE
         n_blocks = tile.n_blocks
         thr_pv = tiled_mma_pv.get_slice(0)
@@ -700,11 +729,16 @@ class FlashAttentionForwardSm100:
                 inv_sum = cute.make_rmem_tensor((1,), Float32)
                 lse = cute.make_rmem_tensor((1,), Float32)
                 stats.finalize(inv_sum, lse)
-                self.store_rows(thr_load, loads[i], chunk_regs, mO, mLSE, tile, i, row, inv_sum[0], lse[0])
+                self.store_stage(thr_load, loads[i], chunk_regs, epilogue, tile, i, row, inv_sum[0], lse[0])
         else:
-            for i in cutlass.range_constexpr(Q_STAGES):
-                self.store_rows(thr_load, loads[i], chunk_regs, mO, mLSE, tile, i, row, Float32(0.0),
-                                Float32(-math.inf), from_tmem=False)
+            if tile.valid:
+                for i in cutlass.range_constexpr(Q_STAGES):
+                    self.store_stage(thr_load, loads[i], chunk_regs, epilogue, tile, i, row, Float32(0.0),
+                                     Float32(-math.inf), from_tmem=False)
+        if tile.valid:
+            # The stores must have read shared memory before the CTA exits.
+            if row == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def release_o(self, pipes, stage: cutlass.Constexpr[int], state):
@@ -724,26 +758,37 @@ class FlashAttentionForwardSm100:
             cute.copy(thr_copy, regs, shifted)
 
     @cute.jit
-    def store_rows(self, thr_load, tmem_part, chunk_regs, mO, mLSE, tile, stage: cutlass.Constexpr[int],
-                   row_in_stage, inv_sum, lse, from_tmem: cutlass.Constexpr[bool] = True):
-        """Row `row_in_stage` of stage i: O·(1/ℓ) and LSE, or 0 and −inf past the entry's rows;
-        nothing past the buffer's."""
+    def store_stage(self, thr_load, tmem_part, chunk_regs, epilogue, tile, stage: cutlass.Constexpr[int],
+                    row_in_stage, inv_sum, lse, from_tmem: cutlass.Constexpr[bool] = True):
+        """Stage i's rows: this thread's O·(1/ℓ) (0 past the entry's rows, or without a block)
+        into sO[i], its LSE (−inf there) to global memory, then, once the warp group's rows are
+        all in, one thread's TMA store of the stage's tile (it stops at the buffer's rows)."""
         row = (tile.m_block * Q_STAGES + stage) * ROWS_PER_STAGE + row_in_stage
-        if tile.valid and row < tile.seqlen_q_buf:
-            live = row < tile.seqlen_q
-            if not live:
-                inv_sum = Float32(0.0)
-                lse = Float32(-math.inf)
-            out_row = mO[row, None, tile.head, tile.batch]
-            out_chunk = cute.make_rmem_tensor((O_CHUNK,), self.dtype)
-            for c in cutlass.range_constexpr(self.head_dim_v // O_CHUNK):
-                if cutlass.const_expr(from_tmem):
-                    self.o_chunk_copy(thr_load, tmem_part, chunk_regs, c, to_registers=True)
-                    for e in cutlass.range_constexpr(O_CHUNK):
-                        out_chunk[e] = (chunk_regs[e] * inv_sum).to(self.dtype)
-                    if not live:
-                        out_chunk.fill(0.0)
-                else:
+        live = row < tile.seqlen_q
+        if not live:
+            inv_sum = Float32(0.0)
+            lse = Float32(-math.inf)
+        sO_row = epilogue.sO[stage][row_in_stage, None]
+        out_chunk = cute.make_rmem_tensor((O_CHUNK,), self.dtype)
+        for c in cutlass.range_constexpr(self.head_dim_v // O_CHUNK):
+            if cutlass.const_expr(from_tmem):
+                self.o_chunk_copy(thr_load, tmem_part, chunk_regs, c, to_registers=True)
+                for e in cutlass.range_constexpr(O_CHUNK):
+                    out_chunk[e] = (chunk_regs[e] * inv_sum).to(self.dtype)
+                if not live:
                     out_chunk.fill(0.0)
-                cute.autovec_copy(out_chunk, cute.local_tile(out_row, (O_CHUNK,), (c,)))
-            mLSE[row, tile.head, tile.batch] = lse
+            else:
+                out_chunk.fill(0.0)
+            cute.autovec_copy(out_chunk, cute.local_tile(sO_row, (O_CHUNK,), (c,)))
+        if row < tile.seqlen_q_buf:
+            epilogue.mLSE[row, tile.head, tile.batch] = lse
+        # Ordinary stores made visible to the TMA (the async proxy), then the group's rows joined.
+        cute.arch.fence_view_async_shared()
+        pipeline.NamedBarrier(barrier_id=int(Barrier.O_STORE), num_threads=plan.threads(Role.CORRECTION)).arrive_and_wait()
+        if row_in_stage == 0:
+            gO = cute.flat_divide(epilogue.mO[None, None, tile.head, tile.batch], (ROWS_PER_STAGE, self.head_dim_v))
+            tOsO, tOgO = cpasync.tma_partition(epilogue.tma_atom_o, 0, cute.make_layout(1),
+                                               cute.group_modes(epilogue.sO[stage], 0, 2),
+                                               cute.group_modes(gO, 0, 2))
+            cute.copy(epilogue.tma_atom_o, tOsO, tOgO[None, tile.m_block * Q_STAGES + stage, 0])
+            cute.arch.cp_async_bulk_commit_group()

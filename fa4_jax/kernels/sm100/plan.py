@@ -12,7 +12,7 @@ warp issues S_i = Q_i·K_jᵀ into TMEM for both stages; softmax warp group i re
 P_i (16-bit) over the second half of S_i's own columns, and hands the MMA warp P_i; the MMA warp
 then issues O_i += P_i·V_j with P_i read from TMEM. The correction warp group rescales O_i in
 TMEM when softmax i moved its row maximum (FA4's conditional rescaling), and at the end divides
-by the row sums and writes O and LSE.
+by the row sums, stages O_i in Q_i's shared memory for a TMA store and writes LSE.
 """
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ TILE_CONFIGS = {
     # per block, above MUFU's 1032 with every exponential there: no polynomial.
     (192, 128): TileConfig(kv_stages=2, exp2_poly_share=0.0),
     # 32 KB per stage: four fit beside Q's 64 KB (FA4 upstream's d128 runs three, with 64 KB of
-    # O staging that this kernel does not use: O goes from registers to global memory).
+    # O staging of its own; here O is staged in Q's buffers, free by the epilogue).
     (128, 128): TileConfig(kv_stages=4),
 }
 # Barriers, alignment padding and the scale exchange come on top of TileConfig.smem_bytes.
@@ -170,6 +170,9 @@ class Barrier(enum.IntEnum):
     # The MMA warp allocates TMEM and publishes its address; the softmax and correction warps
     # wait for it, and at the end tell the MMA warp they are done with it before it frees it.
     TMEM = 1
+    # The correction warp group's rows of a stage's O are in shared memory (and fenced for the
+    # async proxy) before one of its threads issues the stage's TMA store.
+    O_STORE = 2
 
 
 @dataclasses.dataclass(frozen=True)
