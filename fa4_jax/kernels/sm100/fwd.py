@@ -117,7 +117,7 @@ class _Epilogue:
 
     tma_atom_o: cute.CopyAtom
     mO: cute.Tensor
-    sO: list
+    sO: tuple
     mLSE: cute.Tensor
 
 
@@ -323,8 +323,8 @@ class FlashAttentionForwardSm100:
         sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
         # O_i in Q_i's bytes, seen through O's own layout.
         q_stage_elems = cute.cosize(cute.select(sQ_layout.outer, mode=[0, 1, 2]))
-        sO = [cute.make_tensor(cute.recast_ptr(sQ.iterator + i * q_stage_elems, sO_layout.inner), sO_layout.outer)
-              for i in range(Q_STAGES)]
+        sO = tuple(cute.make_tensor(cute.recast_ptr(sQ.iterator + i * q_stage_elems, sO_layout.inner),
+                                    sO_layout.outer) for i in range(Q_STAGES))
         row_stats = storage.row_stats.get_tensor(
             cute.make_layout((ROWS_PER_STAGE, NUM_STATS, Q_STAGES)))
 
