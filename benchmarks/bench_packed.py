@@ -228,10 +228,11 @@ def main(argv=None) -> int:
         dense_tokens = case.equal_dense_tokens()
         inputs["fa4_jax_dense_equal"], runs["fa4_jax_dense_equal"] = _dense(case.rows, dense_tokens, case,
                                                                              implementation)
-        if case.equal_documents():
+        document_length = case.equal_documents()
+        if document_length:
             documents = sum(len(row) for row in case.lengths)
-            inputs["fa4_jax_dense_docs"], runs["fa4_jax_dense_docs"] = _dense(documents, case.equal_documents(),
-                                                                           case, implementation)
+            inputs["fa4_jax_dense_docs"], runs["fa4_jax_dense_docs"] = _dense(documents, document_length, case,
+                                                                           implementation)
         if case.name == "one long + short":
             inputs["fa4_jax_long_alone"], runs["fa4_jax_long_alone"] = _dense(1, case.lengths[0][0], case,
                                                                              implementation)
