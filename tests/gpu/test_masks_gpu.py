@@ -136,8 +136,8 @@ def _leak_case(rng, layout, batch, seqlen_q, seqlen_k):
     """(the call's mask or segment-id arguments, bool [batch, seqlen_q, seqlen_k] visible pairs),
     every tile partial: a random mask, or random ids of three segments that do not run."""
     if layout == "mask":
-        visible = rng.random((batch, seqlen_q, seqlen_k)) < 0.5
-        return dict(mask=jnp.asarray(visible[:, None])), visible
+        mask = _mask(rng, "random", batch, seqlen_q, seqlen_k)
+        return dict(mask=jnp.asarray(mask)), mask[:, 0]
     q_ids, kv_ids = rng.integers(0, 3, (batch, seqlen_q)), rng.integers(0, 3, (batch, seqlen_k))
     arrays = dict(query_segment_ids=jnp.asarray(q_ids, jnp.int32), kv_segment_ids=jnp.asarray(kv_ids, jnp.int32))
     return arrays, q_ids[:, :, None] == kv_ids[:, None, :]

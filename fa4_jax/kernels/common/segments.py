@@ -219,16 +219,11 @@ class SegmentIds:
               m_block: Int32, n_block: Int32, batch: Int32, fetched=None, needed=None):
         """scores (rows = queries, cols = keys) to −inf where the row's id differs from the key's
         (or the mask hides the pair), where `needed` (None: always); `fetched` from `fetch`, or
-        None."""
+        None to load the ids here. A mask's words always come from `fetch`, with the block's
+        `needed` (TileMask, the forward's only caller, fetches every block it applies)."""
         if cutlass.const_expr(self.bits is not None):
             _check_word_layout(coords0, 1, COLUMN_ORIGIN_MAX)
-            if cutlass.const_expr(needed is None):
-                needed = True
-            words = fetched
-            if cutlass.const_expr(fetched is None):
-                words = self._load_row_words(scores, coords0, m_block * self.tile_m + thread_row, n_block, batch,
-                                             needed)
-            self._test_row_words(scores, coords0, thread_col, words, needed)
+            self._test_row_words(scores, coords0, thread_col, fetched, needed)
         else:
             self._compare(scores, coords0, self.q_ids, m_block * self.tile_m + thread_row, self.k_ids,
                           n_block * self.tile_n + thread_col, batch, -math.inf, fetched, needed)
