@@ -121,6 +121,23 @@ def test_sm90_cubin_holds_pipelined_hgmma(library, variant):
         f"(why: python scripts/ptxas_report.py {variant.name})")
 
 
+# A ragged entry's padding V rows are zeroed in shared memory between a tile's first softmax and
+# its next S GEMM (fwd.zero_v_past_keys). Element by element (STS.U16) that loop held the MMA warps
+# up to 64 stores per thread and the short ragged forward ran 19% slower (docs/perf-log.md,
+# "Ragged entries' V padding zeroed in 16-byte stores"). The forward has no other 2-byte
+# shared-memory store; one kernel per head dim (the zeroing is the same code in every variant).
+@pytest.mark.parametrize("variant", [v for v in menu.MENU if v.arch == "sm_90a" and v.kind == "fwd"
+                                     and v.dtype == "bf16" and v.mask == "none" and not v.softcap
+                                     and v.tuning == "default" and not v.segments],
+                         ids=lambda v: v.name)
+def test_ragged_v_padding_is_zeroed_in_vector_stores(library, variant):
+    sass = _sass(variant)
+    assert "STS.128" in sass, f"{variant.name}: no 16-byte shared-memory store in its SASS"
+    assert "STS.U16" not in sass, (
+        f"{variant.name}: {sass.count('STS.U16')} two-byte shared-memory stores: the V padding "
+        "rows are zeroed element by element again")
+
+
 # ptxas moves the forward's wait for the previous block's P·V GEMM up from where the PTX has it,
 # and how far depends on code far from the loop: a change outside the loop once left 6 fewer max
 # steps under the GEMM and the kernel ran 3-5% slower; the tree maximum put 41 exponentials under

@@ -132,6 +132,9 @@ class TileConfig:
 
 # Query rows of one MMA warp group's WGMMA (M = 64).
 ROWS_PER_WARP_GROUP = 64
+# Elements of one 16-byte shared-memory store (16-bit types): a ragged entry's V rows are zeroed in
+# these (`zero_v_past_keys`).
+V_ZERO_CHUNK = 8
 # TileConfig fields that a causal/local mask may set apart: field -> its masked twin. A tuning
 # of the field's name sets both.
 MASKED_FIELDS = {"scheduler": "masked_scheduler", "pingpong": "masked_pingpong", "tile_n": "masked_tile_n",
@@ -935,15 +938,23 @@ class FlashAttentionForwardSm90:
         may have left non-finite, and 0 · NaN is NaN in the P·V GEMM (their K rows need nothing:
         the mask overwrites their scores). A dense call's tail block reads past the buffer's end,
         which the TMA fills with zeros, so only entries shorter than the buffer come here. Every
-        MMA thread takes a share of the elements; the fence and barrier make the zeros visible to
-        both warp groups' P·V WGMMAs (async proxy) before either is issued."""
+        MMA thread takes a share of the rows' 16-byte chunks (the swizzle moves whole chunks, so
+        each is one vector store); the fence and barrier make the zeros visible to both warp
+        groups' P·V WGMMAs (async proxy) before either is issued. The zeroing sits between the
+        tile's first softmax and its next S GEMM: element by element it was a loop of up to 64
+        scalar stores per thread there."""
         valid_rows = seqlen_k - n_block * self.tile_n
         if valid_rows < self.tile_n:
             pipeline_v.consumer_wait(kv_state)
             sV_block = sV[None, None, kv_state.index]
-            zero_elems = (self.tile_n - valid_rows) * self.head_dim_v
-            for i in cutlass.range(tidx, zero_elems, self.num_mma_threads, unroll=1):
-                sV_block[valid_rows + i // self.head_dim_v, i % self.head_dim_v] = self.dtype(0.0)
+            zeros = cute.make_rmem_tensor((V_ZERO_CHUNK,), self.dtype)
+            zeros.fill(0.0)
+            chunks_per_row = self.head_dim_v // V_ZERO_CHUNK
+            zero_chunks = (self.tile_n - valid_rows) * chunks_per_row
+            for i in cutlass.range(tidx, zero_chunks, self.num_mma_threads, unroll=1):
+                row = valid_rows + i // chunks_per_row
+                cute.autovec_copy(zeros, cute.local_tile(sV_block[row, None], (V_ZERO_CHUNK,),
+                                                         (i % chunks_per_row,)))
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=Barrier.MMA_SYNC, number_of_threads=self.num_mma_threads)
 
