@@ -88,7 +88,7 @@ def _bound_by_rule(out, ref, lowp, factor, dtype):
 
 
 def _check_call(problem, dtype, head_dim, head_dim_v, options, seqlen_q, seqlen_k, seed,
-                implementation="cute") -> Check:
+                implementation="cute", batch=1) -> Check:
     import jax
     import jax.numpy as jnp
 
@@ -98,10 +98,10 @@ def _check_call(problem, dtype, head_dim, head_dim_v, options, seqlen_q, seqlen_
     keys = jax.random.split(jax.random.key(seed), 5)
     segments = {name: options[name] for name in ("query_segment_ids", "kv_segment_ids", "mask")
                 if name in options}
-    q = jax.random.normal(keys[0], (1, seqlen_q, HEADS_Q, head_dim), dtype)
-    k = jax.random.normal(keys[1], (1, seqlen_k, HEADS_KV, head_dim), dtype)
-    v = jax.random.normal(keys[2], (1, seqlen_k, HEADS_KV, head_dim_v), dtype)
-    d_out = jax.random.normal(keys[3], (1, seqlen_q, HEADS_Q, head_dim_v), dtype)
+    q = jax.random.normal(keys[0], (batch, seqlen_q, HEADS_Q, head_dim), dtype)
+    k = jax.random.normal(keys[1], (batch, seqlen_k, HEADS_KV, head_dim), dtype)
+    v = jax.random.normal(keys[2], (batch, seqlen_k, HEADS_KV, head_dim_v), dtype)
+    d_out = jax.random.normal(keys[3], (batch, seqlen_q, HEADS_Q, head_dim_v), dtype)
     explanation = fa4_jax.explain(q, k, v, return_lse=True, implementation=implementation, **options)
     start = time.perf_counter()
 

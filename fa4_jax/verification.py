@@ -37,9 +37,11 @@ from pathlib import Path
 
 from fa4_jax import notices, routing
 
-# (seqlen_q, seqlen_k) of each check: odd lengths over two 256-row CTA tiles and three key
-# blocks (tails on both sides, a diagonal that crosses blocks), and one decode row.
-PROBES = ((300, 333), (1, 777))
+# (seqlen_q, seqlen_k, batch) of each check: odd lengths over two 256-row CTA tiles and three
+# key blocks (tails on both sides, a diagonal that crosses blocks), one decode row, and a batch
+# whose 480 tiles give each CTA of a persistent grid (148 on a B200) several in a row, under a
+# causal or window mask the top ones without any key (more rows than keys, bottom-right).
+PROBES = ((300, 333, 1), (1, 777, 1), (600, 100, 40))
 # A forward variant's ragged check: buffers of (300, 333) rows and keys, each batch entry's
 # valid (query rows, keys). The second entry ends inside a key block whose padding holds NaN:
 # a kernel that let it reach P·V (instead of zeroing those V rows) returns NaN.
@@ -208,10 +210,10 @@ def _check(variant: routing.Variant) -> str | None:
     options = dict(selftest.MASK_OPTIONS[variant.mask], **({"softcap": selftest.SOFTCAP} if variant.softcap else {}))
     judged = ("out", "lse") if variant.kind == "fwd" else ("dq", "dk", "dv")
     failures = []
-    for seed, (seqlen_q, seqlen_k) in enumerate(PROBES):
+    for seed, (seqlen_q, seqlen_k, batch) in enumerate(PROBES):
         # implementation=None: a forward-only arch's backward runs on the reference.
         check = selftest._check_call(variant.name, dtype, variant.head_dim, variant.head_dim_v, options,
-                                     seqlen_q, seqlen_k, seed, implementation=None)
+                                     seqlen_q, seqlen_k, seed, implementation=None, batch=batch)
         wrong = {name: check.errors[name] for name in judged if check.errors[name][0] > check.errors[name][1]}
         if wrong:
             failures.append(f"{variant.name} sq={seqlen_q} sk={seqlen_k}: " + ", ".join(

@@ -91,6 +91,14 @@ def loops(code: list[tuple[int, str]]) -> list[tuple[int, int]]:
     return found
 
 
+def innermost(loop_families: list) -> list:
+    """The loops of `Facts.loop_families` that hold no other loop (a persistent kernel's tile
+    loop holds its key-block loops)."""
+    return [loop for loop in loop_families
+            if not any(other is not loop and loop["first"] <= other["first"] and other["last"] <= loop["last"]
+                       for other in loop_families)]
+
+
 def loop_instructions(loop: dict) -> int:
     """Instructions in a loop of `Facts.loop_families` (16 bytes each)."""
     return (loop["last"] - loop["first"]) // 16 + 1

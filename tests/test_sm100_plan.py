@@ -68,14 +68,17 @@ class ProtocolError(AssertionError):
     pass
 
 
-def explore(config, n_blocks, events=None, arrivals=None):
+def explore(config, tiles, events=None, arrivals=None):
     """Every interleaving of the roles' barrier events (plan.role_events) and of the async
     arrivals (TMA, tcgen05.commit: delivered later, in issue order per issuing role). Raises
     ProtocolError on a deadlock, a wait that passes on the wrong phase (mbarrier parity waits
-    only see the phase's parity) or an arrival that lands in another phase than the one it is
-    meant for. Returns the number of states visited."""
-    events = events or plan.role_events(config, n_blocks)
+    only see the phase's parity), an arrival that lands in another phase than the one it is
+    meant for, or a release of a round whose data has not arrived (`Pipeline.releases_filled`:
+    a consumer must not give back a buffer a load is still writing). Returns the number of
+    states visited."""
+    events = events or plan.role_events(config, tiles)
     arrivals = arrivals or plan.expected_arrivals(config)
+    releases_filled = {pipe.name for pipe in plan.pipelines(config) if pipe.releases_filled}
     roles = sorted(events, key=lambda r: r.value)
     start = (tuple(0 for _ in roles), tuple(() for _ in roles), ())
     seen = {start}
@@ -87,6 +90,8 @@ def explore(config, n_blocks, events=None, arrivals=None):
     def deliver(barriers, event):
         _, pipe, side, stage, rnd = event[:5]
         key = (pipe, side, stage)
+        if side == "empty" and pipe in releases_filled and barrier(barriers, (pipe, "full", stage))[0] <= rnd:
+            raise ProtocolError(f"{event}: releases round {rnd} before its data has arrived")
         phase, count = barrier(barriers, key)
         if phase != rnd:
             raise ProtocolError(f"{event}: arrives while {key} is in phase {phase}")
@@ -135,7 +140,17 @@ def explore(config, n_blocks, events=None, arrivals=None):
 @pytest.mark.parametrize("n_blocks", [1, 2, 3])
 def test_the_protocol_has_no_deadlock_and_no_phase_aliasing(kv_stages, n_blocks):
     config = plan.TileConfig(kv_stages=kv_stages)
-    assert explore(config, n_blocks) > 100
+    assert explore(config, (n_blocks,)) > 100
+
+
+# A persistent CTA's tiles in a row: the pipelines run on from one tile into the next, Q's
+# buffers come back only once the previous tile's O stores have read them, and a tile without
+# keys (0) takes Q's handshake alone.
+@pytest.mark.parametrize("kv_stages", [2, 4])
+@pytest.mark.parametrize("tiles", [(1, 1), (2, 1), (1, 2), (0, 1), (1, 0), (0, 0), (2, 0, 1), (1, 1, 1)])
+def test_consecutive_tiles_have_no_deadlock_and_no_phase_aliasing(kv_stages, tiles):
+    config = plan.TileConfig(kv_stages=kv_stages)
+    assert explore(config, tiles) > 20
 
 
 def test_every_shipped_ring_depth_is_covered_by_the_search():
@@ -149,20 +164,20 @@ def _without(events, role, predicate):
 def test_the_search_finds_a_missing_arrival():
     # Without the correction's first release of O_0 the MMA warp waits forever.
     config = plan.TileConfig(kv_stages=2)
-    events = plan.role_events(config, 2)
+    events = plan.role_events(config, (2,))
     broken = _without(events, Role.CORRECTION, lambda e: e[:5] == ("arrive", "S0", "empty", 0, 0))
     with pytest.raises(ProtocolError, match="deadlock"):
-        explore(config, 2, broken)
+        explore(config, (2,), broken)
 
 
 def test_the_search_finds_a_phase_overrun():
     # A softmax that no longer waits for the correction to read its previous row scale can
     # publish two scales into one phase of STATS0.
     config = plan.TileConfig(kv_stages=2)
-    events = plan.role_events(config, 3)
+    events = plan.role_events(config, (3,))
     broken = _without(events, Role.SOFTMAX0, lambda e: e[:3] == ("wait", "STATS0", "empty"))
     with pytest.raises(ProtocolError):
-        explore(config, 3, broken)
+        explore(config, (3,), broken)
 
 
 def test_the_search_finds_a_ring_too_shallow_for_its_order():
@@ -170,7 +185,28 @@ def test_the_search_finds_a_ring_too_shallow_for_its_order():
     # V_j's load waits for K_j's release.
     config = plan.TileConfig(kv_stages=1)
     with pytest.raises(ProtocolError, match="deadlock"):
-        explore(config, 2)
+        explore(config, (2,))
+
+
+def test_the_search_finds_a_q_buffer_never_given_back():
+    # Without the correction's release of Q_1 after the first tile's store, the second tile's
+    # Q_1 never loads.
+    config = plan.TileConfig(kv_stages=2)
+    events = plan.role_events(config, (1, 1))
+    broken = _without(events, Role.CORRECTION, lambda e: e[:5] == ("arrive", "Q", "empty", 1, 0))
+    with pytest.raises(ProtocolError, match="deadlock"):
+        explore(config, (1, 1), broken)
+
+
+def test_the_search_finds_zeros_staged_before_q_lands():
+    # A keyless tile whose correction no longer waits for Q to land stages its zeros and gives
+    # Q back while the load may still be writing it.
+    config = plan.TileConfig(kv_stages=2)
+    events = plan.role_events(config, (0, 1))
+    broken = _without(events, Role.CORRECTION, lambda e: e[:4] == ("wait", "Q", "full", 0) or
+                      e[:4] == ("wait", "Q", "full", 1))
+    with pytest.raises(ProtocolError, match="before its data has arrived"):
+        explore(config, (0, 1), broken)
 
 
 def test_the_prediction_model_counts_each_unit_per_stage_and_block():

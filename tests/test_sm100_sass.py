@@ -90,8 +90,9 @@ def test_no_local_memory_in_any_loop(all_facts, variant):
 def test_each_softmax_loop_runs_one_exponential_per_key_and_one_row_scale(all_facts, variant):
     config = plan.TILE_CONFIGS[(variant.head_dim, variant.head_dim_v)]
     facts = all_facts[variant.name]
-    softmax_loops = [loop for loop in facts.loop_families if loop["mufu_ex2"]]
-    # Both softmax warp groups, each with its unmasked loop, and masked loops per mask kind.
+    softmax_loops = [loop for loop in sass_facts.innermost(facts.loop_families) if loop["mufu_ex2"]]
+    # Both softmax warp groups, each with its unmasked loop, and masked loops per mask kind
+    # (inside each group's loop over its tiles).
     expected_loops = {"none": 2, "causal": 4, "local": 6}[variant.mask]
     assert len(softmax_loops) == expected_loops
     # Columns go in pairs: the scaling is one FFMA2 per pair, and a pair on the polynomial is
@@ -104,6 +105,26 @@ def test_each_softmax_loop_runs_one_exponential_per_key_and_one_row_scale(all_fa
         assert loop["ldtm"] == config.tile_n // 32 and loop["sttm"] == config.tile_n // 32
         if variant.softcap:
             assert loop["mufu_tanh"] == config.tile_n
+
+
+@pytest.mark.parametrize("variant", sm100.MENU, ids=lambda v: v.name)
+def test_every_role_walks_the_ctas_tiles(all_facts, variant):
+    # Persistent CTAs (the scheduler's "lpt"): each role's work on a tile sits inside a loop over
+    # the CTA's tiles. One tile per CTA, the softmax loops, O's TMA stores and the first block's
+    # S GEMMs lay outside every loop but the key blocks'.
+    loops = all_facts[variant.name].loop_families
+    inner = sass_facts.innermost(loops)
+    outer = [loop for loop in loops if loop not in inner]
+
+    def enclosed(loop):
+        return any(o["first"] <= loop["first"] and loop["last"] <= o["last"] for o in outer)
+
+    softmax_loops = [loop for loop in inner if loop["mufu_ex2"]]
+    assert softmax_loops and all(enclosed(loop) for loop in softmax_loops)
+    assert max(loop["tma_store"] for loop in outer) >= plan.Q_STAGES  # the correction's
+    assert max(loop["utchmma"] - sum(i["utchmma"] for i in inner if
+                                     loop["first"] <= i["first"] and i["last"] <= loop["last"])
+               for loop in outer) > 0  # the MMA warp's first S GEMMs of a tile
 
 
 def plan_uses_poly(config, column):

@@ -6,11 +6,14 @@ NOT YET RUN ON BLACKWELL HARDWARE. This kernel is compiled, exported and statica
 executed it: on a Blackwell GPU each of its variants is first checked against the reference in
 the process that uses it (fa4_jax.verification), and one that disagrees is not used.
 
-A CTA computes two 128-row query tiles ("stages") of one (head, batch), 256 rows, against the
-same key blocks; kernels/sm100/plan.py holds the warp-role table, the TMEM map, the barriers and
-the protocol every role follows (role_events, which the tests search for deadlock). Per key
-block, visited from the highest to the lowest (the first carries the sequence tail and the
-diagonal):
+A CTA is persistent: it computes tile after tile in FA4's LPT order
+(kernels/common/tile_scheduler.py; under a causal or window mask the heaviest first), every role
+walking the same tiles with its pipelines running on from one tile into the next, so the next
+tile's K and V load during this one's last blocks. A tile is two 128-row query tiles ("stages")
+of one (head, batch), 256 rows, against the same key blocks; kernels/sm100/plan.py holds the
+warp-role table, the TMEM map, the barriers and the protocol every role follows (role_events,
+which the tests search for deadlock). Per key block, visited from the highest to the lowest (the
+first carries the sequence tail and the diagonal):
 
 - the load warp TMA-loads K_j and V_j into consecutive stages of one ring (Q's two tiles once);
 - the MMA warp issues S_i = Q_i·K_jᵀ (both operands in shared memory) into TMEM, then, when
@@ -22,8 +25,8 @@ diagonal):
   the correction through shared memory and writes P_i into the second half of S_i's columns;
 - the correction warp group rescales O_i in TMEM when a warp's rows moved their maximum (FA4's
   conditional rescaling makes that rare: a vote skips the rest), and at the end divides O_i by
-  the row sums into Q_i's shared memory, free by then, for one TMA store per stage, and writes
-  LSE from registers.
+  the row sums into Q_i's shared memory, free by then, for one TMA store per stage, writes
+  LSE from registers, and gives Q_i's buffer back to the load warp once the store has read it.
 
 Ragged batches (mSeqUsedQ, mSeqUsedK) follow the Hopper kernel's contract: keys past an entry's
 length are masked and the V rows of its last block past it are zeroed in shared memory by the
@@ -64,16 +67,14 @@ NUM_STATS = 3
 
 @dataclasses.dataclass(frozen=True)
 class _Tile:
-    """One CTA's work: two stages' query rows of (head, batch) against key blocks
-    [n_block_min, n_block_min + n_blocks), visited from the highest. n_blocks = 0: none (rows
-    past the entry's, a window with no key, or an "lpt_grid" CTA past the last section, which
-    `valid` is False for)."""
+    """One tile of a CTA's work: two stages' query rows of (head, batch) against key blocks
+    [n_block_min, n_block_min + n_blocks), visited from the highest. n_blocks = 0: none (a
+    window or causal band that leaves the rows no key, or an entry without keys)."""
 
     m_block: Int32
     head: Int32
     head_kv: Int32
     batch: Int32
-    valid: cutlass.Boolean
     # The entry's valid lengths (a ragged batch's, else the buffers'), and the buffer's rows.
     seqlen_q: Int32
     seqlen_k: Int32
@@ -169,7 +170,7 @@ class FlashAttentionForwardSm100:
         self.cta_m = Q_STAGES * ROWS_PER_STAGE
         masked = self.causal or self.local
         self.scheduler = TileScheduler(
-            "lpt_grid" if masked else "linear", self.cta_m, reverse_m=masked,
+            "lpt", self.cta_m, reverse_m=masked,
             kv_bytes_per_key=(head_dim + head_dim_v) * dtype.width // 8, num_sms=hardware.NUM_SMS,
         )
 
@@ -328,10 +329,11 @@ class FlashAttentionForwardSm100:
         row_stats = storage.row_stats.get_tensor(
             cute.make_layout((ROWS_PER_STAGE, NUM_STATS, Q_STAGES)))
 
-        # Each role derives the tile after its setmaxnreg: values live across the MMA and load
+        # Each role derives its tiles after its setmaxnreg: values live across the MMA and load
         # warps' drop to 48 registers would be spilled.
         tile_problem = functools.partial(self.tile_problem, mQ, mK, mSeqUsedQ, mSeqUsedK, window_left,
                                          window_right, top_left)
+        tile_count = functools.partial(self.tile_count, mQ)
         pipeline.pipeline_init_wait()
 
         if warp >= mma_warp:
@@ -339,12 +341,12 @@ class FlashAttentionForwardSm100:
             cute.arch.setmaxregister_decrease(plan.role(Role.MMA).registers)
         if warp == load_warp:
             self.load(tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, sQ, sK, sV, tiled_mma_qk,
-                      tiled_mma_pv, pipes, tile_problem())
+                      tiled_mma_pv, pipes, tile_problem, tile_count())
         if warp == mma_warp:
             tmem.allocate(self.tmem.alloc_columns)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
-            self.mma(tiled_mma_qk, tiled_mma_pv, tP_layout, tmem_ptr, sQ, sK, sV, pipes, tile_problem())
+            self.mma(tiled_mma_qk, tiled_mma_pv, tP_layout, tmem_ptr, sQ, sK, sV, pipes, tile_problem, tile_count())
             tmem.relinquish_alloc_permit()
             tmem_barrier.arrive_and_wait()
             _tcgen05_after_sync()
@@ -355,8 +357,8 @@ class FlashAttentionForwardSm100:
                 cute.arch.setmaxregister_increase(plan.role(softmax_role).registers)
                 tmem.wait_for_alloc()
                 tmem_ptr = tmem.retrieve_ptr(Float32)
-                self.softmax(stage, tiled_mma_qk, tmem_ptr, row_stats, pipes, tile_problem(), score_prescale,
-                             scale_log2)
+                self.softmax(stage, tiled_mma_qk, tmem_ptr, row_stats, pipes, tile_problem, tile_count(),
+                             score_prescale, scale_log2)
                 _tcgen05_before_sync()
                 tmem_barrier.arrive()
         correction = plan.role(Role.CORRECTION).warps
@@ -365,28 +367,31 @@ class FlashAttentionForwardSm100:
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
             self.correction(tiled_mma_pv, tmem_ptr, row_stats, _Epilogue(tma_atom_o, mO, sO, mLSE), pipes,
-                            tile_problem(), scale_log2)
+                            tile_problem, tile_count(), scale_log2)
             _tcgen05_before_sync()
             tmem_barrier.arrive()
 
-    def _arrivals(self, roles) -> pipeline.CooperativeGroup:
+    def _arrivals(self, roles, threads=None) -> pipeline.CooperativeGroup:
         """The arrivals that complete a pipeline barrier's phase for `roles`: one for the load
-        warp (its TMA unit's transaction) and the MMA warp (one elected tcgen05.commit), else
-        every thread of the roles."""
-        arrivals = 1 if roles in ((Role.LOAD,), (Role.MMA,)) else plan.threads(*roles)
+        warp (its TMA unit's transaction) and the MMA warp (one elected tcgen05.commit), `threads`
+        where the plan names how many of the roles' threads arrive, else every thread of them."""
+        arrivals = 1 if roles in ((Role.LOAD,), (Role.MMA,)) else threads or plan.threads(*roles)
         return pipeline.CooperativeGroup(pipeline.Agent.Thread, arrivals)
 
     def make_pipelines(self, storage) -> dict:
         """One pipeline per entry of plan.pipelines, in its order over the shared barriers: TMA
-        into the MMA warp, the MMA warp's commits out to threads, and thread to thread."""
+        into the MMA warp (K/V) or to threads (Q, given back by the correction), the MMA warp's
+        commits out to threads, and thread to thread."""
         pipes, barriers = {}, storage.mbarriers.data_ptr()
         tx_bytes = {"Q": self.tma_bytes_q, "KV": self.tma_bytes_kv}
         for pipe in plan.pipelines(self.config):
             groups = dict(num_stages=pipe.stages, producer_group=self._arrivals(pipe.producer),
-                          consumer_group=self._arrivals(pipe.consumers), barrier_storage=barriers,
-                          defer_sync=True)
-            if pipe.producer == (Role.LOAD,):
+                          consumer_group=self._arrivals(pipe.consumers, pipe.consumer_threads),
+                          barrier_storage=barriers, defer_sync=True)
+            if pipe.producer == (Role.LOAD,) and pipe.consumers == (Role.MMA,):
                 pipes[pipe.name] = pipeline.PipelineTmaUmma.create(tx_count=tx_bytes[pipe.name], **groups)
+            elif pipe.producer == (Role.LOAD,):
+                pipes[pipe.name] = pipeline.PipelineTmaAsync.create(tx_count=tx_bytes[pipe.name], **groups)
             elif pipe.producer == (Role.MMA,):
                 pipes[pipe.name] = pipeline.PipelineUmmaAsync.create(**groups)
             else:
@@ -395,28 +400,27 @@ class FlashAttentionForwardSm100:
         return pipes
 
     @cute.jit
-    def tile_problem(self, mQ, mK, mSeqUsedQ, mSeqUsedK, window_left, window_right, top_left):
-        """This CTA's tile and what every role derives from it (`_Tile`)."""
+    def tile_count(self, mQ):
+        """How many tiles this CTA computes."""
+        return self.scheduler.tile_count(cute.size(mQ.shape[0]), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
+
+    @cute.jit
+    def tile_problem(self, mQ, mK, mSeqUsedQ, mSeqUsedK, window_left, window_right, top_left, tile_index):
+        """This CTA's tile_index-th tile and what every role derives from it (`_Tile`)."""
         seqlen_q_buf, seqlen_k_buf = cute.size(mQ.shape[0]), cute.size(mK.shape[0])
         num_heads, num_heads_kv, batch_size = cute.size(mQ.shape[2]), cute.size(mK.shape[2]), cute.size(mQ.shape[3])
-        m_block, head, batch = self.scheduler.tile(Int32(0), seqlen_q_buf, seqlen_k_buf, num_heads,
+        m_block, head, batch = self.scheduler.tile(tile_index, seqlen_q_buf, seqlen_k_buf, num_heads,
                                                    num_heads_kv, batch_size)
-        valid = self.scheduler.tile_count(seqlen_q_buf, num_heads, batch_size) > 0
-        if not valid:
-            # An "lpt_grid" CTA past the last section: no tile, and no entry's lengths to read.
-            m_block, head, batch = Int32(0), Int32(0), Int32(0)
         seqlen_q = entry_length(mSeqUsedQ, batch, seqlen_q_buf)
         seqlen_k = entry_length(mSeqUsedK, batch, seqlen_k_buf)
         bounds = MaskBounds(window_left, window_right, top_left)
         block_info = BlockInfo(self.cta_m, self.tile_n, self.causal, self.local, bounds)
         n_block_min, n_block_max = block_info.n_block_range(m_block, seqlen_q, seqlen_k)
         n_blocks = n_block_max - n_block_min
-        if not valid:
-            n_blocks = Int32(0)
         mask = AttentionMask(ROWS_PER_STAGE, self.tile_n, self.causal, self.local, bounds)
         stage_blocks = BlockInfo(ROWS_PER_STAGE, self.tile_n, self.causal, self.local, bounds)
         head_kv = head // (num_heads // num_heads_kv)
-        return _Tile(m_block=m_block, head=head, head_kv=head_kv, batch=batch, valid=valid,
+        return _Tile(m_block=m_block, head=head, head_kv=head_kv, batch=batch,
                      seqlen_q=seqlen_q, seqlen_k=seqlen_k, seqlen_q_buf=seqlen_q_buf,
                      n_block_min=n_block_min, n_blocks=n_blocks, mask=mask, stage_blocks=stage_blocks,
                      ragged_k=mSeqUsedK.shape[0] > 0)
@@ -425,12 +429,16 @@ class FlashAttentionForwardSm100:
 
     @cute.jit
     def load(self, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, sQ, sK, sV, tiled_mma_qk,
-             tiled_mma_pv, pipes, tile):
-        """Q's two tiles and each block's K then V through the ring, in plan.role_events' order."""
-        n_blocks = tile.n_blocks
-        if n_blocks > 0:
+             tiled_mma_pv, pipes, tile_problem, tile_count):
+        """Per tile, Q's two tiles and each block's K then V through the ring, in plan.role_events'
+        order; a tile without keys loads Q alone (the correction stages its zeros there)."""
+        thr_qk, thr_pv = tiled_mma_qk.get_slice(0), tiled_mma_pv.get_slice(0)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, Q_STAGES)
+        for tile_index in cutlass.range(tile_count, unroll=1):
+            tile = tile_problem(tile_index)
+            n_blocks = tile.n_blocks
             head, head_kv, batch = tile.head, tile.head_kv, tile.batch
-            thr_qk, thr_pv = tiled_mma_qk.get_slice(0), tiled_mma_pv.get_slice(0)
             gQ = cute.flat_divide(mQ[None, None, head, batch], (ROWS_PER_STAGE, self.head_dim))
             gK = cute.flat_divide(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim))
             gV = cute.flat_divide(mV[None, None, head_kv, batch], (self.head_dim_v, self.tile_n))
@@ -440,25 +448,25 @@ class FlashAttentionForwardSm100:
                                                cute.group_modes(thr_qk.partition_B(gK), 0, 3))
             tVsV, tVgV = cpasync.tma_partition(tma_atom_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 3),
                                                cute.group_modes(thr_pv.partition_B(gV), 0, 3))
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, Q_STAGES)
-            n_block = tile.n_block_min + n_blocks - 1
-            self.load_block(pipes["KV"], kv_state, tma_atom_k, tKgK[None, n_block, 0], tKsK)
-            kv_state.advance()
+            last_block = tile.n_block_min + n_blocks - 1
+            if n_blocks > 0:
+                self.load_block(pipes["KV"], kv_state, tma_atom_k, tKgK[None, last_block, 0], tKsK)
+                kv_state.advance()
             for stage in cutlass.range_constexpr(Q_STAGES):
                 pipes["Q"].producer_acquire(q_state)
                 cute.copy(tma_atom_q, tQgQ[None, tile.m_block * Q_STAGES + stage, 0], tQsQ[None, stage],
                           tma_bar_ptr=pipes["Q"].producer_get_barrier(q_state))
                 q_state.advance()
-            self.load_block(pipes["KV"], kv_state, tma_atom_v, tVgV[None, 0, n_block], tVsV, self.tma_bytes_v)
-            kv_state.advance()
-            for i in cutlass.range(n_blocks - 1, unroll=1):
-                n_block = tile.n_block_min + n_blocks - 2 - i
-                self.load_block(pipes["KV"], kv_state, tma_atom_k, tKgK[None, n_block, 0], tKsK)
+            if n_blocks > 0:
+                self.load_block(pipes["KV"], kv_state, tma_atom_v, tVgV[None, 0, last_block], tVsV, self.tma_bytes_v)
                 kv_state.advance()
-                self.load_block(pipes["KV"], kv_state, tma_atom_v, tVgV[None, 0, n_block], tVsV, self.tma_bytes_v)
-                kv_state.advance()
-            pipes["KV"].producer_tail(kv_state)
+                for i in cutlass.range(n_blocks - 1, unroll=1):
+                    n_block = last_block - 1 - i
+                    self.load_block(pipes["KV"], kv_state, tma_atom_k, tKgK[None, n_block, 0], tKsK)
+                    kv_state.advance()
+                    self.load_block(pipes["KV"], kv_state, tma_atom_v, tVgV[None, 0, n_block], tVsV, self.tma_bytes_v)
+                    kv_state.advance()
+        pipes["KV"].producer_tail(kv_state)
 
     @cute.jit
     def load_block(self, pipe, state, atom, src, dst, tx_bytes=None):
@@ -473,68 +481,77 @@ class FlashAttentionForwardSm100:
     # --- MMA warp ------------------------------------------------------------------------------
 
     @cute.jit
-    def mma(self, tiled_mma_qk, tiled_mma_pv, tP_layout, tmem_ptr, sQ, sK, sV, pipes, tile):
-        """S_i = Q_i·Kᵀ and O_i += P_i·V for both stages, in plan.role_events' order."""
-        n_blocks = tile.n_blocks
-        if n_blocks > 0:
-            thr_qk, thr_pv = tiled_mma_qk.get_slice(0), tiled_mma_pv.get_slice(0)
-            tSrQ = thr_qk.make_fragment_A(sQ)
-            tSrK = thr_qk.make_fragment_B(sK)
-            tOrV = thr_pv.make_fragment_B(sV)
-            tStS = thr_qk.make_fragment_C(thr_qk.partition_shape_C((ROWS_PER_STAGE, self.tile_n)))
-            tOtO = thr_pv.make_fragment_C(thr_pv.partition_shape_C((ROWS_PER_STAGE, self.head_dim_v)))
-            tOrP = thr_pv.make_fragment_A(cute.make_tensor(tStS.iterator, tP_layout.outer))[None, None, None, 0]
-            scores = [cute.make_tensor(tmem_ptr + self.tmem.s(i), tStS.layout) for i in range(Q_STAGES)]
-            outs = [cute.make_tensor(tmem_ptr + self.tmem.o(i), tOtO.layout) for i in range(Q_STAGES)]
-            probs = [cute.make_tensor(cute.recast_ptr(tmem_ptr + self.tmem.p(i), dtype=tOrP.element_type),
-                                      tOrP.layout) for i in range(Q_STAGES)]
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, Q_STAGES)
-            # Both stages' S pipelines go through the same phases in step: one state serves both.
-            s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-
-            pipes["KV"].consumer_wait(kv_state)
-            k_state = kv_state.clone()
-            kv_state.advance()
-            for i in cutlass.range_constexpr(Q_STAGES):
-                pipes["Q"].consumer_wait(q_state)
-                self.gemm(tiled_mma_qk, scores[i], tSrQ[None, None, None, i], tSrK[None, None, None, k_state.index],
-                          accumulate=False)
-                pipes[f"S{i}"].producer_commit(s_state)
-                q_state.advance()
-            s_state.advance()
-            pipes["KV"].consumer_release(k_state)
-            for block in cutlass.range(1, n_blocks, unroll=1):
-                pipes["KV"].consumer_wait(kv_state)
-                v_state = kv_state.clone()
-                kv_state.advance()
-                if block == 1:
-                    self.zero_v_past_keys(thr_pv, sV, v_state.index, tile)
+    def mma(self, tiled_mma_qk, tiled_mma_pv, tP_layout, tmem_ptr, sQ, sK, sV, pipes, tile_problem, tile_count):
+        """Per tile, S_i = Q_i·Kᵀ and O_i += P_i·V for both stages, in plan.role_events' order.
+        A tile's first S_i GEMMs wait for nothing on S_i: the previous tile's last P_i·V waited
+        for S_i's last release, and this thread's MMAs run in order."""
+        thr_qk, thr_pv = tiled_mma_qk.get_slice(0), tiled_mma_pv.get_slice(0)
+        tSrQ = thr_qk.make_fragment_A(sQ)
+        tSrK = thr_qk.make_fragment_B(sK)
+        tOrV = thr_pv.make_fragment_B(sV)
+        tStS = thr_qk.make_fragment_C(thr_qk.partition_shape_C((ROWS_PER_STAGE, self.tile_n)))
+        tOtO = thr_pv.make_fragment_C(thr_pv.partition_shape_C((ROWS_PER_STAGE, self.head_dim_v)))
+        tOrP = thr_pv.make_fragment_A(cute.make_tensor(tStS.iterator, tP_layout.outer))[None, None, None, 0]
+        scores = [cute.make_tensor(tmem_ptr + self.tmem.s(i), tStS.layout) for i in range(Q_STAGES)]
+        outs = [cute.make_tensor(tmem_ptr + self.tmem.o(i), tOtO.layout) for i in range(Q_STAGES)]
+        probs = [cute.make_tensor(cute.recast_ptr(tmem_ptr + self.tmem.p(i), dtype=tOrP.element_type),
+                                  tOrP.layout) for i in range(Q_STAGES)]
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, Q_STAGES)
+        # Both stages' S pipelines go through the same phases in step: one state serves both.
+        s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        o_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        for tile_index in cutlass.range(tile_count, unroll=1):
+            tile = tile_problem(tile_index)
+            n_blocks = tile.n_blocks
+            if n_blocks > 0:
                 pipes["KV"].consumer_wait(kv_state)
                 k_state = kv_state.clone()
                 kv_state.advance()
                 for i in cutlass.range_constexpr(Q_STAGES):
-                    pipes[f"S{i}"].producer_acquire(s_state)
-                    _tcgen05_after_sync()
-                    self.gemm(tiled_mma_pv, outs[i], probs[i], tOrV[None, None, None, v_state.index],
-                              accumulate=block > 1)
+                    pipes["Q"].consumer_wait(q_state)
                     self.gemm(tiled_mma_qk, scores[i], tSrQ[None, None, None, i],
                               tSrK[None, None, None, k_state.index], accumulate=False)
                     pipes[f"S{i}"].producer_commit(s_state)
+                    q_state.advance()
                 s_state.advance()
-                pipes["KV"].consumer_release(v_state)
                 pipes["KV"].consumer_release(k_state)
-            pipes["KV"].consumer_wait(kv_state)
-            if n_blocks == 1:
-                self.zero_v_past_keys(thr_pv, sV, kv_state.index, tile)
-            o_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-            for i in cutlass.range_constexpr(Q_STAGES):
-                pipes[f"S{i}"].producer_acquire(s_state)
-                _tcgen05_after_sync()
-                self.gemm(tiled_mma_pv, outs[i], probs[i], tOrV[None, None, None, kv_state.index],
-                          accumulate=n_blocks > 1)
-                pipes[f"O{i}"].producer_commit(o_state)
-            pipes["KV"].consumer_release(kv_state)
+                for block in cutlass.range(1, n_blocks, unroll=1):
+                    pipes["KV"].consumer_wait(kv_state)
+                    v_state = kv_state.clone()
+                    kv_state.advance()
+                    if block == 1:
+                        self.zero_v_past_keys(thr_pv, sV, v_state.index, tile)
+                    pipes["KV"].consumer_wait(kv_state)
+                    k_state = kv_state.clone()
+                    kv_state.advance()
+                    for i in cutlass.range_constexpr(Q_STAGES):
+                        pipes[f"S{i}"].producer_acquire(s_state)
+                        _tcgen05_after_sync()
+                        self.gemm(tiled_mma_pv, outs[i], probs[i], tOrV[None, None, None, v_state.index],
+                                  accumulate=block > 1)
+                        self.gemm(tiled_mma_qk, scores[i], tSrQ[None, None, None, i],
+                                  tSrK[None, None, None, k_state.index], accumulate=False)
+                        pipes[f"S{i}"].producer_commit(s_state)
+                    s_state.advance()
+                    pipes["KV"].consumer_release(v_state)
+                    pipes["KV"].consumer_release(k_state)
+                pipes["KV"].consumer_wait(kv_state)
+                if n_blocks == 1:
+                    self.zero_v_past_keys(thr_pv, sV, kv_state.index, tile)
+                for i in cutlass.range_constexpr(Q_STAGES):
+                    pipes[f"S{i}"].producer_acquire(s_state)
+                    _tcgen05_after_sync()
+                    self.gemm(tiled_mma_pv, outs[i], probs[i], tOrV[None, None, None, kv_state.index],
+                              accumulate=n_blocks > 1)
+                    pipes[f"O{i}"].producer_commit(o_state)
+                pipes["KV"].consumer_release(kv_state)
+                kv_state.advance()
+                o_state.advance()
+            else:
+                # A tile without keys: Q is the correction's (it stages the zeros there).
+                for i in cutlass.range_constexpr(Q_STAGES):
+                    q_state.advance()
 
     @cute.jit
     def gemm(self, tiled_mma, acc, frag_a, frag_b, accumulate):
@@ -571,13 +588,25 @@ class FlashAttentionForwardSm100:
     # --- softmax warp groups ---------------------------------------------------------------
 
     @cute.jit
-    def softmax(self, stage: cutlass.Constexpr[int], tiled_mma_qk, tmem_ptr, row_stats, pipes, tile,
-                score_prescale, scale_log2):
-        """Softmax i: S_i from TMEM, one row per thread; P_i back into TMEM; row statistics to the
-        correction. The first block visited (the keys' tail), the blocks the causal/window band
-        crosses and those left of the window's edge take the mask; the rest run unmasked, each
-        kind in a loop of its own (a runtime choice between the two would keep both versions of
-        the row's 128 scores live)."""
+    def softmax(self, stage: cutlass.Constexpr[int], tiled_mma_qk, tmem_ptr, row_stats, pipes, tile_problem,
+                tile_count, score_prescale, scale_log2):
+        """Softmax i, per tile: S_i from TMEM, one row per thread; P_i back into TMEM; row
+        statistics to the correction. The first block visited (the keys' tail), the blocks the
+        causal/window band crosses and those left of the window's edge take the mask; the rest
+        run unmasked, each kind in a loop of its own (a runtime choice between the two would keep
+        both versions of the row's 128 scores live)."""
+        s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        stats_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        for tile_index in cutlass.range(tile_count, unroll=1):
+            tile = tile_problem(tile_index)
+            s_state, stats_state = self.softmax_tile(stage, tiled_mma_qk, tmem_ptr, row_stats, pipes, tile,
+                                                     score_prescale, scale_log2, s_state, stats_state)
+
+    @cute.jit
+    def softmax_tile(self, stage: cutlass.Constexpr[int], tiled_mma_qk, tmem_ptr, row_stats, pipes, tile,
+                     score_prescale, scale_log2, s_state, stats_state):
+        """Softmax i over one tile's key blocks, with a fresh row maximum and sum. Returns the
+        advanced pipeline states."""
         n_blocks = tile.n_blocks
         if n_blocks > 0:
             row = cute.arch.thread_idx()[0] % ROWS_PER_STAGE
@@ -612,8 +641,6 @@ class FlashAttentionForwardSm100:
                 row_scale=cute.make_rmem_tensor((1,), Float32), row=row, row_stats=row_stats,
                 pipe_s=pipes[f"S{stage}"], pipe_stats=pipes[f"STATS{stage}"], score_prescale=score_prescale,
             )
-            s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            stats_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
             m_block = tile.m_block * Q_STAGES + stage
             seqlen_q, seqlen_k, n_block_min = tile.seqlen_q, tile.seqlen_k, tile.n_block_min
             stage_blocks = tile.stage_blocks
@@ -638,6 +665,8 @@ class FlashAttentionForwardSm100:
             row_stats[row, STAT_SUM, stage] = block.softmax.row_sum[0]
             row_stats[row, STAT_MAX, stage] = block.softmax.row_max[0]
             pipes[f"STATS{stage}"].producer_commit(stats_state)
+            stats_state.advance()
+        return s_state, stats_state
 
     @cute.jit
     def softmax_block(self, stage: cutlass.Constexpr[int], block, tile, m_block, s_state, stats_state,
@@ -674,11 +703,13 @@ class FlashAttentionForwardSm100:
     # --- correction warp group ----------------------------------------------------------------
 
     @cute.jit
-    def correction(self, tiled_mma_pv, tmem_ptr, row_stats, epilogue, pipes, tile, scale_log2):
-        """O_i's rescales in TMEM, then O = O_i / ℓ through shared memory and a TMA store, and
-        LSE, one row per thread."""
+    def correction(self, tiled_mma_pv, tmem_ptr, row_stats, epilogue, pipes, tile_problem, tile_count,
+                   scale_log2):
+        """Per tile, O_i's rescales in TMEM, then O = O_i / ℓ through shared memory and a TMA
+        store, and LSE, one row per thread; then Q's buffers back to the load warp once the
+        stores have read them. A tile without keys stores zeros (and LSE −inf) the same way, once
+        its Q has landed where the zeros go."""
         row = cute.arch.thread_idx()[0] % ROWS_PER_STAGE
-        n_blocks = tile.n_blocks
         thr_pv = tiled_mma_pv.get_slice(0)
         tOtO = thr_pv.make_fragment_C(thr_pv.partition_shape_C((ROWS_PER_STAGE, self.head_dim_v)))
         outs = [cute.make_tensor(tmem_ptr + self.tmem.o(i), tOtO.layout)[(None, None), 0, 0]
@@ -693,52 +724,65 @@ class FlashAttentionForwardSm100:
             thr_load.partition_D(cute.make_identity_tensor((ROWS_PER_STAGE, O_CHUNK))).shape, Float32)
         loads = [thr_load.partition_S(cute.composition(outs[i], chunk_layout)) for i in range(Q_STAGES)]
         stores = [thr_store.partition_D(cute.composition(outs[i], chunk_layout)) for i in range(Q_STAGES)]
-        if n_blocks > 0:
-            # The two stages' pipelines go through the same phases in step: one state each.
-            s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-            stats_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            for i in cutlass.range_constexpr(Q_STAGES):
-                self.release_o(pipes, i, s_state)
-            s_state.advance()
-            for block in cutlass.range(1, n_blocks, unroll=1):
+        # The two stages' pipelines go through the same phases in step: one state each.
+        s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        stats_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        o_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, Q_STAGES)
+        for tile_index in cutlass.range(tile_count, unroll=1):
+            tile = tile_problem(tile_index)
+            n_blocks = tile.n_blocks
+            if n_blocks > 0:
+                for i in cutlass.range_constexpr(Q_STAGES):
+                    self.release_o(pipes, i, s_state)
+                s_state.advance()
+                for block in cutlass.range(1, n_blocks, unroll=1):
+                    for i in cutlass.range_constexpr(Q_STAGES):
+                        pipes[f"STATS{i}"].consumer_wait(stats_state)
+                        scale = row_stats[row, STAT_SCALE, i]
+                        pipes[f"STATS{i}"].consumer_release(stats_state)
+                        # The warp's 32 rows share its TMEM lanes: rescale them all if any moved.
+                        if cute.arch.vote_any_sync(scale != Float32(1.0)):
+                            _tcgen05_after_sync()
+                            for c in cutlass.range_constexpr(self.head_dim_v // O_CHUNK):
+                                self.o_chunk_copy(thr_load, loads[i], chunk_regs, c, to_registers=True)
+                                for e in cutlass.range_constexpr(cute.size(chunk_regs)):
+                                    chunk_regs[e] = chunk_regs[e] * scale
+                                self.o_chunk_copy(thr_store, stores[i], chunk_regs, c, to_registers=False)
+                            cute.arch.fence_view_async_tmem_store()
+                        self.release_o(pipes, i, s_state)
+                    stats_state.advance()
+                    s_state.advance()
                 for i in cutlass.range_constexpr(Q_STAGES):
                     pipes[f"STATS{i}"].consumer_wait(stats_state)
-                    scale = row_stats[row, STAT_SCALE, i]
+                    stats = OnlineSoftmax.create(self.softmax_config, scale_log2, 1, lanes_per_row=1)
+                    stats.row_sum[0] = row_stats[row, STAT_SUM, i]
+                    stats.row_max[0] = row_stats[row, STAT_MAX, i]
                     pipes[f"STATS{i}"].consumer_release(stats_state)
-                    # The warp's 32 rows share its TMEM lanes: rescale them all if any moved.
-                    if cute.arch.vote_any_sync(scale != Float32(1.0)):
-                        _tcgen05_after_sync()
-                        for c in cutlass.range_constexpr(self.head_dim_v // O_CHUNK):
-                            self.o_chunk_copy(thr_load, loads[i], chunk_regs, c, to_registers=True)
-                            for e in cutlass.range_constexpr(cute.size(chunk_regs)):
-                                chunk_regs[e] = chunk_regs[e] * scale
-                            self.o_chunk_copy(thr_store, stores[i], chunk_regs, c, to_registers=False)
-                        cute.arch.fence_view_async_tmem_store()
-                    self.release_o(pipes, i, s_state)
+                    pipes[f"O{i}"].consumer_wait(o_state)
+                    _tcgen05_after_sync()
+                    inv_sum = cute.make_rmem_tensor((1,), Float32)
+                    lse = cute.make_rmem_tensor((1,), Float32)
+                    stats.finalize(inv_sum, lse)
+                    self.store_stage(thr_load, loads[i], chunk_regs, epilogue, tile, i, row, inv_sum[0], lse[0])
                 stats_state.advance()
-                s_state.advance()
-            o_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            for i in cutlass.range_constexpr(Q_STAGES):
-                pipes[f"STATS{i}"].consumer_wait(stats_state)
-                stats = OnlineSoftmax.create(self.softmax_config, scale_log2, 1, lanes_per_row=1)
-                stats.row_sum[0] = row_stats[row, STAT_SUM, i]
-                stats.row_max[0] = row_stats[row, STAT_MAX, i]
-                pipes[f"STATS{i}"].consumer_release(stats_state)
-                pipes[f"O{i}"].consumer_wait(o_state)
-                _tcgen05_after_sync()
-                inv_sum = cute.make_rmem_tensor((1,), Float32)
-                lse = cute.make_rmem_tensor((1,), Float32)
-                stats.finalize(inv_sum, lse)
-                self.store_stage(thr_load, loads[i], chunk_regs, epilogue, tile, i, row, inv_sum[0], lse[0])
-        else:
-            if tile.valid:
+                # The next tile's first P_i·V overwrites O_i in TMEM only after this warp group's
+                # next release of S_i (`release_o`, fenced after these reads).
+                o_state.advance()
+            else:
+                landed = q_state.clone()
                 for i in cutlass.range_constexpr(Q_STAGES):
+                    # The load of Q_i has landed before its zeros go over it.
+                    pipes["Q"].consumer_wait(landed)
+                    landed.advance()
                     self.store_stage(thr_load, loads[i], chunk_regs, epilogue, tile, i, row, Float32(0.0),
                                      Float32(-math.inf), from_tmem=False)
-        if tile.valid:
-            # The stores must have read shared memory before the CTA exits.
-            if row == 0:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            for i in cutlass.range_constexpr(Q_STAGES):
+                if row == 0:
+                    # Stage i's store (of the Q_STAGES this thread just issued) has read Q_i's buffer.
+                    cute.arch.cp_async_bulk_wait_group(Q_STAGES - 1 - i, read=True)
+                    pipes["Q"].consumer_release(q_state)
+                q_state.advance()
 
     @cute.jit
     def release_o(self, pipes, stage: cutlass.Constexpr[int], state):

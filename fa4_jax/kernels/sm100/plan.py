@@ -6,13 +6,15 @@ without a GPU: the register budgets against the register file, the TMEM map agai
 columns, and the protocol (`role_events`) searched exhaustively for deadlock and for a wait or
 arrival that lands in the wrong phase of an mbarrier.
 
-One CTA computes two 128-row query tiles ("stages" 0 and 1) of one (head, batch) against the
-same key blocks: 256 rows. Per key block j (visited from the highest to the lowest), the MMA
+A CTA is persistent: it computes tile after tile of the LPT order (kernels/common/tile_scheduler.py),
+its pipelines running on from one tile into the next. A tile is two 128-row query tiles
+("stages" 0 and 1) of one (head, batch) against the same key blocks: 256 rows. Per key block j (visited from the highest to the lowest), the MMA
 warp issues S_i = Q_i·K_jᵀ into TMEM for both stages; softmax warp group i reads S_i, writes
 P_i (16-bit) over the second half of S_i's own columns, and hands the MMA warp P_i; the MMA warp
 then issues O_i += P_i·V_j with P_i read from TMEM. The correction warp group rescales O_i in
 TMEM when softmax i moved its row maximum (FA4's conditional rescaling), and at the end divides
-by the row sums, stages O_i in Q_i's shared memory for a TMA store and writes LSE.
+by the row sums, stages O_i in Q_i's shared memory for a TMA store and writes LSE; once the
+store has read it, Q_i's buffer is free for the next tile's Q_i.
 """
 from __future__ import annotations
 
@@ -178,24 +180,33 @@ class Barrier(enum.IntEnum):
 @dataclasses.dataclass(frozen=True)
 class Pipeline:
     """One mbarrier pipeline: `full` barriers the producer arrives on, `empty` ones the
-    consumers arrive on. Arrivals per phase: producer_arrivals on full, consumer_arrivals on
-    empty (roles here; the kernel counts their threads, or one for TMA and tcgen05.commit)."""
+    consumers arrive on. Arrivals per phase: one per producer role on full, one per consumer
+    role on empty (roles here; the kernel counts their threads, or one for TMA and
+    tcgen05.commit, or `consumer_threads` where one thread of the role arrives for it).
+    `releases_filled`: an empty arrival of a round gives back what that round's full phase
+    delivered, so it may only come once that phase is complete."""
 
     name: str
     stages: int
     producer: tuple[Role, ...]
     consumers: tuple[Role, ...]
+    consumer_threads: int | None = None
+    releases_filled: bool = True
 
 
 def pipelines(config: TileConfig) -> tuple[Pipeline, ...]:
     """The forward's mbarrier pipelines; the kernel creates one of each."""
     out = [
-        Pipeline("Q", Q_STAGES, (Role.LOAD,), (Role.MMA,)),
+        # full: Q_i has landed (the MMA warp waits, and the correction before it stages a
+        # keyless tile's zeros over it); empty: the thread that TMA-stored O_i from Q_i's buffer
+        # has seen the store read it, so the next tile's Q_i may load.
+        Pipeline("Q", Q_STAGES, (Role.LOAD,), (Role.CORRECTION,), consumer_threads=1),
         Pipeline("KV", config.kv_stages, (Role.LOAD,), (Role.MMA,)),
     ]
     for stage, softmax in enumerate(SOFTMAX_ROLES):
-        # full: S_i is in TMEM (a tcgen05.commit); empty: P_i is in TMEM and O_i is rescaled.
-        out.append(Pipeline(f"S{stage}", 1, (Role.MMA,), (softmax, Role.CORRECTION)))
+        # full: S_i is in TMEM (a tcgen05.commit); empty: P_i is in TMEM and O_i is rescaled
+        # (the correction's part of it comes before S_i of that round is full).
+        out.append(Pipeline(f"S{stage}", 1, (Role.MMA,), (softmax, Role.CORRECTION), releases_filled=False))
         # Softmax i's row scales for the correction (full), read (empty).
         out.append(Pipeline(f"STATS{stage}", 1, (softmax,), (Role.CORRECTION,)))
         # full: the last P_i·V is done, O_i is final.
@@ -217,8 +228,9 @@ def _ring(stages: int, index: int) -> tuple[int, int]:
     return index % stages, index // stages
 
 
-def role_events(config: TileConfig, n_blocks: int) -> dict[Role, list[tuple]]:
-    """Each role's barrier events for one CTA tile that visits n_blocks >= 1 key blocks."""
+def role_events(config: TileConfig, tiles: tuple[int, ...]) -> dict[Role, list[tuple]]:
+    """Each role's barrier events for one persistent CTA that computes `tiles` in order, each
+    entry the key blocks that tile visits (0: a tile whose rows see no key and come out 0)."""
     kv = config.kv_stages
     events: dict[Role, list[tuple]] = {r.role: [] for r in ROLES if r.role != Role.IDLE}
 
@@ -227,8 +239,9 @@ def role_events(config: TileConfig, n_blocks: int) -> dict[Role, list[tuple]]:
         if rnd > 0:
             events[role].append(("wait", pipe, "empty", stage, rnd - 1))
 
-    # Load warp: K_{n-1}, Q0, Q1, V_{n-1}, then K_j, V_j for the lower blocks: the ring holds K
-    # and V of a block in consecutive stages (uses 2j and 2j + 1 of block j in visiting order).
+    # Load warp, per tile: K_{n-1}, Q0, Q1, V_{n-1}, then K_j, V_j for the lower blocks (a tile
+    # without keys: Q alone, which the correction waits for before it stages zeros over it).
+    # The ring holds K and V of a block in consecutive stages and runs on across tiles.
     load = Role.LOAD
     kv_uses = 0
 
@@ -238,15 +251,25 @@ def role_events(config: TileConfig, n_blocks: int) -> dict[Role, list[tuple]]:
         events[load].append(("arrive", "KV", "full", *_ring(kv, kv_uses), "async"))
         kv_uses += 1
 
-    load_kv()
-    for stage in range(Q_STAGES):
-        events[load].append(("arrive", "Q", "full", stage, 0, "async"))
-    load_kv()
-    for _ in range(1, n_blocks):
-        load_kv()
-        load_kv()
+    def load_q(tile):
+        for stage in range(Q_STAGES):
+            producer_acquire(load, "Q", Q_STAGES, tile * Q_STAGES + stage)
+            events[load].append(("arrive", "Q", "full", stage, tile, "async"))
 
-    # MMA warp.
+    for tile, n_blocks in enumerate(tiles):
+        if n_blocks == 0:
+            load_q(tile)
+            continue
+        load_kv()
+        load_q(tile)
+        load_kv()
+        for _ in range(1, n_blocks):
+            load_kv()
+            load_kv()
+
+    # MMA warp. S_i's single stage goes through one phase per key block, on from tile to tile;
+    # a tile's first S_i GEMM needs no wait: the previous tile's last P_i·V waited for S_i's
+    # last release, and one thread's MMAs run in order.
     mma = Role.MMA
     kv_reads = 0
 
@@ -259,53 +282,79 @@ def role_events(config: TileConfig, n_blocks: int) -> dict[Role, list[tuple]]:
     def release_kv(index):
         events[mma].append(("arrive", "KV", "empty", *_ring(kv, index), "async"))
 
-    k_use = wait_kv()
-    for stage in range(Q_STAGES):
-        events[mma].append(("wait", "Q", "full", stage, 0))
-        events[mma].append(("arrive", f"S{stage}", "full", 0, 0, "async"))
-    release_kv(k_use)
-    for block in range(1, n_blocks):
-        v_use = wait_kv()
+    s_base = o_round = 0
+    for tile, n_blocks in enumerate(tiles):
+        if n_blocks == 0:
+            continue
         k_use = wait_kv()
         for stage in range(Q_STAGES):
-            # P_i of the previous block written and O_i rescaled: O_i += P_i·V, then S_i = Q_i·Kᵀ.
-            events[mma].append(("wait", f"S{stage}", "empty", 0, block - 1))
-            events[mma].append(("arrive", f"S{stage}", "full", 0, block, "async"))
-        release_kv(v_use)
+            events[mma].append(("wait", "Q", "full", stage, tile))
+            events[mma].append(("arrive", f"S{stage}", "full", 0, s_base, "async"))
         release_kv(k_use)
-    v_use = wait_kv()
-    for stage in range(Q_STAGES):
-        events[mma].append(("wait", f"S{stage}", "empty", 0, n_blocks - 1))
-        events[mma].append(("arrive", f"O{stage}", "full", 0, 0, "async"))
-    release_kv(v_use)
+        for block in range(1, n_blocks):
+            v_use = wait_kv()
+            k_use = wait_kv()
+            for stage in range(Q_STAGES):
+                # P_i of the previous block written and O_i rescaled: O_i += P_i·V, then S_i = Q_i·Kᵀ.
+                events[mma].append(("wait", f"S{stage}", "empty", 0, s_base + block - 1))
+                events[mma].append(("arrive", f"S{stage}", "full", 0, s_base + block, "async"))
+            release_kv(v_use)
+            release_kv(k_use)
+        v_use = wait_kv()
+        for stage in range(Q_STAGES):
+            events[mma].append(("wait", f"S{stage}", "empty", 0, s_base + n_blocks - 1))
+            events[mma].append(("arrive", f"O{stage}", "full", 0, o_round, "async"))
+        release_kv(v_use)
+        s_base += n_blocks
+        o_round += 1
 
     # Softmax warp group i: per block, S_i in, row scale out (from the second block on), P_i
-    # in; after the last block, the row sum and maximum.
+    # in; after a tile's last block, the row sum and maximum.
     for stage, softmax in enumerate(SOFTMAX_ROLES):
-        stats = 0
-        for block in range(n_blocks):
-            events[softmax].append(("wait", f"S{stage}", "full", 0, block))
-            if block > 0:
+        s_base = stats = 0
+        for n_blocks in tiles:
+            for block in range(n_blocks):
+                events[softmax].append(("wait", f"S{stage}", "full", 0, s_base + block))
+                if block > 0:
+                    producer_acquire(softmax, f"STATS{stage}", 1, stats)
+                    events[softmax].append(("arrive", f"STATS{stage}", "full", 0, stats))
+                    stats += 1
+                events[softmax].append(("arrive", f"S{stage}", "empty", 0, s_base + block))
+            if n_blocks:
                 producer_acquire(softmax, f"STATS{stage}", 1, stats)
                 events[softmax].append(("arrive", f"STATS{stage}", "full", 0, stats))
                 stats += 1
-            events[softmax].append(("arrive", f"S{stage}", "empty", 0, block))
-        producer_acquire(softmax, f"STATS{stage}", 1, stats)
-        events[softmax].append(("arrive", f"STATS{stage}", "full", 0, stats))
+            s_base += n_blocks
 
-    # Correction warp group: both stages' rescales per block, then both epilogues.
+    # Correction warp group, per tile: both stages' rescales per block, then both epilogues,
+    # then Q_0 and Q_1 released once their stores have read them. A tile without keys: Q_i
+    # awaited, zeros staged over it and stored, Q_i released.
     correction = Role.CORRECTION
-    for stage in range(Q_STAGES):
-        events[correction].append(("arrive", f"S{stage}", "empty", 0, 0))
-    for block in range(1, n_blocks):
+    s_base = stats = o_round = 0
+    for tile, n_blocks in enumerate(tiles):
+        if n_blocks == 0:
+            for stage in range(Q_STAGES):
+                events[correction].append(("wait", "Q", "full", stage, tile))
+            for stage in range(Q_STAGES):
+                events[correction].append(("arrive", "Q", "empty", stage, tile))
+            continue
         for stage in range(Q_STAGES):
-            events[correction].append(("wait", f"STATS{stage}", "full", 0, block - 1))
-            events[correction].append(("arrive", f"STATS{stage}", "empty", 0, block - 1))
-            events[correction].append(("arrive", f"S{stage}", "empty", 0, block))
-    for stage in range(Q_STAGES):
-        events[correction].append(("wait", f"STATS{stage}", "full", 0, n_blocks - 1))
-        events[correction].append(("arrive", f"STATS{stage}", "empty", 0, n_blocks - 1))
-        events[correction].append(("wait", f"O{stage}", "full", 0, 0))
+            events[correction].append(("arrive", f"S{stage}", "empty", 0, s_base))
+        for block in range(1, n_blocks):
+            for stage in range(Q_STAGES):
+                events[correction].append(("wait", f"STATS{stage}", "full", 0, stats))
+                events[correction].append(("arrive", f"STATS{stage}", "empty", 0, stats))
+                events[correction].append(("arrive", f"S{stage}", "empty", 0, s_base + block))
+            stats += 1
+        for stage in range(Q_STAGES):
+            events[correction].append(("wait", f"STATS{stage}", "full", 0, stats))
+            events[correction].append(("arrive", f"STATS{stage}", "empty", 0, stats))
+            events[correction].append(("wait", f"O{stage}", "full", 0, o_round))
+        for stage in range(Q_STAGES):
+            events[correction].append(("arrive", "Q", "empty", stage, tile))
+        stats += 1
+        s_base += n_blocks
+        o_round += 1
     return events
 
 
