@@ -39,8 +39,8 @@ from fa4_jax import notices, routing
 
 # (seqlen_q, seqlen_k, batch) of each check: odd lengths over two 256-row CTA tiles and three
 # key blocks (tails on both sides, a diagonal that crosses blocks), one decode row, and a batch
-# whose 480 tiles give each CTA of a persistent grid (148 on a B200) several in a row, under a
-# causal or window mask the top ones without any key (more rows than keys, bottom-right).
+# whose 480 tiles give each CTA of a persistent grid (148 on a B200) several in a row, and under
+# a causal or window mask tiles without any key (more rows than keys, bottom-right).
 PROBES = ((300, 333, 1), (1, 777, 1), (600, 100, 40))
 # A forward variant's ragged check: buffers of (300, 333) rows and keys, each batch entry's
 # valid (query rows, keys). The second entry ends inside a key block whose padding holds NaN:

@@ -108,28 +108,31 @@ def test_unknown_scheduler_is_refused():
 
 
 @pytest.mark.parametrize("mask", ["none", "causal", "local"])
-def test_the_blackwell_first_use_batch_gives_every_persistent_cta_several_tiles(mask):
-    # fa4_jax.verification's multi-tile probe must run the sm100 kernel's tile-to-tile hand-overs
-    # on every CTA of its persistent grid, and (under a mask, more rows than keys) keyless tiles.
+def test_the_blackwell_first_use_batch_covers_the_schedulers_cases(mask):
+    # fa4_jax.verification's multi-tile probe must run, on a Blackwell GPU, the sm100 kernel's
+    # tile-to-tile hand-overs on every CTA of its persistent grid (no mask), and tiles without
+    # any key (under a mask, more rows than keys: one tile per CTA in LPT order there).
     import cutlass
 
     from fa4_jax import selftest, verification
     from fa4_jax.kernels.sm100.fwd import FlashAttentionForwardSm100
 
-    kernel = FlashAttentionForwardSm100(cutlass.BFloat16, 128, 128, mask, False)
-    sched = kernel.scheduler
-    assert sched.persistent and sched.num_sms == 148
+    sched = FlashAttentionForwardSm100(cutlass.BFloat16, 128, 128, mask, False).scheduler
     sq, sk, batch = max(verification.PROBES, key=lambda probe: probe[2])
     h, hk = selftest.HEADS_Q, selftest.HEADS_KV
-    num_tiles = -(-sq // sched.tile_m) * h * batch
-    grid = min(num_tiles, sched.num_sms)
-    per_cta = [(num_tiles - cta + grid - 1) // grid for cta in range(grid)]
-    assert min(per_cta) >= 2 and sum(per_cta) == num_tiles
-    order = [sched.decode(cta + i * grid, sq, sk, h, hk, batch) for cta in range(grid)
-             for i in range(per_cta[cta])]
-    assert sorted(order) == sorted(itertools.product(range(-(-sq // sched.tile_m)), range(h), range(batch)))
-    if mask != "none":
+    num_m = -(-sq // sched.tile_m)
+    num_tiles = num_m * h * batch
+    if mask == "none":
+        assert sched.persistent and sched.num_sms == 148
+        grid = min(num_tiles, sched.num_sms)
+        per_cta = [(num_tiles - cta + grid - 1) // grid for cta in range(grid)]
+        assert min(per_cta) >= 2 and sum(per_cta) == num_tiles
+        order = [sched.decode(cta + i * grid, sq, sk, h, hk, batch) for cta in range(grid)
+                 for i in range(per_cta[cta])]
+        assert sorted(order) == sorted(itertools.product(range(num_m), range(h), range(batch)))
+    else:
+        assert sched.kind == "lpt_grid" and sched.reverse_m
         # Bottom-right alignment: row i sees keys up to i + (sk - sq) + right (right = 0 causal).
         right = selftest.MASK_OPTIONS[mask].get("window_size", (None, 0))[1]
-        last_rows = [min((m + 1) * sched.tile_m, sq) - 1 for m in range(-(-sq // sched.tile_m))]
+        last_rows = [min((m + 1) * sched.tile_m, sq) - 1 for m in range(num_m)]
         assert any(row + sk - sq + right < 0 for row in last_rows), "no tile of the probe is keyless"

@@ -6,10 +6,12 @@ NOT YET RUN ON BLACKWELL HARDWARE. This kernel is compiled, exported and statica
 executed it: on a Blackwell GPU each of its variants is first checked against the reference in
 the process that uses it (fa4_jax.verification), and one that disagrees is not used.
 
-A CTA is persistent: it computes tile after tile in FA4's LPT order
-(kernels/common/tile_scheduler.py; under a causal or window mask the heaviest first), every role
-walking the same tiles with its pipelines running on from one tile into the next, so the next
-tile's K and V load during this one's last blocks. A tile is two 128-row query tiles ("stages")
+Without a mask a CTA is persistent: it computes tile after tile of the scheduler's "lpt" order
+(kernels/common/tile_scheduler.py), every role walking the same tiles with its pipelines running
+on from one tile into the next, so the next tile's K and V load during this one's last blocks.
+Under a causal or window mask, whose tiles' work differs, each CTA takes one tile of the same
+order, heaviest first ("lpt_grid"), and the hardware balances them (FA4 upstream's choice, and
+what the Hopper kernels measured best). A tile is two 128-row query tiles ("stages")
 of one (head, batch), 256 rows, against the same key blocks; kernels/sm100/plan.py holds the
 warp-role table, the TMEM map, the barriers and the protocol every role follows (role_events,
 which the tests search for deadlock). Per key block, visited from the highest to the lowest (the
@@ -170,7 +172,7 @@ class FlashAttentionForwardSm100:
         self.cta_m = Q_STAGES * ROWS_PER_STAGE
         masked = self.causal or self.local
         self.scheduler = TileScheduler(
-            "lpt", self.cta_m, reverse_m=masked,
+            "lpt_grid" if masked else "lpt", self.cta_m, reverse_m=masked,
             kv_bytes_per_key=(head_dim + head_dim_v) * dtype.width // 8, num_sms=hardware.NUM_SMS,
         )
 
@@ -401,7 +403,8 @@ class FlashAttentionForwardSm100:
 
     @cute.jit
     def tile_count(self, mQ):
-        """How many tiles this CTA computes."""
+        """How many tiles this CTA computes (persistent: its share of the order; "lpt_grid": one,
+        or none past the last L2 section)."""
         return self.scheduler.tile_count(cute.size(mQ.shape[0]), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
 
     @cute.jit

@@ -6,8 +6,8 @@ without a GPU: the register budgets against the register file, the TMEM map agai
 columns, and the protocol (`role_events`) searched exhaustively for deadlock and for a wait or
 arrival that lands in the wrong phase of an mbarrier.
 
-A CTA is persistent: it computes tile after tile of the LPT order (kernels/common/tile_scheduler.py),
-its pipelines running on from one tile into the next. A tile is two 128-row query tiles
+A CTA computes tile after tile of the LPT order (kernels/common/tile_scheduler.py; persistent
+without a mask, one tile per CTA under one), its pipelines running on from one tile into the next. A tile is two 128-row query tiles
 ("stages" 0 and 1) of one (head, batch) against the same key blocks: 256 rows. Per key block j (visited from the highest to the lowest), the MMA
 warp issues S_i = Q_i·K_jᵀ into TMEM for both stages; softmax warp group i reads S_i, writes
 P_i (16-bit) over the second half of S_i's own columns, and hands the MMA warp P_i; the MMA warp
