@@ -107,17 +107,8 @@ def test_each_softmax_loop_runs_one_exponential_per_key_and_one_row_scale(all_fa
             assert loop["mufu_tanh"] == config.tile_n
 
 
-def _persistent(variant) -> bool:
-    import cutlass
-
-    from fa4_jax.kernels.sm100.fwd import FlashAttentionForwardSm100
-
-    dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[variant.dtype]
-    return FlashAttentionForwardSm100(dtype, variant.head_dim, variant.head_dim_v, variant.mask,
-                                      variant.softcap).scheduler.persistent
-
-
-@pytest.mark.parametrize("variant", [v for v in sm100.MENU if _persistent(v)], ids=lambda v: v.name)
+@pytest.mark.parametrize("variant", [v for v in sm100.MENU if plan.scheduler_kind(v.mask) == "lpt"],
+                         ids=lambda v: v.name)
 def test_every_role_walks_the_ctas_tiles(all_facts, variant):
     # Persistent CTAs (the scheduler's "lpt", without a mask): each role's work on a tile sits
     # inside a loop over the CTA's tiles. One tile per CTA (the masked kernels' "lpt_grid", where

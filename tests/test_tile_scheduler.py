@@ -115,9 +115,11 @@ def test_the_blackwell_first_use_batch_covers_the_schedulers_cases(mask):
     import cutlass
 
     from fa4_jax import selftest, verification
+    from fa4_jax.kernels.sm100 import plan
     from fa4_jax.kernels.sm100.fwd import FlashAttentionForwardSm100
 
     sched = FlashAttentionForwardSm100(cutlass.BFloat16, 128, 128, mask, False).scheduler
+    assert sched.kind == plan.scheduler_kind(mask)
     sq, sk, batch = max(verification.PROBES, key=lambda probe: probe[2])
     h, hk = selftest.HEADS_Q, selftest.HEADS_KV
     num_m = -(-sq // sched.tile_m)

@@ -9,9 +9,8 @@ the process that uses it (fa4_jax.verification), and one that disagrees is not u
 Without a mask a CTA is persistent: it computes tile after tile of the scheduler's "lpt" order
 (kernels/common/tile_scheduler.py), every role walking the same tiles with its pipelines running
 on from one tile into the next, so the next tile's K and V load during this one's last blocks.
-Under a causal or window mask, whose tiles' work differs, each CTA takes one tile of the same
-order, heaviest first ("lpt_grid"), and the hardware balances them (FA4 upstream's choice, and
-what the Hopper kernels measured best). A tile is two 128-row query tiles ("stages")
+Under a causal or window mask each CTA takes one tile of the same order, heaviest first
+(plan.scheduler_kind says why). A tile is two 128-row query tiles ("stages")
 of one (head, batch), 256 rows, against the same key blocks; kernels/sm100/plan.py holds the
 warp-role table, the TMEM map, the barriers and the protocol every role follows (role_events,
 which the tests search for deadlock). Per key block, visited from the highest to the lowest (the
@@ -172,7 +171,7 @@ class FlashAttentionForwardSm100:
         self.cta_m = Q_STAGES * ROWS_PER_STAGE
         masked = self.causal or self.local
         self.scheduler = TileScheduler(
-            "lpt_grid" if masked else "lpt", self.cta_m, reverse_m=masked,
+            plan.scheduler_kind(mask), self.cta_m, reverse_m=masked,
             kv_bytes_per_key=(head_dim + head_dim_v) * dtype.width // 8, num_sms=hardware.NUM_SMS,
         )
 

@@ -78,6 +78,14 @@ TILE_CONFIGS = {
 SMEM_MARGIN = 4096
 
 
+def scheduler_kind(mask: str) -> str:
+    """The tile order (kernels/common/tile_scheduler.py) of a problem class: persistent CTAs
+    ("lpt") without a mask; under a causal or window mask, whose tiles' work differs, one CTA per
+    tile in LPT order ("lpt_grid"), which the hardware balances (FA4 upstream's choice, and the
+    Hopper kernels' measured best)."""
+    return "lpt_grid" if mask in ("causal", "local") else "lpt"
+
+
 class Role(enum.Enum):
     SOFTMAX0 = "softmax0"
     SOFTMAX1 = "softmax1"
