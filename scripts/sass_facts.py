@@ -91,12 +91,15 @@ def loops(code: list[tuple[int, str]]) -> list[tuple[int, int]]:
     return found
 
 
+def encloses(outer: dict, inner: dict) -> bool:
+    """Whether loop `outer` of `Facts.loop_families` holds loop `inner` (a different one)."""
+    return outer is not inner and outer["first"] <= inner["first"] and inner["last"] <= outer["last"]
+
+
 def innermost(loop_families: list) -> list:
     """The loops of `Facts.loop_families` that hold no other loop (a persistent kernel's tile
     loop holds its key-block loops)."""
-    return [loop for loop in loop_families
-            if not any(other is not loop and loop["first"] <= other["first"] and other["last"] <= loop["last"]
-                       for other in loop_families)]
+    return [loop for loop in loop_families if not any(encloses(loop, other) for other in loop_families)]
 
 
 def loop_instructions(loop: dict) -> int:

@@ -117,16 +117,12 @@ def test_every_role_walks_the_ctas_tiles(all_facts, variant):
     loops = all_facts[variant.name].loop_families
     inner = sass_facts.innermost(loops)
     outer = [loop for loop in loops if loop not in inner]
-
-    def enclosed(loop):
-        return any(o["first"] <= loop["first"] and loop["last"] <= o["last"] for o in outer)
-
     softmax_loops = [loop for loop in inner if loop["mufu_ex2"]]
-    assert softmax_loops and all(enclosed(loop) for loop in softmax_loops)
+    assert softmax_loops and all(any(sass_facts.encloses(o, loop) for o in outer) for loop in softmax_loops)
     assert max(loop["tma_store"] for loop in outer) >= plan.Q_STAGES  # the correction's
-    assert max(loop["utchmma"] - sum(i["utchmma"] for i in inner if
-                                     loop["first"] <= i["first"] and i["last"] <= loop["last"])
-               for loop in outer) > 0  # the MMA warp's first S GEMMs of a tile
+    # The MMA warp's first S GEMMs of a tile: in a tile loop, outside its key-block loops.
+    assert max(loop["utchmma"] - sum(i["utchmma"] for i in inner if sass_facts.encloses(loop, i))
+               for loop in outer) > 0
 
 
 def plan_uses_poly(config, column):

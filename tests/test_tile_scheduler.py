@@ -65,16 +65,20 @@ def test_section_keeps_kv_within_the_l2_budget():
     assert [m for m, _, _ in order[:16]] == [num_m - 1] * 16
 
 
+def _persistent_shares(sched, sq, sk, h, hk, b):
+    """Each persistent CTA's tiles, as the kernel walks them: CTA c takes positions c, c + grid,
+    ... of the order (TileScheduler.tile_count and tile)."""
+    num_tiles = -(-sq // sched.tile_m) * h * b
+    grid = min(num_tiles, sched.num_sms)
+    return [[sched.decode(cta + i * grid, sq, sk, h, hk, b) for i in range((num_tiles - cta + grid - 1) // grid)]
+            for cta in range(grid)]
+
+
 def test_persistent_ctas_split_the_tiles():
     sched = TileScheduler("lpt", 128, True, kv_bytes_per_key=512)
     sq, sk, h, hk, b = 4096, 4096, 16, 16, 2
-    num_tiles = 32 * h * b
-    grid = min(num_tiles, sched.num_sms)
-    seen = []
-    for cta in range(grid):
-        count = (num_tiles - cta + grid - 1) // grid
-        seen += [sched.decode(cta + i * grid, sq, sk, h, hk, b) for i in range(count)]
-    assert len(seen) == len(set(seen)) == num_tiles
+    seen = [tile for share in _persistent_shares(sched, sq, sk, h, hk, b) for tile in share]
+    assert len(seen) == len(set(seen)) == 32 * h * b
 
 
 @pytest.mark.parametrize("reverse_m", [False, True])
@@ -123,14 +127,11 @@ def test_the_blackwell_first_use_batch_covers_the_schedulers_cases(mask):
     sq, sk, batch = max(verification.PROBES, key=lambda probe: probe[2])
     h, hk = selftest.HEADS_Q, selftest.HEADS_KV
     num_m = -(-sq // sched.tile_m)
-    num_tiles = num_m * h * batch
     if mask == "none":
         assert sched.persistent and sched.num_sms == 148
-        grid = min(num_tiles, sched.num_sms)
-        per_cta = [(num_tiles - cta + grid - 1) // grid for cta in range(grid)]
-        assert min(per_cta) >= 2 and sum(per_cta) == num_tiles
-        order = [sched.decode(cta + i * grid, sq, sk, h, hk, batch) for cta in range(grid)
-                 for i in range(per_cta[cta])]
+        shares = _persistent_shares(sched, sq, sk, h, hk, batch)
+        assert min(len(share) for share in shares) >= 2
+        order = [tile for share in shares for tile in share]
         assert sorted(order) == sorted(itertools.product(range(num_m), range(h), range(batch)))
     else:
         assert sched.kind == "lpt_grid" and sched.reverse_m

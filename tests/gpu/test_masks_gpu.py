@@ -127,7 +127,6 @@ def test_gqa_mqa_and_fp16(next_key, seed, heads_q, heads_kv):
            dtype=jnp.float16)
 
 
-
 # Keys per case stay below 2**INDEX_BITS: a key's index in INDEX_BITS columns of its value.
 INDEX_BITS = 10
 

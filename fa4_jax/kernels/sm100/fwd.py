@@ -10,13 +10,14 @@ Without a mask a CTA is persistent: it computes tile after tile of the scheduler
 (kernels/common/tile_scheduler.py), every role walking the same tiles with its pipelines running
 on from one tile into the next, so the next tile's K and V load during this one's last blocks.
 Under a causal or window mask each CTA takes one tile of the same order, heaviest first
-(plan.scheduler_kind says why). A tile is two 128-row query tiles ("stages")
-of one (head, batch), 256 rows, against the same key blocks; kernels/sm100/plan.py holds the
-warp-role table, the TMEM map, the barriers and the protocol every role follows (role_events,
-which the tests search for deadlock). Per key block, visited from the highest to the lowest (the
-first carries the sequence tail and the diagonal):
+(plan.scheduler_kind says why). A tile is two 128-row query tiles ("stages") of one (head,
+batch), 256 rows, against the same key blocks; kernels/sm100/plan.py holds the warp-role table,
+the TMEM map, the barriers and the protocol every role follows (role_events, which the tests
+search for deadlock). Per key block, visited from the highest to the lowest (the first carries
+the sequence tail and the diagonal):
 
-- the load warp TMA-loads K_j and V_j into consecutive stages of one ring (Q's two tiles once);
+- the load warp TMA-loads K_j and V_j into consecutive stages of one ring (after the tile's
+  first K, Q's two tiles);
 - the MMA warp issues S_i = Q_i·K_jᵀ (both operands in shared memory) into TMEM, then, when
   softmax i has written P_i and the correction has rescaled O_i, O_i += P_i·V_{j} with P_i read
   from TMEM (the TS form), followed at once by the next block's S_i into the same columns: one

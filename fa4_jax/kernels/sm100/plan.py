@@ -7,14 +7,15 @@ columns, and the protocol (`role_events`) searched exhaustively for deadlock and
 arrival that lands in the wrong phase of an mbarrier.
 
 A CTA computes tile after tile of the LPT order (kernels/common/tile_scheduler.py; persistent
-without a mask, one tile per CTA under one), its pipelines running on from one tile into the next. A tile is two 128-row query tiles
-("stages" 0 and 1) of one (head, batch) against the same key blocks: 256 rows. Per key block j (visited from the highest to the lowest), the MMA
-warp issues S_i = Q_i·K_jᵀ into TMEM for both stages; softmax warp group i reads S_i, writes
-P_i (16-bit) over the second half of S_i's own columns, and hands the MMA warp P_i; the MMA warp
-then issues O_i += P_i·V_j with P_i read from TMEM. The correction warp group rescales O_i in
-TMEM when softmax i moved its row maximum (FA4's conditional rescaling), and at the end divides
-by the row sums, stages O_i in Q_i's shared memory for a TMA store and writes LSE; once the
-store has read it, Q_i's buffer is free for the next tile's Q_i.
+without a mask, one tile per CTA under one: `scheduler_kind`), its pipelines running on from one
+tile into the next. A tile is two 128-row query tiles ("stages" 0 and 1) of one (head, batch)
+against the same key blocks: 256 rows. Per key block j (visited from the highest to the lowest),
+the MMA warp issues S_i = Q_i·K_jᵀ into TMEM for both stages; softmax warp group i reads S_i,
+writes P_i (16-bit) over the second half of S_i's own columns, and hands the MMA warp P_i; the
+MMA warp then issues O_i += P_i·V_j with P_i read from TMEM. The correction warp group rescales
+O_i in TMEM when softmax i moved its row maximum (FA4's conditional rescaling), and at the end
+divides by the row sums, stages O_i in Q_i's shared memory for a TMA store and writes LSE; once
+the store has read it, Q_i's buffer is free for the next tile's Q_i.
 """
 from __future__ import annotations
 
