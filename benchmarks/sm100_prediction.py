@@ -14,7 +14,8 @@ B200's published rates:
   cache), one warp instruction per clock on each of the 4 sub-partitions, for the softmax warp
   group's 4 warps;
 - SMEM: the MMAs' operand reads from shared memory (Q and K for S; V for P·V, P comes from TMEM)
-  at 128 bytes per clock.
+  at 128 bytes per clock; on a CTA pair each SM reads its own Q rows but only its half of K
+  and V (the pair's MMA takes the other half from the partner's shared memory).
 
 The steady state is bounded by the busiest unit; the two stages ping-pong so that one's softmax
 overlaps the other's MMAs, and the prediction assumes that overlap holds (the bound), then takes
@@ -42,11 +43,11 @@ UPSTREAM_D128_TFLOPS = 1613.0
 UPSTREAM_D128_LOOP = {"instructions": 514, "mufu_ex2": 113}
 
 
-def cycles(head_dim: int, head_dim_v: int, loop_instructions: int, mufu_ex2: int) -> dict:
+def cycles(head_dim: int, head_dim_v: int, loop_instructions: int, mufu_ex2: int, ctas: int = 1) -> dict:
     rows = plan.ROWS_PER_STAGE
     tile_n = plan.TILE_CONFIGS.get((head_dim, head_dim_v), plan.TileConfig()).tile_n
     flops = 2 * rows * tile_n * (head_dim + head_dim_v)
-    smem_bytes = 2 * (rows * head_dim + tile_n * head_dim + tile_n * head_dim_v)
+    smem_bytes = 2 * (rows * head_dim + (tile_n * head_dim + tile_n * head_dim_v) // ctas)
     return {
         "tensor": flops / TENSOR_FLOPS_PER_CLOCK,
         "mufu": rows * mufu_ex2 / MUFU_PER_CLOCK,
@@ -67,8 +68,9 @@ def upstream_efficiency() -> float:
     return UPSTREAM_D128_TFLOPS / tflops(c)
 
 
-def our_loops() -> dict[tuple[int, int], dict]:
-    """(d, dv) -> the steady softmax loop of the bf16 unmasked kernel, from the build cache."""
+def our_loops() -> dict[tuple[int, int, int], dict]:
+    """(d, dv, CTAs per MMA) -> the steady softmax loop of the bf16 unmasked kernel, from the
+    build cache."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     import sass_facts
 
@@ -80,7 +82,9 @@ def our_loops() -> dict[tuple[int, int], dict]:
         if variant.dtype == "bf16" and variant.mask == "none" and not variant.softcap:
             cubins = build.cubins([variant])[variant.name]
             loop = sass_facts.steady_loop(sass_facts.facts(str(cubins[0])))
-            out[(variant.head_dim, variant.head_dim_v)] = {
+            ctas = plan.tile_config(variant.head_dim, variant.head_dim_v,
+                                    sm100.TUNINGS[variant.tuning].get("cta_pair", False)).ctas
+            out[(variant.head_dim, variant.head_dim_v, ctas)] = {
                 "instructions": sass_facts.loop_instructions(loop), "mufu_ex2": loop["mufu_ex2"]}
     return out
 
@@ -88,10 +92,11 @@ def our_loops() -> dict[tuple[int, int], dict]:
 def table(loops: dict) -> list[dict]:
     efficiency = upstream_efficiency()
     rows = []
-    for (d, dv), loop in sorted(loops.items()):
-        c = cycles(d, dv, loop["instructions"], loop["mufu_ex2"])
+    for (d, dv, ctas), loop in sorted(loops.items()):
+        c = cycles(d, dv, loop["instructions"], loop["mufu_ex2"], ctas)
         bound = tflops(c)
-        rows.append({"head dim": f"{d}/{dv}", **{k: round(v) for k, v in c.items() if k != "flops"},
+        rows.append({"head dim": f"{d}/{dv}" + (" pair" if ctas == 2 else ""),
+                     **{k: round(v) for k, v in c.items() if k != "flops"},
                      "bound TF/s": round(bound), "at upstream's efficiency": round(bound * efficiency)})
     return rows
 

@@ -23,7 +23,11 @@ FAMILIES = {
     "ldtm": "LDTM",                # tcgen05.ld
     "sttm": "STTM",                # tcgen05.st
     "utcbar": "UTCBAR",            # tcgen05.commit
-    "tmem_alloc": "UTCATOMSWS.FIND_AND_SET",
+    "tmem_alloc": "FIND_AND_SET",     # tcgen05.alloc (UTCATOMSWS[.2CTA].FIND_AND_SET)
+    "tmem_alloc_2cta": "UTCATOMSWS.2CTA.FIND_AND_SET",
+    "utcbar_multicast": "UTCBAR.2CTA.MULTICAST",  # a CTA pair's commit to both CTAs' barriers
+    "tma_load_2cta": "UTMALDG.4D.2CTA",  # a pair's load, completing on the leader's barrier
+    "cluster_wait": "UCGABAR_WAIT",
     "tmem_dealloc": "UTCATOMSWS.AND",
     "mufu_ex2": "MUFU.EX2",
     "mufu_tanh": "MUFU.TANH",
@@ -113,12 +117,12 @@ def count(code, key: str, lo: int = 0, hi: int = 1 << 62) -> int:
 
 def tmem_alloc_columns(code) -> list:
     """The TMEM columns each allocation asks for. `tcgen05.alloc` becomes
-    UTCATOMSWS.FIND_AND_SET, whose count operand is a uniform register holding the columns in
+    UTCATOMSWS.FIND_AND_SET (UTCATOMSWS.2CTA.FIND_AND_SET.ALIGN for a CTA pair), whose count operand is a uniform register holding the columns in
     granules of 32; ptxas loads it with a UMOV of an immediate just before. An operand it did
     not load that way reads None."""
     found = []
     for index, (_, text) in enumerate(code):
-        if "UTCATOMSWS.FIND_AND_SET" not in text:
+        if "UTCATOMSWS" not in text or "FIND_AND_SET" not in text:
             continue
         register = text.split(",")[-1].strip()
         value = None

@@ -68,66 +68,78 @@ class ProtocolError(AssertionError):
     pass
 
 
-def explore(config, tiles, events=None, arrivals=None):
+def explore(config, tiles, events=None, arrivals=None, filled_by=None):
     """Every interleaving of the roles' barrier events (plan.role_events) and of the async
     arrivals (TMA, tcgen05.commit: delivered later, in issue order per issuing role). Raises
     ProtocolError on a deadlock, a wait that passes on the wrong phase (mbarrier parity waits
     only see the phase's parity), an arrival that lands in another phase than the one it is
     meant for, or a release of a round whose data has not arrived (`Pipeline.releases_filled`:
-    a consumer must not give back a buffer a load is still writing). Returns the number of
-    states visited."""
+    a consumer must not give back a buffer a load is still writing; `filled_by` names, per
+    pipeline, the barrier whose full phases say so). Returns the number of states visited."""
     events = events or plan.role_events(config, tiles)
     arrivals = arrivals or plan.expected_arrivals(config)
     releases_filled = {pipe.name for pipe in plan.pipelines(config) if pipe.releases_filled}
-    roles = sorted(events, key=lambda r: r.value)
-    start = (tuple(0 for _ in roles), tuple(() for _ in roles), ())
+    filled_by = filled_by or {}
+    roles = sorted(events, key=str)
+    # A state: each role's next event, each role's arrivals in flight, and each barrier's phase
+    # and arrival count, barriers numbered in `slots`.
+    slots = {}
+
+    def slot(pipe, side, stage):
+        return slots.setdefault((pipe, side, stage), len(slots))
+
+    steps = []
+    for role in roles:
+        role_steps = []
+        for event in events[role]:
+            kind, pipe, side, stage, rnd = event[:5]
+            filled = -1
+            if kind == "arrive" and side == "empty" and pipe.split("@")[0] in releases_filled:
+                filled = slot(filled_by.get(pipe, pipe), "full", stage)
+            role_steps.append((kind == "wait", slot(pipe, side, stage), rnd, event[-1] == "async",
+                               arrivals.get((pipe, side), 0), filled, event))
+        steps.append(role_steps)
+
+    def deliver(phases, counts, step):
+        _, b, rnd, _, need, filled, event = step
+        if filled >= 0 and phases[filled] <= rnd:
+            raise ProtocolError(f"{event}: releases round {rnd} before its data has arrived")
+        if phases[b] != rnd:
+            raise ProtocolError(f"{event}: arrives while barrier {b} is in phase {phases[b]}")
+        count = counts[b] + 1
+        if count == need:
+            phases, count = phases[:b] + (phases[b] + 1,) + phases[b + 1:], 0
+        return phases, counts[:b] + (count,) + counts[b + 1:]
+
+    zeros = (0,) * len(slots)
+    start = ((0,) * len(roles), ((),) * len(roles), zeros, zeros)
     seen = {start}
     frontier = [start]
-
-    def barrier(barriers, key):
-        return dict(barriers).get(key, (0, 0))
-
-    def deliver(barriers, event):
-        _, pipe, side, stage, rnd = event[:5]
-        key = (pipe, side, stage)
-        if side == "empty" and pipe in releases_filled and barrier(barriers, (pipe, "full", stage))[0] <= rnd:
-            raise ProtocolError(f"{event}: releases round {rnd} before its data has arrived")
-        phase, count = barrier(barriers, key)
-        if phase != rnd:
-            raise ProtocolError(f"{event}: arrives while {key} is in phase {phase}")
-        count += 1
-        if count == arrivals[(pipe, side)]:
-            phase, count = phase + 1, 0
-        return tuple(sorted({**dict(barriers), key: (phase, count)}.items()))
-
     while frontier:
-        pcs, queues, barriers = frontier.pop()
+        pcs, queues, phases, counts = frontier.pop()
         successors = []
-        for r, role in enumerate(roles):
+        for r, role_steps in enumerate(steps):
             if queues[r]:  # the oldest async arrival of this role lands
                 new_queues = queues[:r] + (queues[r][1:],) + queues[r + 1:]
-                successors.append((pcs, new_queues, deliver(barriers, queues[r][0])))
-            if pcs[r] == len(events[role]):
+                successors.append((pcs, new_queues, *deliver(phases, counts, role_steps[queues[r][0]])))
+            if pcs[r] == len(role_steps):
                 continue
-            event = events[role][pcs[r]]
+            step = role_steps[pcs[r]]
+            is_wait, b, rnd, is_async, _, _, event = step
             new_pcs = pcs[:r] + (pcs[r] + 1,) + pcs[r + 1:]
-            kind, pipe, side, stage, rnd = event[:5]
-            if kind == "wait":
-                phase, _ = barrier(barriers, (pipe, side, stage))
-                if phase % 2 == rnd % 2:
+            if is_wait:
+                if phases[b] % 2 == rnd % 2:
                     continue  # the parity wait blocks
-                if phase != rnd + 1:
-                    raise ProtocolError(f"{role}: {event} passes with the barrier in phase {phase}")
-                successors.append((new_pcs, queues, barriers))
-            elif event[-1] == "async":
-                new_queues = queues[:r] + (queues[r] + (event,),) + queues[r + 1:]
-                successors.append((new_pcs, new_queues, barriers))
+                if phases[b] != rnd + 1:
+                    raise ProtocolError(f"{roles[r]}: {event} passes with the barrier in phase {phases[b]}")
+                successors.append((new_pcs, queues, phases, counts))
+            elif is_async:
+                new_queues = queues[:r] + (queues[r] + (pcs[r],),) + queues[r + 1:]
+                successors.append((new_pcs, new_queues, phases, counts))
             else:
-                successors.append((new_pcs, queues, deliver(barriers, event)))
-        done = all(pcs[r] == len(events[role]) for r, role in enumerate(roles)) and not any(queues)
-        if not successors and not done:
-            stuck = {role.value: events[role][pcs[r]] for r, role in enumerate(roles)
-                     if pcs[r] < len(events[role])}
+                successors.append((new_pcs, queues, *deliver(phases, counts, step)))
+        if not successors and (any(queues) or any(pc < len(s) for pc, s in zip(pcs, steps))):
+            stuck = {str(role): steps[r][pcs[r]][-1] for r, role in enumerate(roles) if pcs[r] < len(steps[r])}
             raise ProtocolError(f"deadlock: {stuck}")
         for state in successors:
             if state not in seen:
@@ -219,3 +231,65 @@ def test_the_prediction_model_counts_each_unit_per_stage_and_block():
     assert model.tflops(c) == pytest.approx(2.25e15 * 1024 / 1032 / 1e12, rel=1e-6)
     # FA4's 1613 TF/s d128 against its own loop's bound: ~0.72.
     assert 0.6 < model.upstream_efficiency() < 0.8
+    # A CTA pair's SM reads its Q rows and half of K and V: 32 + 16 + 16 KB.
+    assert model.cycles(128, 128, 558, 129, ctas=2)["smem"] == 512
+
+
+# --- The CTA pair ------------------------------------------------------------------------------
+
+def explore_pair(config, tiles, events=None):
+    return explore(config, tiles, events or plan.pair_role_events(config, tiles),
+                   plan.pair_expected_arrivals(config), plan.pair_filled_by(config))
+
+
+# Nine roles make a pair's state space large (1.7 million states for two one-block tiles): one
+# tile at each shipped depth, and the ring's wrap and the next tile's Q at the shallowest.
+@pytest.mark.parametrize("kv_stages, tiles", [(2, (1,)), (5, (1,)), (6, (1,)), (2, (2,)), (2, (1, 1))])
+def test_a_cta_pair_has_no_deadlock_and_no_phase_aliasing(kv_stages, tiles):
+    # Both CTAs' loads complete on the leader's K/V and Q barriers, the leader's commits land
+    # on both CTAs' barriers, and both CTAs' softmax and correction hand S back to the leader.
+    config = plan.TileConfig(kv_stages=kv_stages, cta_pair=True)
+    assert explore_pair(config, tiles) > 100
+
+
+def test_every_shipped_pair_ring_depth_is_covered_by_the_search():
+    assert {c.kv_stages for c in plan.PAIR_TILE_CONFIGS.values()} <= {2, 5, 6}
+    assert all(c.cta_pair for c in plan.PAIR_TILE_CONFIGS.values())
+
+
+def test_a_pair_counts_both_ctas_on_the_leaders_barriers():
+    arrivals = plan.pair_expected_arrivals(plan.TileConfig(cta_pair=True))
+    # Both CTAs' TMA loads on the leader's; the non-leader's full barrier of them unused.
+    assert arrivals[("KV@0", "full")] == arrivals[("Q@0", "full")] == 2
+    assert arrivals[("KV@1", "full")] == arrivals[("Q@1", "full")] == 0
+    # One multicast commit per phase on each CTA's K/V empty and S full barriers.
+    assert arrivals[("KV@0", "empty")] == arrivals[("KV@1", "empty")] == 1
+    assert arrivals[("S0@1", "full")] == 1
+    # Softmax 0 and the correction of both CTAs give S_0 back to the leader.
+    assert (arrivals[("S0@0", "empty")], arrivals[("S0@1", "empty")]) == (4, 0)
+
+
+def test_the_search_finds_a_commit_that_misses_the_partner():
+    # K/V's release committed to the leader's barrier alone: the partner's load warp waits
+    # forever for its ring to empty.
+    config = plan.TileConfig(kv_stages=2, cta_pair=True)
+    events = plan.pair_role_events(config, (3,))
+    broken = _without(events, (Role.MMA, 0), lambda e: e[:3] == ("arrive", "KV@1", "empty"))
+    with pytest.raises(ProtocolError, match="deadlock"):
+        explore_pair(config, (3,), broken)
+
+
+def test_the_search_finds_a_partner_release_on_its_own_barrier():
+    # The partner's softmax arriving on its own S_0 empty barrier instead of the leader's: the
+    # leader's MMA warp waits forever for S_0 back.
+    config = plan.TileConfig(kv_stages=2, cta_pair=True)
+    events = plan.pair_role_events(config, (2,))
+    misdirected = [e[:1] + ("S0@1",) + e[2:] if e[:3] == ("arrive", "S0@0", "empty") else e
+                   for e in events[(Role.SOFTMAX0, 1)]]
+    with pytest.raises(ProtocolError):
+        explore_pair(config, (2,), {**events, (Role.SOFTMAX0, 1): misdirected})
+
+
+def test_a_pair_refuses_tiles_without_keys():
+    with pytest.raises(ValueError, match="key blocks"):
+        plan.pair_role_events(plan.TileConfig(cta_pair=True), (1, 0))

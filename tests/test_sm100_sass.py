@@ -18,6 +18,11 @@ from tests.scripts import load_script
 sass_facts = load_script("sass_facts")
 
 
+def config_of(variant):
+    """The tile table entry a variant was built from (a CTA pair's through its tuning)."""
+    return plan.tile_config(variant.head_dim, variant.head_dim_v, sm100.TUNINGS[variant.tuning].get("cta_pair", False))
+
+
 @pytest.fixture(scope="module")
 def all_facts():
     found = build.cubins(sm100.MENU)
@@ -31,16 +36,25 @@ def all_facts():
 def test_tcgen05_families(all_facts, variant):
     facts = all_facts[variant.name]
     fam = facts.families
-    k_steps_qk, k_steps_pv = variant.head_dim // 16, plan.TILE_CONFIGS[(variant.head_dim, variant.head_dim_v)].tile_n // 16
+    config = config_of(variant)
+    k_steps_qk, k_steps_pv = variant.head_dim // 16, config.tile_n // 16
     # S = Q·Kᵀ from shared memory (SS) and O += P·V with P from TMEM (TS), one MMA per k16 step
     # per stage, in the first block's and the loop's copies.
     assert facts.mma_forms["ss"] >= 2 * plan.Q_STAGES * k_steps_qk
     assert facts.mma_forms["ts"] >= 2 * plan.Q_STAGES * k_steps_pv
     assert facts.mma_forms["ss"] + facts.mma_forms["ts"] == fam["utchmma"]
-    assert fam["utchmma_2cta"] == 0  # one-CTA kernels
     assert fam["ldtm"] > 0 and fam["sttm"] > 0 and fam["utcbar"] > 0
     # TMEM is allocated (with the retry of a failed allocation) and released once.
     assert fam["tmem_alloc"] >= 1 and fam["tmem_dealloc"] == 1
+    # A CTA pair: every MMA, TMEM allocation and K/V or Q load of the pair's kind, every commit
+    # multicast to both CTAs' barriers, and the CTAs wait for each other (cluster barriers, at
+    # the barriers' initialisation and before leaving). A single CTA: none of them.
+    pair = config.cta_pair
+    assert fam["utchmma_2cta"] == (fam["utchmma"] if pair else 0)
+    assert fam["utcbar_multicast"] == (fam["utcbar"] if pair else 0)
+    assert fam["tmem_alloc_2cta"] == (fam["tmem_alloc"] if pair else 0)
+    assert fam["tma_load_2cta"] == (fam["tma_load"] if pair else 0)
+    assert fam["cluster_wait"] == (2 if pair else 0)
     # O leaves through shared memory, one TMA store per stage (in the epilogue after the key
     # blocks and in the one of a tile without any); the plain global stores are LSE's alone, a
     # 32-bit store per stage and epilogue.
@@ -69,7 +83,7 @@ def test_tmem_allocation_is_the_plans(all_facts, variant):
     # The columns the compiled kernel asks tcgen05.alloc for (its first try and the retry)
     # are the TMEM map's allocation for this variant's tile: the map's regions fit in what the
     # hardware hands out.
-    config = plan.TILE_CONFIGS[(variant.head_dim, variant.head_dim_v)]
+    config = config_of(variant)
     planned = plan.TmemMap(config.tile_n, variant.head_dim_v).alloc_columns
     columns = all_facts[variant.name].tmem_alloc_columns
     assert columns and set(columns) == {planned}
@@ -88,7 +102,7 @@ def test_no_local_memory_in_any_loop(all_facts, variant):
 
 @pytest.mark.parametrize("variant", sm100.MENU, ids=lambda v: v.name)
 def test_each_softmax_loop_runs_one_exponential_per_key_and_one_row_scale(all_facts, variant):
-    config = plan.TILE_CONFIGS[(variant.head_dim, variant.head_dim_v)]
+    config = config_of(variant)
     facts = all_facts[variant.name]
     softmax_loops = [loop for loop in sass_facts.innermost(facts.loop_families) if loop["mufu_ex2"]]
     # Both softmax warp groups, each with its unmasked loop, and masked loops per mask kind

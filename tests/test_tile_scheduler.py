@@ -66,12 +66,13 @@ def test_section_keeps_kv_within_the_l2_budget():
 
 
 def _persistent_shares(sched, sq, sk, h, hk, b):
-    """Each persistent CTA's tiles, as the kernel walks them: CTA c takes positions c, c + grid,
-    ... of the order (TileScheduler.tile_count and tile)."""
+    """Each persistent cluster's tiles (a CTA's, without clusters), as the kernel walks them:
+    cluster c takes positions c, c + clusters, ... of the order (TileScheduler.tile_count and
+    tile), the clusters those of TileScheduler.grid."""
     num_tiles = -(-sq // sched.tile_m) * h * b
-    grid = min(num_tiles, sched.num_sms)
-    return [[sched.decode(cta + i * grid, sq, sk, h, hk, b) for i in range((num_tiles - cta + grid - 1) // grid)]
-            for cta in range(grid)]
+    clusters = sched.grid(sq, sk, h, hk, b)[0] // sched.cluster_size
+    return [[sched.decode(c + i * clusters, sq, sk, h, hk, b)
+             for i in range((num_tiles - c + clusters - 1) // clusters)] for c in range(clusters)]
 
 
 def test_persistent_ctas_split_the_tiles():
@@ -105,14 +106,34 @@ def test_grid_sections_fit_the_l2_budget():
     assert sched.grid(4096, 4096, 16, 2, 3) == (48, 32, 1)  # GQA: all 48 pairs in one section
 
 
+def test_clusters_of_two_split_the_tiles_on_even_grids():
+    # A Blackwell CTA pair computes each of its tiles together: 74 clusters on 148 SMs, and a
+    # grid of whole clusters however few the tiles.
+    sched = TileScheduler("lpt", 512, False, kv_bytes_per_key=512, num_sms=148, cluster_size=2)
+    sq, sk, h, hk, b = 4096, 4096, 16, 16, 2
+    assert sched.grid(sq, sk, h, hk, b) == (148, 1, 1)
+    assert sched.grid(300, 333, 3, 1, 1) == (6, 1, 1)
+    shares = _persistent_shares(sched, sq, sk, h, hk, b)
+    seen = [tile for share in shares for tile in share]
+    assert len(shares) == 74 and len(seen) == len(set(seen)) == 8 * h * b
+
+
+def test_clusters_need_the_persistent_order_on_whole_clusters_of_sms():
+    with pytest.raises(ValueError, match="clusters"):
+        TileScheduler("lpt_grid", 512, False, 512, cluster_size=2)
+    with pytest.raises(ValueError, match="clusters"):
+        TileScheduler("lpt", 512, False, 512, num_sms=133, cluster_size=2)
+
+
 def test_unknown_scheduler_is_refused():
     assert SCHEDULERS == ("linear", "lpt", "lpt_grid")
     with pytest.raises(ValueError):
         TileScheduler("dynamic", 128, False, 512)
 
 
-@pytest.mark.parametrize("mask", ["none", "causal", "local"])
-def test_the_blackwell_first_use_batch_covers_the_schedulers_cases(mask):
+@pytest.mark.parametrize("mask, tuning", [("none", {}), ("none", {"cta_pair": True}), ("causal", {}),
+                                          ("local", {})])
+def test_the_blackwell_first_use_batch_covers_the_schedulers_cases(mask, tuning):
     # fa4_jax.verification's multi-tile probe must run, on a Blackwell GPU, the sm100 kernel's
     # tile-to-tile hand-overs on every CTA of its persistent grid (no mask), and tiles without
     # any key (under a mask, more rows than keys: one tile per CTA in LPT order there).
@@ -122,13 +143,14 @@ def test_the_blackwell_first_use_batch_covers_the_schedulers_cases(mask):
     from fa4_jax.kernels.sm100 import plan
     from fa4_jax.kernels.sm100.fwd import FlashAttentionForwardSm100
 
-    sched = FlashAttentionForwardSm100(cutlass.BFloat16, 128, 128, mask, False).scheduler
+    sched = FlashAttentionForwardSm100(cutlass.BFloat16, 128, 128, mask, False, **tuning).scheduler
     assert sched.kind == plan.scheduler_kind(mask)
     sq, sk, batch = max(verification.PROBES, key=lambda probe: probe[2])
     h, hk = selftest.HEADS_Q, selftest.HEADS_KV
     num_m = -(-sq // sched.tile_m)
     if mask == "none":
         assert sched.persistent and sched.num_sms == 148
+        assert sched.cluster_size == (2 if tuning else 1)
         shares = _persistent_shares(sched, sq, sk, h, hk, batch)
         assert min(len(share) for share in shares) >= 2
         order = [tile for share in shares for tile in share]

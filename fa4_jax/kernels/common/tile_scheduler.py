@@ -14,7 +14,10 @@ A tile is (m_block, head, batch): `tile_m` query rows of one head of one sequenc
   of the LPT order, so its pipelines, barriers and register setup carry from tile to tile.
   The SM count is static (132, the H200's and H100 SXM's): an ahead-of-time kernel cannot query
   the device, and the FFI signature has no slot for it. On a GPU with fewer SMs it is still
-  correct, only with a short second wave of CTAs.
+  correct, only with a short second wave of CTAs. With `cluster_size` 2 (a Blackwell CTA pair,
+  whose MMAs span both CTAs' rows) the unit is the cluster: num_sms / 2 clusters, cluster c
+  taking tiles c, c + clusters, ... and both its CTAs computing each (tile_m counts both CTAs'
+  rows).
 
 The LPT order (shared by "lpt" and "lpt_grid"): (batch, head) pairs are cut into L2 sections of
 as many heads as keep their K and V (seqlen_k · (d + dv) bytes per KV head) within `l2_bytes`.
@@ -52,10 +55,15 @@ class TileScheduler:
     kv_bytes_per_key: int
     num_sms: int = SM90_NUM_SMS
     l2_bytes: int = L2_SECTION_BYTES
+    # CTAs per cluster that compute each tile together (persistent "lpt" only).
+    cluster_size: int = 1
 
     def __post_init__(self):
         if self.kind not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {self.kind!r}")
+        if self.cluster_size != 1 and (self.kind != "lpt" or self.num_sms % self.cluster_size):
+            raise ValueError(f"clusters of {self.cluster_size} CTAs need the persistent 'lpt' kind and a "
+                             f"multiple of them in num_sms={self.num_sms}, got {self.kind!r}")
 
     @property
     def persistent(self) -> bool:
@@ -77,7 +85,8 @@ class TileScheduler:
             pairs = num_heads * batch
             section_heads = cutlass.min(self.section_heads(seqlen_k, num_heads, num_heads_kv), pairs)
             return (section_heads, num_m, (pairs + section_heads - 1) // section_heads)
-        return (cutlass.min(num_m * num_heads * batch, self.num_sms), 1, 1)
+        clusters = cutlass.min(num_m * num_heads * batch, self.num_sms // self.cluster_size)
+        return (clusters * self.cluster_size, 1, 1)
 
     @cute.jit
     def tile_count(self, seqlen_q: Int32, num_heads: Int32, batch: Int32) -> Int32:
@@ -91,8 +100,7 @@ class TileScheduler:
                 count = Int32(0)
         if cutlass.const_expr(self.persistent):
             num_tiles = (seqlen_q + self.tile_m - 1) // self.tile_m * num_heads * batch
-            first, _, _ = cute.arch.block_idx()
-            stride, _, _ = cute.arch.grid_dim()
+            first, stride = self.worker()
             count = (num_tiles - first + stride - 1) // stride
         return count
 
@@ -106,10 +114,21 @@ class TileScheduler:
             section_heads, num_m, _ = cute.arch.grid_dim()
             m_block, head, batch_idx = self.grid_tile((bx, by, bz), section_heads, num_m, num_heads)
         elif cutlass.const_expr(self.persistent):
-            stride, _, _ = cute.arch.grid_dim()
-            m_block, head, batch_idx = self.decode(bx + i * stride, seqlen_q, seqlen_k, num_heads,
+            first, stride = self.worker()
+            m_block, head, batch_idx = self.decode(first + i * stride, seqlen_q, seqlen_k, num_heads,
                                                    num_heads_kv, batch)
         return m_block, head, batch_idx
+
+    def worker(self):
+        """A persistent CTA's (first position in the order, stride): its cluster's index and
+        the number of clusters (read, not divided: the special registers hold them)."""
+        if cutlass.const_expr(self.cluster_size == 1):
+            bx, _, _ = cute.arch.block_idx()
+            grid_x, _, _ = cute.arch.grid_dim()
+            return bx, grid_x
+        cluster, _, _ = cute.arch.cluster_idx()
+        clusters, _, _ = cute.arch.cluster_dim()
+        return cluster, clusters
 
     def grid_tile(self, block, section_heads, num_m, num_heads):
         """(m_block, head, batch index) of an "lpt_grid" CTA: block = (pair in its section,

@@ -74,6 +74,8 @@ class _Tile:
     window or causal band that leaves the rows no key, or an entry without keys)."""
 
     m_block: Int32
+    # The CTA's place in its pair (0 without one): its rows of each stage come after the leader's.
+    cta_in_pair: Int32
     head: Int32
     head_kv: Int32
     batch: Int32
@@ -88,6 +90,10 @@ class _Tile:
     stage_blocks: BlockInfo
     # Keys past an entry's length lie inside the buffer (their V rows need zeroing).
     ragged_k: cutlass.Boolean
+
+    def row_block(self, stage: int, ctas: int):
+        """The ROWS_PER_STAGE-row block of the query rows that this CTA's stage `stage` holds."""
+        return (self.m_block * Q_STAGES + stage) * ctas + self.cta_in_pair
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,15 +146,19 @@ class FlashAttentionForwardSm100:
         """`tuning` overrides the tile table's settings (plan.TileConfig's fields)."""
         if mask not in ("none", "causal", "local"):
             raise ValueError(f"mask must be 'none', 'causal' or 'local', got {mask!r}")
-        if (head_dim, head_dim_v) not in plan.TILE_CONFIGS:
-            raise ValueError(f"no sm100 tile configuration for head_dim={head_dim}, head_dim_v={head_dim_v}")
+        cta_pair = tuning.get("cta_pair", False)
+        if (head_dim, head_dim_v) not in (plan.PAIR_TILE_CONFIGS if cta_pair else plan.TILE_CONFIGS):
+            raise ValueError(f"no sm100 tile configuration for head_dim={head_dim}, head_dim_v={head_dim_v}"
+                             + (" on a CTA pair" if cta_pair else ""))
+        if cta_pair and mask != "none":
+            raise ValueError(f"a CTA pair serves calls without a mask, got mask={mask!r}")
         if segments or mask_array:
             raise ValueError("the sm100 forward has no segment-ids or mask-array variant yet")
         unknown = set(tuning) - set(TUNING_KNOBS)
         if unknown:
             raise TypeError(f"unknown tuning knobs {sorted(unknown)}; known: {TUNING_KNOBS}")
         plan.check_budgets()
-        config = dataclasses.replace(plan.TILE_CONFIGS[(head_dim, head_dim_v)], **tuning)
+        config = dataclasses.replace(plan.tile_config(head_dim, head_dim_v, cta_pair), **tuning)
         if head_dim_v > head_dim:
             raise ValueError("V's stages sit at K's stage offsets in one ring: head_dim_v must not exceed head_dim")
         if config.tile_n != 128:
@@ -169,11 +179,16 @@ class FlashAttentionForwardSm100:
         self.kv_stages = config.kv_stages
         self.softmax_config = SoftmaxConfig(rescale_threshold=config.rescale_threshold,
                                             exp2_poly_share=config.exp2_poly_share, packed_pairs=True)
-        self.cta_m = Q_STAGES * ROWS_PER_STAGE
+        # CTAs per MMA, and the query rows one MMA covers (one stage of each CTA of a pair).
+        self.ctas = config.ctas
+        self.mma_rows = ROWS_PER_STAGE * self.ctas
+        # A tile: both stages of every CTA of the pair.
+        self.cta_m = Q_STAGES * self.mma_rows
         masked = self.causal or self.local
         self.scheduler = TileScheduler(
             plan.scheduler_kind(mask), self.cta_m, reverse_m=masked,
             kv_bytes_per_key=(head_dim + head_dim_v) * dtype.width // 8, num_sms=hardware.NUM_SMS,
+            cluster_size=self.ctas,
         )
 
     # --- host side -----------------------------------------------------------------------
@@ -208,9 +223,9 @@ class FlashAttentionForwardSm100:
         mV = permute_modes(mV, (3, 1, 2, 0))
         mLSE = permute_modes(mLSE, (2, 1, 0))
 
-        cta_group = tcgen05.CtaGroup.ONE
-        mma_tiler_qk = (ROWS_PER_STAGE, self.tile_n, self.head_dim)
-        mma_tiler_pv = (ROWS_PER_STAGE, self.head_dim_v, self.tile_n)
+        cta_group = tcgen05.CtaGroup.TWO if self.config.cta_pair else tcgen05.CtaGroup.ONE
+        mma_tiler_qk = (self.mma_rows, self.tile_n, self.head_dim)
+        mma_tiler_pv = (self.mma_rows, self.head_dim_v, self.tile_n)
         tiled_mma_qk = sm100_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, tcgen05.OperandMajorMode.K, tcgen05.OperandMajorMode.K,
             Float32, cta_group, mma_tiler_qk[:2],
@@ -229,7 +244,7 @@ class FlashAttentionForwardSm100:
                 cute.select(sV_layout, mode=[0, 1, 2]),
                 cute.make_layout(self.kv_stages, stride=cute.cosize(cute.select(sK_layout, mode=[0, 1, 2]))))
 
-        cluster = cute.tiled_divide(cute.make_layout((1, 1, 1)), (tiled_mma_qk.thr_id.shape,))
+        cluster = self.cluster_layout(tiled_mma_qk)
         load_op = cpasync.CopyBulkTensorTileG2SOp(cta_group)
         tma_atom_q, tma_q = cute.nvgpu.make_tiled_tma_atom_A(
             load_op, mQ, cute.select(sQ_layout, mode=[0, 1, 2]), mma_tiler_qk, tiled_mma_qk, cluster.shape)
@@ -245,9 +260,11 @@ class FlashAttentionForwardSm100:
         assert cute.cosize(sO_layout) <= cute.cosize(cute.select(sQ_layout, mode=[0, 1, 2])), "O_i exceeds Q_i's buffer"
         tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (ROWS_PER_STAGE, self.head_dim_v))
-        self.tma_bytes_q = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1, 2]))
-        self.tma_bytes_kv = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1, 2]))
-        self.tma_bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1, 2]))
+        # What one stage's full barrier expects: a pair's loads of both CTAs complete on the
+        # leader's (plan.Pipeline.full_at).
+        self.tma_bytes_q = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1, 2])) * self.ctas
+        self.tma_bytes_kv = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1, 2])) * self.ctas
+        self.tma_bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1, 2])) * self.ctas
 
         dtype = self.dtype
         # A full and an empty barrier per stage of every pipeline of the plan.
@@ -256,6 +273,8 @@ class FlashAttentionForwardSm100:
         @cute.struct
         class SharedStorage:
             mbarriers: cute.struct.MemRange[cutlass.Int64, num_mbarriers]
+            # A pair's MMA warps free their TMEM together (TmemAllocator's handshake).
+            tmem_dealloc: cutlass.Int64
             tmem_address: Int32
             row_stats: cute.struct.MemRange[Float32, Q_STAGES * NUM_STATS * ROWS_PER_STAGE]
             sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
@@ -275,7 +294,11 @@ class FlashAttentionForwardSm100:
             sO_layout,
             score_prescale, scale_log2, window_left, window_right, top_left,
         ).launch(grid=grid, block=[plan.NUM_THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
-                 min_blocks_per_mp=1)
+                 min_blocks_per_mp=1, cluster=[self.ctas, 1, 1] if self.config.cta_pair else None)
+
+    def cluster_layout(self, tiled_mma_qk):
+        """The cluster as (CTA in the pair, m, n, k): static, one CTA or two."""
+        return cute.tiled_divide(cute.make_layout((self.ctas, 1, 1)), (tiled_mma_qk.thr_id.shape,))
 
     # --- device side -----------------------------------------------------------------------
 
@@ -313,12 +336,17 @@ class FlashAttentionForwardSm100:
             for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o):
                 cpasync.prefetch_descriptor(atom)
 
+        pair = self.config.cta_pair
+        # This CTA's place in its pair (0, the leader, issues the pair's MMAs), 0 without one.
+        cta_in_pair = cute.arch.block_idx_in_cluster() if cutlass.const_expr(pair) else 0
+        cluster = self.cluster_layout(tiled_mma_qk)
         storage = utils.SmemAllocator().allocate(self.shared_storage)
-        pipes = self.make_pipelines(storage)
+        pipes = self.make_pipelines(storage, cluster)
         tmem_barrier = pipeline.NamedBarrier(barrier_id=int(Barrier.TMEM), num_threads=plan.threads(*plan.TMEM_USERS))
         tmem = utils.TmemAllocator(storage.tmem_address.ptr, barrier_for_retrieve=tmem_barrier,
-                                   allocator_warp_id=mma_warp)
-        pipeline.pipeline_init_arrive(is_relaxed=True)
+                                   allocator_warp_id=mma_warp, is_two_cta=pair,
+                                   two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc.ptr if pair else None)
+        pipeline.pipeline_init_arrive(cluster_shape_mn=cluster, is_relaxed=True)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sKV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
@@ -334,9 +362,9 @@ class FlashAttentionForwardSm100:
         # Each role derives its tiles after its setmaxnreg: values live across the MMA and load
         # warps' drop to 48 registers would be spilled.
         tile_problem = functools.partial(self.tile_problem, mQ, mK, mSeqUsedQ, mSeqUsedK, window_left,
-                                         window_right, top_left)
+                                         window_right, top_left, cta_in_pair)
         tile_count = functools.partial(self.tile_count, mQ)
-        pipeline.pipeline_init_wait()
+        pipeline.pipeline_init_wait(cluster_shape_mn=cluster)
 
         if warp >= mma_warp:
             # The MMA, load and idle warps share the last warp group's budget.
@@ -345,10 +373,13 @@ class FlashAttentionForwardSm100:
             self.load(tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, sQ, sK, sV, tiled_mma_qk,
                       tiled_mma_pv, pipes, tile_problem, tile_count())
         if warp == mma_warp:
+            # A pair's two MMA warps allocate the same columns together; the leader's issues.
             tmem.allocate(self.tmem.alloc_columns)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
-            self.mma(tiled_mma_qk, tiled_mma_pv, tP_layout, tmem_ptr, sQ, sK, sV, pipes, tile_problem, tile_count())
+            if cta_in_pair == 0:
+                self.mma(tiled_mma_qk, tiled_mma_pv, tP_layout, tmem_ptr, sQ, sK, sV, pipes, tile_problem,
+                         tile_count())
             tmem.relinquish_alloc_permit()
             tmem_barrier.arrive_and_wait()
             _tcgen05_after_sync()
@@ -372,30 +403,40 @@ class FlashAttentionForwardSm100:
                             tile_problem, tile_count(), scale_log2)
             _tcgen05_before_sync()
             tmem_barrier.arrive()
+        if cutlass.const_expr(pair):
+            # Neither CTA leaves while its partner may still arrive on its barriers.
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
 
-    def _arrivals(self, roles, threads=None) -> pipeline.CooperativeGroup:
+    def _arrivals(self, roles, landing, threads=None) -> pipeline.CooperativeGroup:
         """The arrivals that complete a pipeline barrier's phase for `roles`: one for the load
-        warp (its TMA unit's transaction) and the MMA warp (one elected tcgen05.commit), `threads`
-        where the plan names how many of the roles' threads arrive, else every thread of them."""
-        arrivals = 1 if roles in ((Role.LOAD,), (Role.MMA,)) else threads or plan.threads(*roles)
+        warp (its TMA unit's transaction; a pair's partner adds bytes, not an arrival) and the
+        MMA warp (one elected tcgen05.commit), `threads` where the plan names how many of the
+        roles' threads arrive, else every thread of them, of both CTAs where a pair's arrivals
+        land on the leader's barrier (plan.Pipeline.full_at / empty_at)."""
+        if roles in ((Role.LOAD,), (Role.MMA,)):
+            arrivals = 1
+        else:
+            arrivals = (threads or plan.threads(*roles)) * (self.ctas if landing == "leader" else 1)
         return pipeline.CooperativeGroup(pipeline.Agent.Thread, arrivals)
 
-    def make_pipelines(self, storage) -> dict:
+    def make_pipelines(self, storage, cluster) -> dict:
         """One pipeline per entry of plan.pipelines, in its order over the shared barriers: TMA
-        into the MMA warp (K/V) or to threads (Q, given back by the correction), the MMA warp's
-        commits out to threads, and thread to thread."""
+        loads (K/V into the MMA warp; Q to the MMA warp and, for its release, the correction),
+        the MMA warp's commits out to threads, and thread to thread. `cluster` makes a pair's
+        loads expect both CTAs' bytes on the leader's barrier, its commits multicast to both
+        CTAs and its threads' releases arrive on the leader's."""
         pipes, barriers = {}, storage.mbarriers.data_ptr()
         tx_bytes = {"Q": self.tma_bytes_q, "KV": self.tma_bytes_kv}
         for pipe in plan.pipelines(self.config):
-            groups = dict(num_stages=pipe.stages, producer_group=self._arrivals(pipe.producer),
-                          consumer_group=self._arrivals(pipe.consumers, pipe.consumer_threads),
+            groups = dict(num_stages=pipe.stages, producer_group=self._arrivals(pipe.producer, pipe.full_at),
+                          consumer_group=self._arrivals(pipe.consumers, pipe.empty_at, pipe.consumer_threads),
                           barrier_storage=barriers, defer_sync=True)
-            if pipe.producer == (Role.LOAD,) and pipe.consumers == (Role.MMA,):
-                pipes[pipe.name] = pipeline.PipelineTmaUmma.create(tx_count=tx_bytes[pipe.name], **groups)
-            elif pipe.producer == (Role.LOAD,):
-                pipes[pipe.name] = pipeline.PipelineTmaAsync.create(tx_count=tx_bytes[pipe.name], **groups)
+            if pipe.producer == (Role.LOAD,):
+                pipes[pipe.name] = pipeline.PipelineTmaUmma.create(tx_count=tx_bytes[pipe.name],
+                                                                   cta_layout_vmnk=cluster, **groups)
             elif pipe.producer == (Role.MMA,):
-                pipes[pipe.name] = pipeline.PipelineUmmaAsync.create(**groups)
+                pipes[pipe.name] = pipeline.PipelineUmmaAsync.create(cta_layout_vmnk=cluster, **groups)
             else:
                 pipes[pipe.name] = pipeline.PipelineAsync.create(**groups)
             barriers = barriers + 2 * pipe.stages
@@ -408,7 +449,8 @@ class FlashAttentionForwardSm100:
         return self.scheduler.tile_count(cute.size(mQ.shape[0]), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
 
     @cute.jit
-    def tile_problem(self, mQ, mK, mSeqUsedQ, mSeqUsedK, window_left, window_right, top_left, tile_index):
+    def tile_problem(self, mQ, mK, mSeqUsedQ, mSeqUsedK, window_left, window_right, top_left, cta_in_pair,
+                     tile_index):
         """This CTA's tile_index-th tile and what every role derives from it (`_Tile`)."""
         seqlen_q_buf, seqlen_k_buf = cute.size(mQ.shape[0]), cute.size(mK.shape[0])
         num_heads, num_heads_kv, batch_size = cute.size(mQ.shape[2]), cute.size(mK.shape[2]), cute.size(mQ.shape[3])
@@ -423,7 +465,7 @@ class FlashAttentionForwardSm100:
         mask = AttentionMask(ROWS_PER_STAGE, self.tile_n, self.causal, self.local, bounds)
         stage_blocks = BlockInfo(ROWS_PER_STAGE, self.tile_n, self.causal, self.local, bounds)
         head_kv = head // (num_heads // num_heads_kv)
-        return _Tile(m_block=m_block, head=head, head_kv=head_kv, batch=batch,
+        return _Tile(m_block=m_block, cta_in_pair=cta_in_pair, head=head, head_kv=head_kv, batch=batch,
                      seqlen_q=seqlen_q, seqlen_k=seqlen_k, seqlen_q_buf=seqlen_q_buf,
                      n_block_min=n_block_min, n_blocks=n_blocks, mask=mask, stage_blocks=stage_blocks,
                      ragged_k=mSeqUsedK.shape[0] > 0)
@@ -434,15 +476,16 @@ class FlashAttentionForwardSm100:
     def load(self, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, sQ, sK, sV, tiled_mma_qk,
              tiled_mma_pv, pipes, tile_problem, tile_count):
         """Per tile, Q's two tiles and each block's K then V through the ring, in plan.role_events'
-        order; a tile without keys loads Q alone (the correction stages its zeros there)."""
-        thr_qk, thr_pv = tiled_mma_qk.get_slice(0), tiled_mma_pv.get_slice(0)
+        order; a tile without keys loads Q alone (the correction stages its zeros there). In a
+        pair each CTA loads its own rows of Q and its half of each K and V block."""
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, Q_STAGES)
         for tile_index in cutlass.range(tile_count, unroll=1):
             tile = tile_problem(tile_index)
             n_blocks = tile.n_blocks
             head, head_kv, batch = tile.head, tile.head_kv, tile.batch
-            gQ = cute.flat_divide(mQ[None, None, head, batch], (ROWS_PER_STAGE, self.head_dim))
+            thr_qk, thr_pv = tiled_mma_qk.get_slice(tile.cta_in_pair), tiled_mma_pv.get_slice(tile.cta_in_pair)
+            gQ = cute.flat_divide(mQ[None, None, head, batch], (self.mma_rows, self.head_dim))
             gK = cute.flat_divide(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim))
             gV = cute.flat_divide(mV[None, None, head_kv, batch], (self.head_dim_v, self.tile_n))
             tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3),
@@ -489,11 +532,11 @@ class FlashAttentionForwardSm100:
         A tile's first S_i GEMMs wait for nothing on S_i: the previous tile's last P_i·V waited
         for S_i's last release, and this thread's MMAs run in order."""
         thr_qk, thr_pv = tiled_mma_qk.get_slice(0), tiled_mma_pv.get_slice(0)
-        tSrQ = thr_qk.make_fragment_A(sQ)
-        tSrK = thr_qk.make_fragment_B(sK)
-        tOrV = thr_pv.make_fragment_B(sV)
-        tStS = thr_qk.make_fragment_C(thr_qk.partition_shape_C((ROWS_PER_STAGE, self.tile_n)))
-        tOtO = thr_pv.make_fragment_C(thr_pv.partition_shape_C((ROWS_PER_STAGE, self.head_dim_v)))
+        tSrQ = tiled_mma_qk.make_fragment_A(sQ)
+        tSrK = tiled_mma_qk.make_fragment_B(sK)
+        tOrV = tiled_mma_pv.make_fragment_B(sV)
+        tStS = thr_qk.make_fragment_C(thr_qk.partition_shape_C((self.mma_rows, self.tile_n)))
+        tOtO = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.mma_rows, self.head_dim_v)))
         tOrP = thr_pv.make_fragment_A(cute.make_tensor(tStS.iterator, tP_layout.outer))[None, None, None, 0]
         scores = [cute.make_tensor(tmem_ptr + self.tmem.s(i), tStS.layout) for i in range(Q_STAGES)]
         outs = [cute.make_tensor(tmem_ptr + self.tmem.o(i), tOtO.layout) for i in range(Q_STAGES)]
@@ -613,8 +656,8 @@ class FlashAttentionForwardSm100:
         n_blocks = tile.n_blocks
         if n_blocks > 0:
             row = cute.arch.thread_idx()[0] % ROWS_PER_STAGE
-            thr_qk = tiled_mma_qk.get_slice(0)
-            tStS = thr_qk.make_fragment_C(thr_qk.partition_shape_C((ROWS_PER_STAGE, self.tile_n)))
+            thr_qk = tiled_mma_qk.get_slice(tile.cta_in_pair)
+            tStS = thr_qk.make_fragment_C(thr_qk.partition_shape_C((self.mma_rows, self.tile_n)))
             scores_tmem = cute.make_tensor(tmem_ptr + self.tmem.s(stage), tStS.layout)[(None, None), 0, 0]
             probs_tmem = cute.make_tensor(
                 scores_tmem.iterator + self.tmem.p(stage) - self.tmem.s(stage),
@@ -644,7 +687,7 @@ class FlashAttentionForwardSm100:
                 row_scale=cute.make_rmem_tensor((1,), Float32), row=row, row_stats=row_stats,
                 pipe_s=pipes[f"S{stage}"], pipe_stats=pipes[f"STATS{stage}"], score_prescale=score_prescale,
             )
-            m_block = tile.m_block * Q_STAGES + stage
+            m_block = tile.row_block(stage, self.ctas)
             seqlen_q, seqlen_k, n_block_min = tile.seqlen_q, tile.seqlen_k, tile.n_block_min
             stage_blocks = tile.stage_blocks
             n_block = n_block_min + n_blocks - 1
@@ -713,8 +756,9 @@ class FlashAttentionForwardSm100:
         stores have read them. A tile without keys stores zeros (and LSE −inf) the same way, once
         its Q has landed where the zeros go."""
         row = cute.arch.thread_idx()[0] % ROWS_PER_STAGE
+        # Either CTA of a pair sees its 128 rows of O in its own TMEM the same way.
         thr_pv = tiled_mma_pv.get_slice(0)
-        tOtO = thr_pv.make_fragment_C(thr_pv.partition_shape_C((ROWS_PER_STAGE, self.head_dim_v)))
+        tOtO = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.mma_rows, self.head_dim_v)))
         outs = [cute.make_tensor(tmem_ptr + self.tmem.o(i), tOtO.layout)[(None, None), 0, 0]
                 for i in range(Q_STAGES)]
         chunk_layout = cute.make_layout((ROWS_PER_STAGE, O_CHUNK))
@@ -784,7 +828,9 @@ class FlashAttentionForwardSm100:
                 if row == 0:
                     # Stage i's store (of the Q_STAGES this thread just issued) has read Q_i's buffer.
                     cute.arch.cp_async_bulk_wait_group(Q_STAGES - 1 - i, read=True)
-                    pipes["Q"].consumer_release(q_state)
+                    # A thread's arrival on this CTA's own barrier (Q's pipeline is the MMA
+                    # warp's, whose release would be a tcgen05.commit).
+                    cute.arch.mbarrier_arrive(pipes["Q"].sync_object_empty.get_barrier(q_state.index))
                 q_state.advance()
 
     @cute.jit
@@ -810,7 +856,7 @@ class FlashAttentionForwardSm100:
         """Stage i's rows: this thread's O·(1/ℓ) (0 past the entry's rows, or without a block)
         into sO[i], its LSE (−inf there) to global memory, then, once the warp group's rows are
         all in, one thread's TMA store of the stage's tile (it stops at the buffer's rows)."""
-        row = (tile.m_block * Q_STAGES + stage) * ROWS_PER_STAGE + row_in_stage
+        row = tile.row_block(stage, self.ctas) * ROWS_PER_STAGE + row_in_stage
         live = row < tile.seqlen_q
         if not live:
             inv_sum = Float32(0.0)
@@ -837,5 +883,5 @@ class FlashAttentionForwardSm100:
             tOsO, tOgO = cpasync.tma_partition(epilogue.tma_atom_o, 0, cute.make_layout(1),
                                                cute.group_modes(epilogue.sO[stage], 0, 2),
                                                cute.group_modes(gO, 0, 2))
-            cute.copy(epilogue.tma_atom_o, tOsO, tOgO[None, tile.m_block * Q_STAGES + stage, 0])
+            cute.copy(epilogue.tma_atom_o, tOsO, tOgO[None, tile.row_block(stage, self.ctas), 0])
             cute.arch.cp_async_bulk_commit_group()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 
+from fa4_jax.kernels.sm100 import plan
 from fa4_jax.routing import DTYPES, MASKS, Route, Variant
 
 ARCH = "sm_100f"
@@ -23,11 +24,25 @@ KERNELS = {"fwd": "fa4_jax.kernels.sm100.fwd:FlashAttentionForwardSm100"}
 # needs the 2-CTA kernels (FA4 upstream's) that this folder does not have yet. Other dims run
 # zero-padded on the narrowest wider pair (routing.serving_head_dims).
 HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128))
-TUNINGS: dict[str, dict] = {"default": {}}
-ROUTES: tuple[Route, ...] = ()
+# Settings of the tuned variants, as overrides of the tile tables (plan.TileConfig).
+TUNINGS: dict[str, dict] = {
+    "default": {},
+    # A CTA pair per MMA (plan.PAIR_TILE_CONFIGS: half of each K and V block per CTA).
+    "cta_pair": {"cta_pair": True},
+}
+# Dense calls without a mask at d128 and d192/dv128 run on CTA pairs, where FA4 upstream finds
+# them faster; ragged batches stay on single CTAs (a pair's partner could not zero the V
+# padding of its half before the leader's P·V reads it, and its keyless tiles would wait on
+# a Q barrier the leader owns).
+ROUTES: tuple[Route, ...] = tuple(
+    Route("cta_pair", "none", d, dense=True) for d, _ in plan.PAIR_TILE_CONFIGS
+)
 DQ_COPIES_MAX_KEYS: dict[int, int] = {}
 
 MENU: tuple[Variant, ...] = tuple(
     Variant(ARCH, dtype, d, dv, mask, softcap, "fwd")
     for dtype, (d, dv), mask, softcap in itertools.product(DTYPES, HEAD_DIMS, MASKS, (False, True))
+) + tuple(
+    Variant(ARCH, dtype, d, dv, "none", softcap, "fwd", "cta_pair")
+    for dtype, (d, dv), softcap in itertools.product(DTYPES, plan.PAIR_TILE_CONFIGS, (False, True))
 )

@@ -52,11 +52,23 @@ class TileConfig:
     # More would pay where the GEMMs are shorter (d64, d96), but three eighths spilled inside the
     # masked loops and a quarter inside d128's unmasked one.
     exp2_poly_share: float = 0.125
+    # A CTA pair: a cluster of two CTAs whose MMAs (tcgen05's cta_group 2, issued by the first
+    # CTA's MMA warp) cover both CTAs' rows, 256 per stage. Each CTA keeps its own 128 rows of Q,
+    # S, P and O but only half of each K block (its keys) and V block (its dv columns), so an
+    # SM reads and loads half the K/V bytes per score. Calls without a mask and without ragged
+    # lengths only (PAIR_TILE_CONFIGS, the sm100 menu's routes).
+    cta_pair: bool = False
+
+    @property
+    def ctas(self) -> int:
+        """CTAs per MMA: 2 for a pair."""
+        return 2 if self.cta_pair else 1
 
     def smem_bytes(self, head_dim: int, head_dim_v: int, elem_bytes: int = 2) -> int:
-        """Q's two stages plus the K/V ring (one buffer per stage sized for the wider of K, V)."""
+        """Q's two stages plus the K/V ring (one buffer per stage sized for the wider of K, V;
+        a pair's CTA holds half of each block)."""
         q = Q_STAGES * ROWS_PER_STAGE * head_dim
-        kv = self.kv_stages * self.tile_n * max(head_dim, head_dim_v)
+        kv = self.kv_stages * self.tile_n * max(head_dim, head_dim_v) // self.ctas
         return elem_bytes * (q + kv)
 
 
@@ -75,8 +87,23 @@ TILE_CONFIGS = {
     # O staging of its own; here O is staged in Q's buffers, free by the epilogue).
     (128, 128): TileConfig(kv_stages=4),
 }
+# The CTA pair's tables (the "cta_pair" tuning), where FA4 upstream finds the pair pays: no
+# mask, d128 and d192/dv128 (its GEMMs long enough that K/V's shared-memory reads, halved here,
+# come close to the tensor core's time).
+PAIR_TILE_CONFIGS = {
+    # 16 KB per CTA and stage: six stages hold as many blocks in flight as three unpaired ones,
+    # FA4 upstream's 2-CTA d128 depth.
+    (128, 128): TileConfig(cta_pair=True, kv_stages=6),
+    # 24 KB per stage (K's half block; V's 16 KB at its offsets): five beside Q's 96 KB.
+    (192, 128): TileConfig(cta_pair=True, kv_stages=5, exp2_poly_share=0.0),
+}
 # Barriers, alignment padding and the scale exchange come on top of TileConfig.smem_bytes.
 SMEM_MARGIN = 4096
+
+
+def tile_config(head_dim: int, head_dim_v: int, cta_pair: bool = False) -> TileConfig:
+    """The shipped table entry of a head-dim pair, single CTA or pair (KeyError if none)."""
+    return (PAIR_TILE_CONFIGS if cta_pair else TILE_CONFIGS)[(head_dim, head_dim_v)]
 
 
 def scheduler_kind(mask: str) -> str:
@@ -201,6 +228,12 @@ class Pipeline:
     consumers: tuple[Role, ...]
     consumer_threads: int | None = None
     releases_filled: bool = True
+    # In a CTA pair, the mbarrier an arrival lands on (a wait is always on the waiter's own):
+    # "own", the arriving CTA's; "leader", the first CTA's, where its MMA warp waits (both
+    # CTAs' TMA loads of a pair operand complete there, and both CTAs' threads hand the MMA
+    # warp their part); "both", the same barrier of each CTA (a multicast tcgen05.commit).
+    full_at: str = "own"
+    empty_at: str = "own"
 
 
 def pipelines(config: TileConfig) -> tuple[Pipeline, ...]:
@@ -209,17 +242,18 @@ def pipelines(config: TileConfig) -> tuple[Pipeline, ...]:
         # full: Q_i has landed (the MMA warp waits, and the correction before it stages a
         # keyless tile's zeros over it); empty: the thread that TMA-stored O_i from Q_i's buffer
         # has seen the store read it, so the next tile's Q_i may load.
-        Pipeline("Q", Q_STAGES, (Role.LOAD,), (Role.CORRECTION,), consumer_threads=1),
-        Pipeline("KV", config.kv_stages, (Role.LOAD,), (Role.MMA,)),
+        Pipeline("Q", Q_STAGES, (Role.LOAD,), (Role.CORRECTION,), consumer_threads=1, full_at="leader"),
+        Pipeline("KV", config.kv_stages, (Role.LOAD,), (Role.MMA,), full_at="leader", empty_at="both"),
     ]
     for stage, softmax in enumerate(SOFTMAX_ROLES):
         # full: S_i is in TMEM (a tcgen05.commit); empty: P_i is in TMEM and O_i is rescaled
         # (the correction's part of it comes before S_i of that round is full).
-        out.append(Pipeline(f"S{stage}", 1, (Role.MMA,), (softmax, Role.CORRECTION), releases_filled=False))
+        out.append(Pipeline(f"S{stage}", 1, (Role.MMA,), (softmax, Role.CORRECTION), releases_filled=False,
+                            full_at="both", empty_at="leader"))
         # Softmax i's row scales for the correction (full), read (empty).
         out.append(Pipeline(f"STATS{stage}", 1, (softmax,), (Role.CORRECTION,)))
         # full: the last P_i·V is done, O_i is final.
-        out.append(Pipeline(f"O{stage}", 1, (Role.MMA,), (Role.CORRECTION,)))
+        out.append(Pipeline(f"O{stage}", 1, (Role.MMA,), (Role.CORRECTION,), full_at="both"))
     return tuple(out)
 
 
@@ -365,6 +399,59 @@ def role_events(config: TileConfig, tiles: tuple[int, ...]) -> dict[Role, list[t
         s_base += n_blocks
         o_round += 1
     return events
+
+
+PAIR = (0, 1)
+LEADER = 0
+
+
+def _landings(at: str, cta: int) -> tuple[int, ...]:
+    return {"own": (cta,), "leader": (LEADER,), "both": PAIR}[at]
+
+
+def pair_role_events(config: TileConfig, tiles: tuple[int, ...]) -> dict[tuple[Role, int], list[tuple]]:
+    """role_events for a CTA pair, keyed by (role, CTA): both CTAs walk the same tiles; only the
+    leader's MMA warp issues (each MMA covers both CTAs); every event names the mbarrier it
+    touches as "pipeline@cta" (`Pipeline.full_at`/`empty_at`: a multicast commit is one arrival
+    on each CTA's barrier). A pair serves calls without a mask or ragged lengths, whose tiles all
+    have keys."""
+    if not all(tiles):
+        raise ValueError(f"a CTA pair's tiles all have key blocks: {tiles}")
+    by_name = {pipe.name: pipe for pipe in pipelines(config)}
+    single = role_events(config, tiles)
+    out = {}
+    for cta in PAIR:
+        for role, events in single.items():
+            if role == Role.MMA and cta != LEADER:
+                continue
+            mine = out[(role, cta)] = []
+            for kind, pipe, side, *rest in events:
+                if kind == "wait":
+                    mine.append((kind, f"{pipe}@{cta}", side, *rest))
+                    continue
+                at = by_name[pipe].full_at if side == "full" else by_name[pipe].empty_at
+                mine.extend((kind, f"{pipe}@{owner}", side, *rest) for owner in _landings(at, cta))
+    return out
+
+
+def pair_expected_arrivals(config: TileConfig) -> dict[tuple[str, str], int]:
+    """("pipeline@cta", side) -> arrivals that complete a phase of that CTA's barrier in a pair,
+    in roles (the MMA role in the leader only)."""
+    out = {}
+    for pipe in pipelines(config):
+        for side, roles, at in (("full", pipe.producer, pipe.full_at), ("empty", pipe.consumers, pipe.empty_at)):
+            for owner in PAIR:
+                out[(f"{pipe.name}@{owner}", side)] = sum(
+                    1 for cta in PAIR for r in roles if (r != Role.MMA or cta == LEADER)
+                    and owner in _landings(at, cta))
+    return out
+
+
+def pair_filled_by(config: TileConfig) -> dict[str, str]:
+    """"pipeline@cta" -> the barrier whose full phases say that CTA's buffers of that pipeline
+    have landed (the leader's, where both CTAs' loads complete, when full_at is "leader")."""
+    return {f"{pipe.name}@{cta}": f"{pipe.name}@{_landings(pipe.full_at, cta)[0]}"
+            for pipe in pipelines(config) for cta in PAIR}
 
 
 def expected_arrivals(config: TileConfig) -> dict[tuple[str, str], int]:
