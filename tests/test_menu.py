@@ -193,13 +193,32 @@ def test_the_sm100_menu_is_every_forward_problem_class_once_and_unverified():
 
     assert sm100 in menu.ARCH_MENUS and sm100.ARCH == "sm_100f" and not sm100.VERIFIED
     assert sm90.VERIFIED
-    assert set(sm100.KERNELS) == {"fwd"} and all(v.kind == "fwd" and v.tuning == "default" for v in sm100.MENU)
-    classes = {(v.dtype, v.head_dim, v.head_dim_v, v.mask, v.softcap) for v in sm100.MENU}
-    assert len(classes) == len(sm100.MENU) == 2 * len(sm100.HEAD_DIMS) * 3 * 2
+    assert set(sm100.KERNELS) == {"fwd"} and all(v.kind == "fwd" for v in sm100.MENU)
+    defaults = [v for v in sm100.MENU if v.tuning == "default"]
+    classes = {(v.dtype, v.head_dim, v.head_dim_v, v.mask, v.softcap) for v in defaults}
+    assert len(classes) == len(defaults) == 2 * len(sm100.HEAD_DIMS) * 3 * 2
     assert set(sm100.HEAD_DIMS) == set(plan.TILE_CONFIGS)
+    # The tuned variants are the CTA pairs, one per unmasked class at the pair's head dims.
+    pairs = {(v.dtype, v.head_dim, v.head_dim_v, v.mask, v.softcap) for v in sm100.MENU if v.tuning != "default"}
+    assert {v.tuning for v in sm100.MENU} == {"default", "cta_pair"}
+    assert pairs == {c for c in classes if c[3] == "none" and c[1:3] in plan.PAIR_TILE_CONFIGS}
     # Every head dim up to 128 runs on a compiled pair (zero-padded where it has none).
     for d in range(8, 129, 8):
         assert routing.serving_head_dims(d, d, sm100.HEAD_DIMS) is not None
+
+
+@pytest.mark.parametrize("mask, ragged, head_dim, tuning", [
+    ("none", False, 128, "cta_pair"), ("none", False, 192, "cta_pair"), ("none", True, 128, "default"),
+    ("causal", False, 128, "default"), ("local", False, 192, "default"), ("none", False, 64, "default")])
+def test_blackwell_pairs_serve_dense_unmasked_calls_at_their_head_dims(mask, ragged, head_dim, tuning):
+    # A pair cannot zero its partner's half of V's padding, nor wait for a keyless tile's Q:
+    # ragged calls and masked ones (whose tiles may see no key) stay on single CTAs.
+    from fa4_jax.kernels.sm100 import menu as sm100
+
+    dv = dict(sm100.HEAD_DIMS)[head_dim]
+    call = routing.Call("fwd", "sm_100f", "bf16", head_dim, dv, mask, False, 4096, 4096, ragged=ragged)
+    compiled = {v.name for v in sm100.MENU}
+    assert routing.choose(call, sm100.ROUTES, compiled).tuning == tuning
 
 
 @pytest.mark.parametrize("capability, arch", [((9, 0), "sm_90a"), ((10, 0), "sm_100f"), ((10, 3), "sm_100f"),

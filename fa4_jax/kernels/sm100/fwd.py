@@ -30,9 +30,15 @@ the sequence tail and the diagonal):
   the row sums into Q_i's shared memory, free by then, for one TMA store per stage, writes
   LSE from registers, and gives Q_i's buffer back to the load warp once the store has read it.
 
+A CTA pair ("cta_pair" tuning, plan.PAIR_TILE_CONFIGS; no mask, dense calls) runs the same
+roles in a cluster of two CTAs: the leader's MMA warp issues 2-CTA MMAs over both CTAs' 128 rows
+per stage, each CTA holding its own Q, S, P and O and half of each K and V block; both CTAs'
+loads complete on the leader's barriers and its commits reach both (plan.Pipeline.full_at).
+
 Ragged batches (mSeqUsedQ, mSeqUsedK) follow the Hopper kernel's contract: keys past an entry's
 length are masked and the V rows of its last block past it are zeroed in shared memory by the
-MMA warp before P·V reads them; rows past it come out 0 with LSE −inf.
+MMA warp before P·V reads them; rows past it come out 0 with LSE −inf. (Single CTAs only: the
+routes keep ragged calls off the pairs.)
 """
 import dataclasses
 import functools

@@ -15,7 +15,9 @@ writes P_i (16-bit) over the second half of S_i's own columns, and hands the MMA
 MMA warp then issues O_i += P_i·V_j with P_i read from TMEM. The correction warp group rescales
 O_i in TMEM when softmax i moved its row maximum (FA4's conditional rescaling), and at the end
 divides by the row sums, stages O_i in Q_i's shared memory for a TMA store and writes LSE; once
-the store has read it, Q_i's buffer is free for the next tile's Q_i.
+the store has read it, Q_i's buffer is free for the next tile's Q_i. A CTA pair (TileConfig.cta_pair)
+runs the same protocol in two CTAs with one MMA warp issuing for both; `pair_role_events` puts
+each of its events on the barrier of the CTA it lands on.
 """
 from __future__ import annotations
 
