@@ -96,8 +96,10 @@ def test_no_local_memory_in_any_loop(all_facts, variant):
     for loop in facts.loop_families:
         assert loop["local_load"] == loop["local_store"] == 0, (variant.name, loop)
     # Outside the loops ptxas keeps at most a few values in local memory across the warps'
-    # register drops (docs/blackwell.md, "Static comparison").
-    assert facts.families["local_load"] + facts.families["local_store"] <= 16
+    # register drops (docs/blackwell.md, "Static comparison"); the persistent kernels, which
+    # derive each tile inside their loops, none.
+    local = facts.families["local_load"] + facts.families["local_store"]
+    assert local <= (0 if plan.scheduler_kind(variant.mask) == "lpt" else 16)
 
 
 @pytest.mark.parametrize("variant", sm100.MENU, ids=lambda v: v.name)

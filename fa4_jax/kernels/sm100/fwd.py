@@ -443,6 +443,11 @@ class FlashAttentionForwardSm100:
                                                                    cta_layout_vmnk=cluster, **groups)
             elif pipe.producer == (Role.MMA,):
                 pipes[pipe.name] = pipeline.PipelineUmmaAsync.create(cta_layout_vmnk=cluster, **groups)
+                if cutlass.const_expr(self.config.cta_pair):
+                    # The threads' releases go to the leader, rank plan.LEADER of a cluster of
+                    # two: a constant, where CUTLASS derives it from the CTA's rank (a value
+                    # live through every role, which ptxas spilled to local memory).
+                    pipes[pipe.name] = dataclasses.replace(pipes[pipe.name], consumer_mask=Int32(plan.LEADER))
             else:
                 pipes[pipe.name] = pipeline.PipelineAsync.create(**groups)
             barriers = barriers + 2 * pipe.stages
