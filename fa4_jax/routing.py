@@ -83,7 +83,8 @@ class Route:
     variant of their problem class (when the library holds it) instead of the default.
 
     Conditions (0 / None: none):
-      max_rows: seqlen_q, as the kernel sees it (GQA-packed rows), at most this;
+      min_rows, max_rows: seqlen_q, as the kernel sees it (GQA-packed rows), at least / at most
+        this;
       max_len: max(seqlen_q, seqlen_k) at most this;
       dense: not a ragged batch (the narrowed blocks below assume one length for every entry);
       diagonal_block: the diagonal runs along blocks of this many rows and keys, within the
@@ -99,6 +100,7 @@ class Route:
     mask: str
     head_dim: int
     kind: str = "fwd"
+    min_rows: int = 0
     max_rows: int = 0
     max_len: int = 0
     dense: bool = False
@@ -111,6 +113,8 @@ class Route:
         if (call.kind, call.mask, call.head_dim) != (self.kind, self.mask, self.head_dim):
             return False
         if self.softcap is not None and call.softcap != self.softcap:
+            return False
+        if self.min_rows and call.seqlen_q < self.min_rows:
             return False
         if self.max_rows and call.seqlen_q > self.max_rows:
             return False

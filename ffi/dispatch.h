@@ -82,7 +82,7 @@ struct Fa4Route {
   const char* mask;
   int head_dim;
   const char* tuning;
-  int max_rows, max_len;
+  int min_rows, max_rows, max_len;
   bool dense;
   int diagonal_block, tail_tile_n, tail_keys;
   int softcap;

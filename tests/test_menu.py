@@ -173,6 +173,8 @@ def test_route_conditions():
     assert not Route("x", "causal", 128, max_len=1127).fits(call)
     assert not Route("x", "causal", 128, diagonal_block=256).fits(call)
     assert not Route("x", "causal", 128, max_rows=999).fits(call)
+    assert Route("x", "causal", 128, min_rows=1000).fits(call)
+    assert not Route("x", "causal", 128, min_rows=1001).fits(call)
     assert not Route("x", "causal", 128, softcap=True).fits(call)
     assert not Route("x", "none", 128).fits(call)
     assert not Route("x", "causal", 64).fits(call)
@@ -207,16 +209,19 @@ def test_the_sm100_menu_is_every_forward_problem_class_once_and_unverified():
         assert routing.serving_head_dims(d, d, sm100.HEAD_DIMS) is not None
 
 
-@pytest.mark.parametrize("mask, ragged, head_dim, tuning", [
-    ("none", False, 128, "cta_pair"), ("none", False, 192, "cta_pair"), ("none", True, 128, "default"),
-    ("causal", False, 128, "default"), ("local", False, 192, "default"), ("none", False, 64, "default")])
-def test_blackwell_pairs_serve_dense_unmasked_calls_at_their_head_dims(mask, ragged, head_dim, tuning):
+@pytest.mark.parametrize("mask, ragged, head_dim, rows, tuning", [
+    ("none", False, 128, 4096, "cta_pair"), ("none", False, 192, 257, "cta_pair"),
+    ("none", False, 128, 256, "default"), ("none", True, 128, 4096, "default"),
+    ("causal", False, 128, 4096, "default"), ("local", False, 192, 4096, "default"),
+    ("none", False, 64, 4096, "default")])
+def test_blackwell_pairs_serve_dense_unmasked_calls_at_their_head_dims(mask, ragged, head_dim, rows, tuning):
     # A pair cannot zero its partner's half of V's padding, nor wait for a keyless tile's Q:
-    # ragged calls and masked ones (whose tiles may see no key) stay on single CTAs.
+    # ragged calls and masked ones (whose tiles may see no key) stay on single CTAs, and so do
+    # calls that one CTA's 256 rows hold.
     from fa4_jax.kernels.sm100 import menu as sm100
 
     dv = dict(sm100.HEAD_DIMS)[head_dim]
-    call = routing.Call("fwd", "sm_100f", "bf16", head_dim, dv, mask, False, 4096, 4096, ragged=ragged)
+    call = routing.Call("fwd", "sm_100f", "bf16", head_dim, dv, mask, False, rows, 4096, ragged=ragged)
     compiled = {v.name for v in sm100.MENU}
     assert routing.choose(call, sm100.ROUTES, compiled).tuning == tuning
 

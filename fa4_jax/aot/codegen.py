@@ -104,13 +104,13 @@ def _table_entry(v) -> str:
 
 def _route_entry(arch: str, r) -> str:
     softcap = -1 if r.softcap is None else int(r.softcap)
-    return (f'  {{{_KIND[r.kind]}, "{arch}", "{r.mask}", {r.head_dim}, "{r.tuning}", {r.max_rows}, '
+    return (f'  {{{_KIND[r.kind]}, "{arch}", "{r.mask}", {r.head_dim}, "{r.tuning}", {r.min_rows}, {r.max_rows}, '
             f'{r.max_len}, {str(r.dense).lower()}, {r.diagonal_block}, {r.tail_tile_n}, '
             f'{r.tail_keys}, {softcap}}},')
 
 
 # A zero-length array is not C++: a menu without routes gets one entry no call matches.
-_NO_ROUTE = '  {Fa4Kind::kFwd, "", "", 0, "", 0, 0, false, 0, 0, 0, -1},'
+_NO_ROUTE = '  {Fa4Kind::kFwd, "", "", 0, "", 0, 0, 0, false, 0, 0, 0, -1},'
 
 
 def dispatch_source(variants, headers: dict[str, str], routes=()) -> str:

@@ -31,11 +31,14 @@ TUNINGS: dict[str, dict] = {
     "cta_pair": {"cta_pair": True},
 }
 # Dense calls without a mask at d128 and d192/dv128 run on CTA pairs, where FA4 upstream finds
-# them faster; ragged batches stay on single CTAs (a pair's partner could not zero the V
-# padding of its half before the leader's P·V reads it, and its keyless tiles would wait on
-# a Q barrier the leader owns).
+# them faster, once they have more rows than one single-CTA tile (FA4 upstream's rule: fewer
+# leave half of the pair's 512-row tile empty where one CTA's 256 rows hold them); ragged
+# batches stay on single CTAs (a pair's partner could not zero the V padding of its half
+# before the leader's P·V reads it, and its keyless tiles would wait on a Q barrier the leader
+# owns).
 ROUTES: tuple[Route, ...] = tuple(
-    Route("cta_pair", "none", d, dense=True) for d, _ in plan.PAIR_TILE_CONFIGS
+    Route("cta_pair", "none", d, min_rows=plan.Q_STAGES * plan.ROWS_PER_STAGE + 1, dense=True)
+    for d, _ in plan.PAIR_TILE_CONFIGS
 )
 DQ_COPIES_MAX_KEYS: dict[int, int] = {}
 
