@@ -249,7 +249,7 @@ def _attention(
         query, key, value, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
         softcap=softcap, deterministic=deterministic, return_lse=return_lse,
         implementation=implementation, ragged=ragged, top_left=top_left,
-        score_arrays=score_arrays)
+        query_padding=query_seq_lengths is not None, score_arrays=score_arrays)
     seq_lengths = None
     if ragged:
         seq_lengths = (
@@ -454,6 +454,7 @@ def _params_and_fallback(
     implementation,
     top_left=False,
     ragged=False,
+    query_padding=False,
     score_arrays=None,
 ):
     """(the validated, canonical params, why the kernels do not serve the call or None)."""
@@ -484,6 +485,7 @@ def _params_and_fallback(
         softcap=_canonical_softcap(softcap),
         top_left=top_left,
         deterministic=bool(deterministic),
+        query_padding=query_padding,
     )
     return _resolve_backend(query, key, value, params, implementation, score_arrays)
 

@@ -210,3 +210,27 @@ def test_no_wider_kernel_says_which_dims_are_missing(monkeypatch):
     reason = dispatch.unsupported_reason(q, q, q, params, "fwd", library)
     assert "head dim 136" in reason and "or wider" in reason
     assert dispatch.unsupported_reason(q, q, q, params, "fwd", _MENU_LIBRARY) is None
+
+
+@pytest.mark.parametrize("query_padding", [False, True])
+def test_query_rows_are_zeroed_only_where_the_call_has_query_lengths(next_key, query_padding):
+    # A ragged call that gave only key lengths has no query padding: its q reaches the kernel
+    # as it is (zeroing the rows "past" full lengths was a pass over all of q); the key side's
+    # padding is zeroed either way.
+    q, k, v = (jax.random.normal(next_key(), (2, 8, 1, 4), jnp.float32) for _ in range(3))
+    lengths = (jnp.asarray([8, 5], jnp.int32), jnp.asarray([8, 3], jnp.int32))
+    _, (q_in,), (k_in, v_in) = dispatch._length_operands(lengths, (q,), (k, v), query_padding)
+    np.testing.assert_array_equal(np.asarray(q_in[1, 5:]), 0.0 if query_padding else np.asarray(q[1, 5:]))
+    np.testing.assert_array_equal(np.asarray(q_in[:, :5]), np.asarray(q[:, :5]))
+    assert not np.any(np.asarray(k_in[1, 3:])) and not np.any(np.asarray(v_in[1, 3:]))
+
+
+@pytest.mark.parametrize("query_lengths", [False, True])
+def test_the_params_say_whether_a_call_has_query_padding(next_key, query_lengths):
+    from fa4_jax import api
+
+    q, k, v = (jax.random.normal(next_key(), (2, 8, 1, 16), jnp.float32) for _ in range(3))
+    params, _, _ = api._plan(q, k, v, return_lse=False, ragged=True, query_padding=query_lengths,
+                             causal=False, softmax_scale=None, window_size=(None, None), softcap=None,
+                             deterministic=False, implementation="reference")
+    assert params.query_padding == query_lengths
