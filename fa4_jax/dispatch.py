@@ -20,8 +20,9 @@ share (docs/perf-log.md, "Every head dim: served zero-padded").
 A ragged batch's padding reaches the kernels (a TMA tile load cannot stop at a per-entry length),
 and a masked P = 0 times a NaN or inf of the padding would still be NaN. The forward kernel makes
 the K/V padding harmless itself (the mask overwrites the scores, V's padding rows are zeroed in
-shared memory); ragged calls still zero the padding of q (forward and backward) and of d_out, k
-and v (backward) with one elementwise pass over each.
+shared memory); ragged calls still zero the padding of k and v (backward) and, when they gave
+query lengths (`AttentionParams.query_padding`), of q (forward and backward) and d_out
+(backward), with one elementwise pass over each.
 
 `library` arguments default to the shipping library; the benchmarks pass their development
 library (benchmarks/ablations.py) and a `tuning` name.
