@@ -21,8 +21,9 @@ VERIFIED = False
 KERNELS = {"fwd": "fa4_jax.kernels.sm100.fwd:FlashAttentionForwardSm100"}
 # (head_dim, head_dim_v) of the forward kernels, each with an entry in plan.TILE_CONFIGS. TMEM
 # holds two 128-key S tiles and two O tiles, so dv <= 128 (DeepSeek's 192/128 included); d256
-# needs the 2-CTA kernels (FA4 upstream's) that this folder does not have yet. Other dims run
-# zero-padded on the narrowest wider pair (routing.serving_head_dims).
+# (two O tiles of 256 columns fill TMEM) needs a kernel of another shape, one query tile per CTA
+# pair with two S buffers (FA4 upstream's dedicated one), that this folder does not have yet.
+# Other dims run zero-padded on the narrowest wider pair (routing.serving_head_dims).
 HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128))
 # Settings of the tuned variants, as overrides of the tile tables (plan.TileConfig).
 TUNINGS: dict[str, dict] = {
