@@ -82,8 +82,7 @@ def our_loops() -> dict[tuple[int, int, int], dict]:
         if variant.dtype == "bf16" and variant.mask == "none" and not variant.softcap:
             cubins = build.cubins([variant])[variant.name]
             loop = sass_facts.steady_loop(sass_facts.facts(str(cubins[0])))
-            ctas = plan.tile_config(variant.head_dim, variant.head_dim_v,
-                                    sm100.TUNINGS[variant.tuning].get("cta_pair", False)).ctas
+            ctas = plan.tile_config(variant.head_dim, variant.head_dim_v, sm100.TUNINGS[variant.tuning]).ctas
             out[(variant.head_dim, variant.head_dim_v, ctas)] = {
                 "instructions": sass_facts.loop_instructions(loop), "mufu_ex2": loop["mufu_ex2"]}
     return out

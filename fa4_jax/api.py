@@ -249,7 +249,8 @@ def _attention(
         query, key, value, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
         softcap=softcap, deterministic=deterministic, return_lse=return_lse,
         implementation=implementation, ragged=ragged, top_left=top_left,
-        query_padding=query_seq_lengths is not None, score_arrays=score_arrays)
+        full_query_rows=query_seq_lengths is None and key_value_seq_lengths is not None,
+        score_arrays=score_arrays)
     seq_lengths = None
     if ragged:
         seq_lengths = (
@@ -454,7 +455,7 @@ def _params_and_fallback(
     implementation,
     top_left=False,
     ragged=False,
-    query_padding=False,
+    full_query_rows=False,
     score_arrays=None,
 ):
     """(the validated, canonical params, why the kernels do not serve the call or None)."""
@@ -485,7 +486,7 @@ def _params_and_fallback(
         softcap=_canonical_softcap(softcap),
         top_left=top_left,
         deterministic=bool(deterministic),
-        query_padding=query_padding,
+        full_query_rows=full_query_rows,
     )
     return _resolve_backend(query, key, value, params, implementation, score_arrays)
 

@@ -20,8 +20,8 @@ share (docs/perf-log.md, "Every head dim: served zero-padded").
 A ragged batch's padding reaches the kernels (a TMA tile load cannot stop at a per-entry length),
 and a masked P = 0 times a NaN or inf of the padding would still be NaN. The forward kernel makes
 the K/V padding harmless itself (the mask overwrites the scores, V's padding rows are zeroed in
-shared memory); ragged calls still zero the padding of k and v (backward) and, when they gave
-query lengths (`AttentionParams.query_padding`), of q (forward and backward) and d_out
+shared memory); ragged calls still zero the padding of k and v (backward) and, unless they gave
+key lengths only (`AttentionParams.full_query_rows`), of q (forward and backward) and d_out
 (backward), with one elementwise pass over each.
 
 `library` arguments default to the shipping library; the benchmarks pass their development
@@ -217,19 +217,19 @@ def _zero_padding(x, lengths):
     return jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 2)), x, jnp.zeros((), x.dtype))
 
 
-def _length_operands(seq_lengths, by_query, by_key, query_padding: bool):
+def _length_operands(seq_lengths, by_query, by_key, full_query_rows: bool):
     """((seq_used_q, seq_used_k), by_query, by_key) for a kernel call.
 
     by_query / by_key: tuples of arrays whose axis 1 runs over query rows / keys. A ragged call
     gets them back with their padding zeroed (module docstring), a dense call unchanged; the
-    query side only where the call has query padding (`AttentionParams.query_padding`): the
+    query side not where every query row is valid (`AttentionParams.full_query_rows`): the
     query lengths of a call that gave only key lengths are the buffer's, and zeroing nothing
     was still a pass over all of q (0.085 ms of a 0.31 ms call at 256 tokens x 128 entries,
     d128: docs/perf-log.md).
     """
     seq_used_q, seq_used_k = ffi.seq_used(seq_lengths)
     if seq_lengths is not None:
-        if query_padding:
+        if not full_query_rows:
             by_query = tuple(_zero_padding(x, seq_used_q) for x in by_query)
         by_key = tuple(_zero_padding(x, seq_used_k) for x in by_key)
     return (seq_used_q, seq_used_k), by_query, by_key
@@ -265,7 +265,7 @@ def forward(q, k, v, params, seq_lengths=None, segment_ids=None, *, library: ffi
         return out[..., :v.shape[-1]], lse
     if segmented:
         _require(q, k, v, params, "fwd", library, segments=True, mask_array=masked)
-        lengths, (q,), () = _length_operands(seq_lengths, (q,), (), params.query_padding)
+        lengths, (q,), () = _length_operands(seq_lengths, (q,), (), params.full_query_rows)
         return ffi.forward_call(library, q, k, v, lengths, ffi.attributes(params), tuning,
                                 segments=segment_ids)
     if split_kv is None:
@@ -285,7 +285,7 @@ def forward(q, k, v, params, seq_lengths=None, segment_ids=None, *, library: ffi
     _require(q, k, v, params, "fwd", library)
     # K and V go in unzeroed: the kernel masks the padding keys and zeroes their V rows itself
     # (a decode step would otherwise copy its whole KV cache twice over).
-    lengths, (q,), () = _length_operands(seq_lengths, (q,), (), params.query_padding)
+    lengths, (q,), () = _length_operands(seq_lengths, (q,), (), params.full_query_rows)
     return ffi.forward_call(library, q, k, v, lengths, ffi.attributes(params), tuning)
 
 
@@ -319,7 +319,7 @@ def backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths=None, segment_
         return dq[..., :q.shape[-1]], dk[..., :k.shape[-1]], dv[..., :v.shape[-1]]
     _require(q, k, v, params, "bwd", library, segmented, masked)
     d_out = d_out.astype(q.dtype)
-    lengths, (q, d_out), (k, v) = _length_operands(seq_lengths, (q, d_out), (k, v), params.query_padding)
+    lengths, (q, d_out), (k, v) = _length_operands(seq_lengths, (q, d_out), (k, v), params.full_query_rows)
     copies = copies or dq_copies(q, k, params, library)
     return ffi.backward_call(library, q, k, v, out, lse, d_out, d_lse, lengths, ffi.attributes(params),
                              params.deterministic, copies, tuning, segments=segment_ids)

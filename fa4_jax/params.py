@@ -39,9 +39,9 @@ class AttentionParams:
       implementation: the resolved backend, "cute" or "reference".
       require_kernels: the caller asked for the kernels (implementation="cute"): a backward
         they cannot run raises instead of taking the reference.
-      query_padding: a ragged call gave query lengths, so its entries' query rows may end
-        before the buffer's (the padding rows the kernels' callers zero); without them every
-        row is valid and q and d_out go to the kernels as they are.
+      full_query_rows: a ragged call gave key lengths only, so every query row is valid and
+        q and d_out go to the kernels as they are; False (any caller that does not know) has
+        the rows past the query lengths zeroed first.
     """
 
     softmax_scale: float
@@ -53,4 +53,4 @@ class AttentionParams:
     deterministic: bool = False
     implementation: str = "reference"
     require_kernels: bool = False
-    query_padding: bool = False
+    full_query_rows: bool = False

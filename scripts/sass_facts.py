@@ -117,9 +117,9 @@ def count(code, key: str, lo: int = 0, hi: int = 1 << 62) -> int:
 
 def tmem_alloc_columns(code) -> list:
     """The TMEM columns each allocation asks for. `tcgen05.alloc` becomes
-    UTCATOMSWS.FIND_AND_SET (UTCATOMSWS.2CTA.FIND_AND_SET.ALIGN for a CTA pair), whose count operand is a uniform register holding the columns in
-    granules of 32; ptxas loads it with a UMOV of an immediate just before. An operand it did
-    not load that way reads None."""
+    UTCATOMSWS.FIND_AND_SET (UTCATOMSWS.2CTA.FIND_AND_SET.ALIGN for a CTA pair), whose count
+    operand is a uniform register holding the columns in granules of 32; ptxas loads it with a
+    UMOV of an immediate just before. An operand it did not load that way reads None."""
     found = []
     for index, (_, text) in enumerate(code):
         if "UTCATOMSWS" not in text or "FIND_AND_SET" not in text:

@@ -219,18 +219,24 @@ def test_query_rows_are_zeroed_only_where_the_call_has_query_lengths(next_key, q
     # padding is zeroed either way.
     q, k, v = (jax.random.normal(next_key(), (2, 8, 1, 4), jnp.float32) for _ in range(3))
     lengths = (jnp.asarray([8, 5], jnp.int32), jnp.asarray([8, 3], jnp.int32))
-    _, (q_in,), (k_in, v_in) = dispatch._length_operands(lengths, (q,), (k, v), query_padding)
+    _, (q_in,), (k_in, v_in) = dispatch._length_operands(lengths, (q,), (k, v), not query_padding)
     np.testing.assert_array_equal(np.asarray(q_in[1, 5:]), 0.0 if query_padding else np.asarray(q[1, 5:]))
     np.testing.assert_array_equal(np.asarray(q_in[:, :5]), np.asarray(q[:, :5]))
     assert not np.any(np.asarray(k_in[1, 3:])) and not np.any(np.asarray(v_in[1, 3:]))
 
 
 @pytest.mark.parametrize("query_lengths", [False, True])
-def test_the_params_say_whether_a_call_has_query_padding(next_key, query_lengths):
+def test_the_api_marks_query_rows_all_valid_only_for_key_lengths_alone(monkeypatch, next_key, query_lengths):
+    import fa4_jax
     from fa4_jax import api
 
+    plan = api._plan
+    seen = []
+    monkeypatch.setattr(api, "_plan", lambda *args, **kwargs: seen.append(plan(*args, **kwargs)[0]) or plan(*args, **kwargs))
     q, k, v = (jax.random.normal(next_key(), (2, 8, 1, 16), jnp.float32) for _ in range(3))
-    params, _, _ = api._plan(q, k, v, return_lse=False, ragged=True, query_padding=query_lengths,
-                             causal=False, softmax_scale=None, window_size=(None, None), softcap=None,
-                             deterministic=False, implementation="reference")
-    assert params.query_padding == query_lengths
+    lengths = jnp.asarray([8, 5], jnp.int32)
+    fa4_jax.attention(q, k, v, query_seq_lengths=lengths if query_lengths else None, key_value_seq_lengths=lengths,
+                      implementation="reference")
+    assert seen[0].full_query_rows == (not query_lengths)
+    # Params made anywhere else keep the zeroing: only the API knows a call gave no query lengths.
+    assert not api.attention_params(q, k, v).full_query_rows

@@ -59,7 +59,7 @@ def test_the_tmem_map_fits_and_p_lies_in_the_second_half_of_its_s(dims):
 @pytest.mark.parametrize("dims, pair", [(d, False) for d in sorted(plan.TILE_CONFIGS)]
                          + [(d, True) for d in sorted(plan.PAIR_TILE_CONFIGS)])
 def test_shared_memory_holds_q_and_the_ring(dims, pair):
-    config = plan.tile_config(*dims, cta_pair=pair)
+    config = plan.tile_config(*dims, {"cta_pair": True} if pair else {})
     assert config.smem_bytes(*dims) + plan.SMEM_MARGIN <= hardware.SMEM_BYTES
     # A pair's CTA holds half of each K/V block: its stage is half the single CTA's.
     if pair:

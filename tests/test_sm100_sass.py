@@ -19,8 +19,8 @@ sass_facts = load_script("sass_facts")
 
 
 def config_of(variant):
-    """The tile table entry a variant was built from (a CTA pair's through its tuning)."""
-    return plan.tile_config(variant.head_dim, variant.head_dim_v, sm100.TUNINGS[variant.tuning].get("cta_pair", False))
+    """The configuration a variant was built with (the kernel's own rule, plan.tile_config)."""
+    return plan.tile_config(variant.head_dim, variant.head_dim_v, sm100.TUNINGS[variant.tuning])
 
 
 @pytest.fixture(scope="module")

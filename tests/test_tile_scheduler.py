@@ -131,8 +131,8 @@ def test_unknown_scheduler_is_refused():
         TileScheduler("dynamic", 128, False, 512)
 
 
-@pytest.mark.parametrize("mask, tuning", [("none", {}), ("none", {"cta_pair": True}), ("causal", {}),
-                                          ("local", {})])
+@pytest.mark.parametrize("mask, tuning", [("none", "default"), ("none", "cta_pair"), ("causal", "default"),
+                                          ("local", "default")])
 def test_the_blackwell_first_use_batch_covers_the_schedulers_cases(mask, tuning):
     # fa4_jax.verification's multi-tile probe must run, on a Blackwell GPU, the sm100 kernel's
     # tile-to-tile hand-overs on every CTA of its persistent grid (no mask), and tiles without
@@ -140,17 +140,18 @@ def test_the_blackwell_first_use_batch_covers_the_schedulers_cases(mask, tuning)
     import cutlass
 
     from fa4_jax import selftest, verification
+    from fa4_jax.kernels.sm100 import menu as sm100
     from fa4_jax.kernels.sm100 import plan
     from fa4_jax.kernels.sm100.fwd import FlashAttentionForwardSm100
 
-    sched = FlashAttentionForwardSm100(cutlass.BFloat16, 128, 128, mask, False, **tuning).scheduler
+    sched = FlashAttentionForwardSm100(cutlass.BFloat16, 128, 128, mask, False, **sm100.TUNINGS[tuning]).scheduler
     assert sched.kind == plan.scheduler_kind(mask)
     sq, sk, batch = max(verification.PROBES, key=lambda probe: probe[2])
     h, hk = selftest.HEADS_Q, selftest.HEADS_KV
     num_m = -(-sq // sched.tile_m)
     if mask == "none":
         assert sched.persistent and sched.num_sms == 148
-        assert sched.cluster_size == (2 if tuning else 1)
+        assert sched.cluster_size == (2 if tuning == "cta_pair" else 1)
         shares = _persistent_shares(sched, sq, sk, h, hk, batch)
         assert min(len(share) for share in shares) >= 2
         order = [tile for share in shares for tile in share]

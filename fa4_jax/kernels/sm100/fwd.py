@@ -164,7 +164,7 @@ class FlashAttentionForwardSm100:
         if unknown:
             raise TypeError(f"unknown tuning knobs {sorted(unknown)}; known: {TUNING_KNOBS}")
         plan.check_budgets()
-        config = dataclasses.replace(plan.tile_config(head_dim, head_dim_v, cta_pair), **tuning)
+        config = plan.tile_config(head_dim, head_dim_v, tuning)
         if head_dim_v > head_dim:
             raise ValueError("V's stages sit at K's stage offsets in one ring: head_dim_v must not exceed head_dim")
         if config.tile_n != 128:
@@ -667,7 +667,8 @@ class FlashAttentionForwardSm100:
         n_blocks = tile.n_blocks
         if n_blocks > 0:
             row = cute.arch.thread_idx()[0] % ROWS_PER_STAGE
-            thr_qk = tiled_mma_qk.get_slice(tile.cta_in_pair)
+            # Either CTA of a pair sees its 128 rows of S in its own TMEM the same way.
+            thr_qk = tiled_mma_qk.get_slice(0)
             tStS = thr_qk.make_fragment_C(thr_qk.partition_shape_C((self.mma_rows, self.tile_n)))
             scores_tmem = cute.make_tensor(tmem_ptr + self.tmem.s(stage), tStS.layout)[(None, None), 0, 0]
             probs_tmem = cute.make_tensor(

@@ -103,9 +103,11 @@ PAIR_TILE_CONFIGS = {
 SMEM_MARGIN = 4096
 
 
-def tile_config(head_dim: int, head_dim_v: int, cta_pair: bool = False) -> TileConfig:
-    """The shipped table entry of a head-dim pair, single CTA or pair (KeyError if none)."""
-    return (PAIR_TILE_CONFIGS if cta_pair else TILE_CONFIGS)[(head_dim, head_dim_v)]
+def tile_config(head_dim: int, head_dim_v: int, tuning: dict) -> TileConfig:
+    """The configuration a variant of these head dims is built with: its table's entry (the pair
+    table's when the tuning asks for a CTA pair; KeyError if none) with the tuning's overrides."""
+    table = PAIR_TILE_CONFIGS if tuning.get("cta_pair", False) else TILE_CONFIGS
+    return dataclasses.replace(table[(head_dim, head_dim_v)], **tuning)
 
 
 def scheduler_kind(mask: str) -> str:
