@@ -17,8 +17,13 @@ B200's published rates:
   at 128 bytes per clock; on a CTA pair each SM reads its own Q rows but only its half of K
   and V (the pair's MMA takes the other half from the partner's shared memory).
 
-The steady state is bounded by the busiest unit; the two stages ping-pong so that one's softmax
-overlaps the other's MMAs, and the prediction assumes that overlap holds (the bound), then takes
+Beside the bound, the K/V bytes each SM loads per clock at the bound: a block's K and V serve
+q_stages stages (two with two Q tiles, one at d256), halved on a pair. B200's L2 bandwidth is
+not published; the column compares the kernels with each other.
+
+The steady state is bounded by the busiest unit; the two stages ping-pong (at d256 one stage's
+softmax overlaps the next block's S GEMM) so that exponentials overlap MMAs, and the prediction
+assumes that overlap holds (the bound), then takes
 FA4 upstream's measured share of its own bound (its 1613 TFLOP/s bf16 d128 forward against the
 same model's bound for its kernel, docs/blackwell.md) as the efficiency this kernel reaches.
 """
@@ -45,7 +50,8 @@ UPSTREAM_D128_LOOP = {"instructions": 514, "mufu_ex2": 113}
 
 def cycles(head_dim: int, head_dim_v: int, loop_instructions: int, mufu_ex2: int, ctas: int = 1) -> dict:
     rows = plan.ROWS_PER_STAGE
-    tile_n = plan.TILE_CONFIGS.get((head_dim, head_dim_v), plan.TileConfig()).tile_n
+    config = plan.TILE_CONFIGS.get((head_dim, head_dim_v), plan.TileConfig())
+    tile_n = config.tile_n
     flops = 2 * rows * tile_n * (head_dim + head_dim_v)
     smem_bytes = 2 * (rows * head_dim + (tile_n * head_dim + tile_n * head_dim_v) // ctas)
     return {
@@ -54,12 +60,16 @@ def cycles(head_dim: int, head_dim_v: int, loop_instructions: int, mufu_ex2: int
         "issue": plan.WARPS_PER_GROUP * loop_instructions / SUB_PARTITIONS,
         "smem": smem_bytes / SMEM_BYTES_PER_CLOCK,
         "flops": flops,
+        "kv_bytes": 2 * tile_n * (head_dim + head_dim_v) / ctas / config.q_stages,
     }
 
 
+def bound_cycles(c: dict) -> float:
+    return max(c["tensor"], c["mufu"], c["issue"], c["smem"])
+
+
 def tflops(c: dict) -> float:
-    bound = max(c["tensor"], c["mufu"], c["issue"], c["smem"])
-    return c["flops"] / bound * hardware.NUM_SMS * CLOCK_HZ / 1e12
+    return c["flops"] / bound_cycles(c) * hardware.NUM_SMS * CLOCK_HZ / 1e12
 
 
 def upstream_efficiency() -> float:
@@ -95,8 +105,9 @@ def table(loops: dict) -> list[dict]:
         c = cycles(d, dv, loop["instructions"], loop["mufu_ex2"], ctas)
         bound = tflops(c)
         rows.append({"head dim": f"{d}/{dv}" + (" pair" if ctas == 2 else ""),
-                     **{k: round(v) for k, v in c.items() if k != "flops"},
-                     "bound TF/s": round(bound), "at upstream's efficiency": round(bound * efficiency)})
+                     **{k: round(v) for k, v in c.items() if k not in ("flops", "kv_bytes")},
+                     "bound TF/s": round(bound), "at upstream's efficiency": round(bound * efficiency),
+                     "K/V loaded, B/clock": round(c["kv_bytes"] / bound_cycles(c))})
     return rows
 
 

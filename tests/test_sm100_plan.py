@@ -8,44 +8,55 @@ import dataclasses
 import pytest
 
 from fa4_jax.kernels.sm100 import hardware, plan
-from fa4_jax.kernels.sm100.plan import Q_STAGES, Role
+from fa4_jax.kernels.sm100.plan import Role
+
+TABLES = {"two stages": plan.TWO_STAGE_ROLES, "one stage": plan.ONE_STAGE_ROLES}
 
 
-def test_the_warp_roles_fill_the_register_file_and_whole_warp_groups():
-    plan.check_budgets()
+@pytest.mark.parametrize("roles", TABLES.values(), ids=TABLES.keys())
+def test_the_warp_roles_fill_the_register_file_and_whole_warp_groups(roles):
+    roles.check()
     per_group = collections.defaultdict(set)
-    for assignment in plan.ROLES:
+    for assignment in roles.table:
         for warp in assignment.warps:
             per_group[warp // plan.WARPS_PER_GROUP].add(assignment.registers)
     budgets = [per_group[g].pop() for g in sorted(per_group)]
     assert sum(b * plan.WARPS_PER_GROUP * plan.THREADS_PER_WARP for b in budgets) == hardware.REGISTERS_PER_SM
-    assert plan.NUM_THREADS == 512
+    # One softmax warp group per stage, the correction's, and the MMA/load/idle warps'.
+    assert roles.num_threads == (len(roles.softmax) + 2) * plan.WARPS_PER_GROUP * plan.THREADS_PER_WARP
 
 
-def test_a_register_table_over_the_file_is_refused(monkeypatch):
-    greedy = tuple(dataclasses.replace(r, registers=200) if r.role == Role.CORRECTION else r for r in plan.ROLES)
-    monkeypatch.setattr(plan, "ROLES", greedy)
+def test_each_config_gets_the_table_of_its_stages():
+    for config in (*plan.TILE_CONFIGS.values(), *plan.PAIR_TILE_CONFIGS.values()):
+        assert len(plan.warp_roles(config).softmax) == config.q_stages
+
+
+def test_a_register_table_over_the_file_is_refused():
+    greedy = plan.WarpRoles(tuple(dataclasses.replace(r, registers=200) if r.role == Role.CORRECTION else r
+                                  for r in plan.TWO_STAGE_ROLES.table))
     with pytest.raises(ValueError, match="setmaxnreg"):
-        plan.check_budgets()
+        greedy.check()
 
 
-def test_softmax_and_correction_warps_cover_the_128_tmem_lanes():
+@pytest.mark.parametrize("roles", TABLES.values(), ids=TABLES.keys())
+def test_softmax_and_correction_warps_cover_the_128_tmem_lanes(roles):
     # Warp w reads TMEM lanes 32·(w % 4) .. +31: a role's warps must hit each quarter once.
-    for name in (*plan.SOFTMAX_ROLES, Role.CORRECTION):
-        quarters = sorted(w % plan.WARPS_PER_GROUP for w in plan.role(name).warps)
+    for name in (*roles.softmax, Role.CORRECTION):
+        quarters = sorted(w % plan.WARPS_PER_GROUP for w in roles.role(name).warps)
         assert quarters == [0, 1, 2, 3], name
 
 
 @pytest.mark.parametrize("dims", sorted(plan.TILE_CONFIGS))
 def test_the_tmem_map_fits_and_p_lies_in_the_second_half_of_its_s(dims):
     config = plan.TILE_CONFIGS[dims]
-    tmem = plan.TmemMap(config.tile_n, dims[1])
+    tmem = plan.TmemMap(config.tile_n, dims[1], config.q_stages)
     assert tmem.alloc_columns <= hardware.TMEM_COLUMNS
     assert tmem.used_columns <= tmem.alloc_columns
     regions = tmem.regions()
-    for stage in range(Q_STAGES):
-        s_lo, s_hi = regions[f"S{stage}"]
-        p_lo, p_hi = regions[f"P{stage}"]
+    assert sum(name.startswith("O") for name in regions) == config.q_stages
+    for buffer in range(plan.S_BUFFERS):
+        s_lo, s_hi = regions[f"S{buffer}"]
+        p_lo, p_hi = regions[f"P{buffer}"]
         # P (16-bit, two per column) is half as wide and ends where S ends.
         assert (p_lo, p_hi) == (s_lo + config.tile_n // 2, s_hi)
     disjoint = [v for k, v in regions.items() if not k.startswith("P")]
@@ -161,18 +172,42 @@ def test_the_protocol_has_no_deadlock_and_no_phase_aliasing(kv_stages, n_blocks)
     assert explore(config, (n_blocks,)) > 100
 
 
-# A persistent CTA's tiles in a row: the pipelines run on from one tile into the next, Q's
-# buffers come back only once the previous tile's O stores have read them, and a tile without
-# keys (0) takes Q's handshake alone.
-@pytest.mark.parametrize("kv_stages", [2, 4])
-@pytest.mark.parametrize("tiles", [(1, 1), (2, 1), (1, 2), (0, 1), (1, 0), (0, 0), (2, 0, 1), (1, 1, 1)])
-def test_consecutive_tiles_have_no_deadlock_and_no_phase_aliasing(kv_stages, tiles):
-    config = plan.TileConfig(kv_stages=kv_stages)
-    assert explore(config, tiles) > 20
+# One stage (d256): S double-buffered, issued two blocks ahead, O's rescale after PV0. Runs of
+# up to four blocks, so that each S buffer is reused and the ring wraps.
+@pytest.mark.parametrize("kv_stages", [2, 3, 4])
+@pytest.mark.parametrize("tiles", [(1,), (2,), (3,), (4,), (1, 1), (3, 1), (1, 2), (0, 1), (2, 0, 1)])
+def test_one_stage_has_no_deadlock_and_no_phase_aliasing(kv_stages, tiles):
+    config = plan.TileConfig(kv_stages=kv_stages, q_stages=1)
+    assert explore(config, tiles) > 100
+
+
+def unread_overwrites(mma_events):
+    """The MMA warp's S GEMMs issued before it waited, earlier in its own order, for the release
+    of the previous use of the same S buffer (whose P the P·V issued after that wait read)."""
+    waited, out = set(), []
+    for kind, pipe, side, stage, rnd, *_ in mma_events:
+        if not pipe.startswith("S"):
+            continue
+        if kind == "wait" and side == "empty":
+            waited.add((pipe, stage, rnd))
+        elif kind == "arrive" and side == "full" and rnd > 0 and (pipe, stage, rnd - 1) not in waited:
+            out.append((pipe, stage, rnd))
+    return out
+
+
+@pytest.mark.parametrize("q_stages", [2, 1])
+def test_an_s_gemm_never_overwrites_a_p_that_p_v_has_not_read(q_stages):
+    # An S GEMM waits for nothing itself (the model sees no hazard there): the order must.
+    config = plan.TileConfig(kv_stages=2, q_stages=q_stages)
+    events = plan.role_events(config, (3, 1, 2))[Role.MMA]
+    assert not unread_overwrites(events)
+    # Without the waits for P, every S GEMM after a buffer's first use overwrites unread P.
+    assert unread_overwrites([e for e in events if e[:3] != ("wait", "S0", "empty")])
 
 
 def test_every_shipped_ring_depth_is_covered_by_the_search():
-    assert {c.kv_stages for c in plan.TILE_CONFIGS.values()} <= {2, 4, 5, 6}
+    assert {c.kv_stages for c in plan.TILE_CONFIGS.values() if c.q_stages == 2} <= {2, 4, 5, 6}
+    assert {c.kv_stages for c in plan.TILE_CONFIGS.values() if c.q_stages == 1} <= {2, 3, 4}
 
 
 def _without(events, role, predicate):
@@ -239,6 +274,11 @@ def test_the_prediction_model_counts_each_unit_per_stage_and_block():
     assert 0.6 < model.upstream_efficiency() < 0.8
     # A CTA pair's SM reads its Q rows and half of K and V: 32 + 16 + 16 KB.
     assert model.cycles(128, 128, 558, 129, ctas=2)["smem"] == 512
+    # K and V loaded per stage and block: a d128 block serves two stages, a d256 block one
+    # (twice the bytes per FLOP), halved again on a pair.
+    assert model.cycles(128, 128, 558, 129)["kv_bytes"] == 32768
+    assert model.cycles(256, 256, 437, 129)["kv_bytes"] == 131072
+    assert model.cycles(256, 256, 437, 129, ctas=2)["kv_bytes"] == 65536
 
 
 # --- The CTA pair ------------------------------------------------------------------------------
@@ -250,16 +290,20 @@ def explore_pair(config, tiles, events=None):
 
 # Nine roles make a pair's state space large (1.7 million states for two one-block tiles): one
 # tile at each shipped depth, and the ring's wrap and the next tile's Q at the shallowest.
-@pytest.mark.parametrize("kv_stages, tiles", [(2, (1,)), (5, (1,)), (6, (1,)), (2, (2,)), (2, (1, 1))])
-def test_a_cta_pair_has_no_deadlock_and_no_phase_aliasing(kv_stages, tiles):
+@pytest.mark.parametrize("kv_stages, tiles, q_stages", [
+    (2, (1,), 2), (5, (1,), 2), (6, (1,), 2), (2, (2,), 2), (2, (1, 1), 2),
+    # d256's pair: each S buffer used twice in three blocks, and a second tile.
+    (4, (1,), 1), (2, (3,), 1), (4, (2,), 1), (2, (1, 1), 1)])
+def test_a_cta_pair_has_no_deadlock_and_no_phase_aliasing(kv_stages, tiles, q_stages):
     # Both CTAs' loads complete on the leader's K/V and Q barriers, the leader's commits land
     # on both CTAs' barriers, and both CTAs' softmax and correction hand S back to the leader.
-    config = plan.TileConfig(kv_stages=kv_stages, cta_pair=True)
+    config = plan.TileConfig(kv_stages=kv_stages, cta_pair=True, q_stages=q_stages)
     assert explore_pair(config, tiles) > 100
 
 
 def test_every_shipped_pair_ring_depth_is_covered_by_the_search():
-    assert {c.kv_stages for c in plan.PAIR_TILE_CONFIGS.values()} <= {2, 5, 6}
+    assert {c.kv_stages for c in plan.PAIR_TILE_CONFIGS.values() if c.q_stages == 2} <= {2, 5, 6}
+    assert {c.kv_stages for c in plan.PAIR_TILE_CONFIGS.values() if c.q_stages == 1} <= {2, 4}
     assert all(c.cta_pair for c in plan.PAIR_TILE_CONFIGS.values())
 
 

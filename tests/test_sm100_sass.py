@@ -39,9 +39,11 @@ def test_tcgen05_families(all_facts, variant):
     config = config_of(variant)
     k_steps_qk, k_steps_pv = variant.head_dim // 16, config.tile_n // 16
     # S = Q·Kᵀ from shared memory (SS) and O += P·V with P from TMEM (TS), one MMA per k16 step
-    # per stage, in the first block's and the loop's copies.
-    assert facts.mma_forms["ss"] >= 2 * plan.Q_STAGES * k_steps_qk
-    assert facts.mma_forms["ts"] >= 2 * plan.Q_STAGES * k_steps_pv
+    # per stage: S in the first blocks' and the loop's copies (with one stage, the first two
+    # blocks' and the loop's), P·V in the loop's and, with two stages, the last block's.
+    stages = config.q_stages
+    assert facts.mma_forms["ss"] >= (1 + config.s_lookahead) * stages * k_steps_qk
+    assert facts.mma_forms["ts"] >= (2 if stages == 2 else 1) * stages * k_steps_pv
     assert facts.mma_forms["ss"] + facts.mma_forms["ts"] == fam["utchmma"]
     assert fam["ldtm"] > 0 and fam["sttm"] > 0 and fam["utcbar"] > 0
     # TMEM is allocated (with the retry of a failed allocation) and released once.
@@ -58,24 +60,25 @@ def test_tcgen05_families(all_facts, variant):
     # O leaves through shared memory, one TMA store per stage (in the epilogue after the key
     # blocks and in the one of a tile without any); the plain global stores are LSE's alone, a
     # 32-bit store per stage and epilogue.
-    assert fam["tma_store"] >= plan.Q_STAGES and fam["tma_load"] > 0
-    assert fam["global_store"] <= 2 * plan.Q_STAGES
+    assert fam["tma_store"] >= stages and fam["tma_load"] > 0
+    assert fam["global_store"] <= 2 * stages
 
 
 @pytest.mark.parametrize("variant", sm100.MENU, ids=lambda v: v.name)
 def test_launch_facts_match_the_plan(all_facts, variant):
     facts = all_facts[variant.name]
-    assert facts.launch["threads"] == [plan.NUM_THREADS, 1, 1]
-    assert facts.launch["registers"] * plan.NUM_THREADS <= hardware.REGISTERS_PER_SM
+    roles = plan.warp_roles(config_of(variant))
+    assert facts.launch["threads"] == [roles.num_threads, 1, 1]
+    assert facts.launch["registers"] == roles.launch_registers
     assert facts.launch["num_barriers"] <= hardware.NAMED_BARRIERS
     assert facts.launch["num_barriers"] == max(Barrier) + 1
-    # setmaxnreg: the last warp group and the correction give registers up, the softmax warp
-    # groups take them, at the table's budgets.
-    budgets = {(("TRY_ALLOC" if plan.role(r).registers > 128 else "DEALLOC"), plan.role(r).registers)
-               for r in (Role.SOFTMAX0, Role.CORRECTION, Role.MMA)}
+    # setmaxnreg: the roles under the launch's count give registers up, those above take them
+    # (a decrease to a count above the current one is not allowed), at the table's budgets.
+    budgets = {(("TRY_ALLOC" if roles.role(r).registers > roles.launch_registers else "DEALLOC"),
+                roles.role(r).registers) for r in (*roles.softmax, Role.CORRECTION, Role.MMA)}
     assert set(facts.setmaxnreg) == budgets
-    assert facts.named_barriers == [(int(Barrier.TMEM), plan.threads(*plan.TMEM_USERS)),
-                                    (int(Barrier.O_STORE), plan.threads(Role.CORRECTION))]
+    assert facts.named_barriers == [(int(Barrier.TMEM), roles.threads(*roles.tmem_users)),
+                                    (int(Barrier.O_STORE), roles.threads(Role.CORRECTION))]
 
 
 @pytest.mark.parametrize("variant", sm100.MENU, ids=lambda v: v.name)
@@ -84,7 +87,7 @@ def test_tmem_allocation_is_the_plans(all_facts, variant):
     # are the TMEM map's allocation for this variant's tile: the map's regions fit in what the
     # hardware hands out.
     config = config_of(variant)
-    planned = plan.TmemMap(config.tile_n, variant.head_dim_v).alloc_columns
+    planned = plan.TmemMap(config.tile_n, variant.head_dim_v, config.q_stages).alloc_columns
     columns = all_facts[variant.name].tmem_alloc_columns
     assert columns and set(columns) == {planned}
     assert planned <= hardware.TMEM_COLUMNS
@@ -107,9 +110,9 @@ def test_each_softmax_loop_runs_one_exponential_per_key_and_one_row_scale(all_fa
     config = config_of(variant)
     facts = all_facts[variant.name]
     softmax_loops = [loop for loop in sass_facts.innermost(facts.loop_families) if loop["mufu_ex2"]]
-    # Both softmax warp groups, each with its unmasked loop, and masked loops per mask kind
-    # (inside each group's loop over its tiles).
-    expected_loops = {"none": 2, "causal": 4, "local": 6}[variant.mask]
+    # Each softmax warp group's unmasked loop, and masked loops per mask kind (inside each
+    # group's loop over its tiles).
+    expected_loops = {"none": 1, "causal": 2, "local": 3}[variant.mask] * config.q_stages
     assert len(softmax_loops) == expected_loops
     # Columns go in pairs: the scaling is one FFMA2 per pair, and a pair on the polynomial is
     # three FFMA2 (Horner) and one FMUL2 (times 2^floor) instead of two MUFU.EX2.
@@ -135,7 +138,7 @@ def test_every_role_walks_the_ctas_tiles(all_facts, variant):
     outer = [loop for loop in loops if loop not in inner]
     softmax_loops = [loop for loop in inner if loop["mufu_ex2"]]
     assert softmax_loops and all(any(sass_facts.encloses(o, loop) for o in outer) for loop in softmax_loops)
-    assert max(loop["tma_store"] for loop in outer) >= plan.Q_STAGES  # the correction's
+    assert max(loop["tma_store"] for loop in outer) >= config_of(variant).q_stages  # the correction's
     # The MMA warp's first S GEMMs of a tile: in a tile loop, outside its key-block loops.
     assert max(loop["utchmma"] - sum(i["utchmma"] for i in inner if sass_facts.encloses(loop, i))
                for loop in outer) > 0

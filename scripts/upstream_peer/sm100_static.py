@@ -13,8 +13,12 @@ compiled unchanged (flash-attn-4 4.0.0b36) with CUTE_DSL_ARCH naming the target,
 own choices for a long bf16 call (q_stage 2, 128 x 128 tiles; the static persistent scheduler
 without a mask, LPT with one; 2-CTA where upstream's interface picks it: d128 and d192/dv128
 without a mask),
-and, at d128 without a mask, also 1-CTA, the shape fa4_jax ships. fa4_jax's side is the shipping
-library's cubins from the build cache (`python -m fa4_jax.aot.build` first).
+and, at d128 without a mask, also 1-CTA, the shape fa4_jax ships. Upstream's d256 forward is a
+kernel of its own (BlackwellFusedMultiHeadAttentionForward, always a CTA pair) that the 4.0.0b36
+wheel does not have: with --flash-attn-hd256-src (a flash-attn source tree that has
+flash_attn/cute/sm100_hd256_2cta_fmha_forward.py, e.g. upstream's main at commit 0251105a) it is
+compiled too, with and without the causal mask. fa4_jax's side is the shipping library's cubins
+from the build cache (`python -m fa4_jax.aot.build` first).
 """
 import argparse
 import json
@@ -35,6 +39,8 @@ from fa4_jax.kernels.sm100 import hardware  # noqa: E402
 UPSTREAM = ((64, False, False), (64, True, False), (96, False, False), (96, True, False),
             (128, False, True), (128, False, False), (128, True, False), (192, False, True),
             (192, True, False))
+# (head_dim, causal, 2-CTA) of upstream's dedicated d256 kernel.
+UPSTREAM_HD256 = ((256, False, True), (256, True, True))
 TARGET = "sm_100a"
 
 _CHILD = """
@@ -62,13 +68,18 @@ class B200Info:
 
 
 cutlass.utils.HardwareInfo = B200Info
-from flash_attn.cute.flash_fwd_sm100 import FlashAttentionForwardSm100
 from quack.compile_utils import make_fake_tensor
 head_dim, causal, two_cta = {job!r}
 head_dim_v = 128 if head_dim == 192 else head_dim
-kernel = FlashAttentionForwardSm100(head_dim, head_dim_v, qhead_per_kvhead=1, is_causal=causal,
-                                    is_local=False, m_block_size=128, n_block_size=128, q_stage=2,
-                                    is_static_persistent=not causal, use_2cta_instrs=two_cta)
+if head_dim == 256:
+    from flash_attn.cute.sm100_hd256_2cta_fmha_forward import BlackwellFusedMultiHeadAttentionForward
+    kernel = BlackwellFusedMultiHeadAttentionForward(head_dim, head_dim_v, qhead_per_kvhead=1, is_causal=causal,
+                                                     is_local=False, use_2cta_instrs=True)
+else:
+    from flash_attn.cute.flash_fwd_sm100 import FlashAttentionForwardSm100
+    kernel = FlashAttentionForwardSm100(head_dim, head_dim_v, qhead_per_kvhead=1, is_causal=causal,
+                                        is_local=False, m_block_size=128, n_block_size=128, q_stage=2,
+                                        is_static_persistent=not causal, use_2cta_instrs=two_cta)
 b, sq, sk, h, d = (cute.sym_int() for _ in range(5))
 mQ, mK = (make_fake_tensor(BFloat16, (b, s, h, head_dim), divisibility=8) for s in (sq, sk))
 mV, mO = (make_fake_tensor(BFloat16, (b, s, h, head_dim_v), divisibility=8) for s in (sk, sq))
@@ -88,9 +99,9 @@ def upstream_name(head_dim: int, causal: bool, two_cta: bool) -> str:
     return f"upstream_fwd_d{head_dim}" + ("_causal" if causal else "") + ("_2cta" if two_cta else "")
 
 
-def compile_upstream(python: str, src: str, out: Path) -> dict[str, Path]:
+def compile_upstream(python: str, src: str, out: Path, jobs=UPSTREAM) -> dict[str, Path]:
     cubins = {}
-    for job in UPSTREAM:
+    for job in jobs:
         name = upstream_name(*job)
         dump = out / name
         dump.mkdir(parents=True, exist_ok=True)
@@ -153,12 +164,16 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--python", required=True, help="the upstream environment's python")
     parser.add_argument("--flash-attn-src", required=True, help="the unpacked flash-attn-4 wheel")
+    parser.add_argument("--flash-attn-hd256-src", help="a flash-attn source tree with the d256 kernel")
     parser.add_argument("--out", type=Path, default=REPO / "build" / "sm100_static")
     parser.add_argument("--markdown", type=Path, help="also write the table here")
     args = parser.parse_args(argv)
     rows = [row(name, sass_facts.facts(str(cubin))) for name, cubin in ours().items()]
     rows += [row(name, sass_facts.facts(str(cubin)))
              for name, cubin in compile_upstream(args.python, args.flash_attn_src, args.out).items()]
+    if args.flash_attn_hd256_src:
+        rows += [row(name, sass_facts.facts(str(cubin))) for name, cubin in
+                 compile_upstream(args.python, args.flash_attn_hd256_src, args.out, UPSTREAM_HD256).items()]
     table = markdown(rows)
     print(table)
     (args.out / "sm100_static.json").write_text(json.dumps(rows, indent=1))

@@ -11,7 +11,8 @@ Without a mask a CTA is persistent: it computes tile after tile of the scheduler
 on from one tile into the next, so the next tile's K and V load during this one's last blocks.
 Under a causal or window mask each CTA takes one tile of the same order, heaviest first
 (plan.scheduler_kind says why). A tile is two 128-row query tiles ("stages") of one (head,
-batch), 256 rows, against the same key blocks; kernels/sm100/plan.py holds the warp-role table,
+batch), 256 rows, against the same key blocks (one at d256, whose S is double-buffered instead:
+see below); kernels/sm100/plan.py holds the warp-role table,
 the TMEM map, the barriers and the protocol every role follows (role_events, which the tests
 search for deadlock). Per key block, visited from the highest to the lowest (the first carries
 the sequence tail and the diagonal):
@@ -29,6 +30,12 @@ the sequence tail and the diagonal):
   conditional rescaling makes that rare: a vote skips the rest), and at the end divides O_i by
   the row sums into Q_i's shared memory, free by then, for one TMA store per stage, writes
   LSE from registers, and gives Q_i's buffer back to the load warp once the store has read it.
+
+With one stage (d256: a 256-column O leaves TMEM room for no second one) one softmax warp group
+alternates between two S buffers, and the MMA warp issues the S GEMM two blocks ahead
+(mma_tile_one_stage): per block j, P·V_j, then S_{j+2} into the buffer P_j leaves, so that the
+tensor core computes while softmax reads S_{j+1}; the correction learns that P·V_{j-1} is done
+from a pipeline of its own (PV0) before it rescales O for P·V_j.
 
 A CTA pair ("cta_pair" tuning, plan.PAIR_TILE_CONFIGS; no mask, dense calls) runs the same
 roles in a cluster of two CTAs: the leader's MMA warp issues 2-CTA MMAs over both CTAs' 128 rows
@@ -61,7 +68,7 @@ from fa4_jax.kernels.common.ragged import entry_length
 from fa4_jax.kernels.common.softmax import OnlineSoftmax, SoftmaxConfig, score_scales
 from fa4_jax.kernels.common.tile_scheduler import TileScheduler
 from fa4_jax.kernels.sm100 import hardware, plan
-from fa4_jax.kernels.sm100.plan import Q_STAGES, ROWS_PER_STAGE, Barrier, Role
+from fa4_jax.kernels.sm100.plan import ROWS_PER_STAGE, Barrier, Role
 
 TUNING_KNOBS = tuple(field.name for field in dataclasses.fields(plan.TileConfig))
 # TMEM columns per tcgen05.ld/st of the correction: 16 fp32 values of a row per thread.
@@ -96,10 +103,6 @@ class _Tile:
     stage_blocks: BlockInfo
     # Keys past an entry's length lie inside the buffer (their V rows need zeroing).
     ragged_k: cutlass.Boolean
-
-    def row_block(self, stage: int, ctas: int):
-        """The ROWS_PER_STAGE-row block of the query rows that this CTA's stage `stage` holds."""
-        return (self.m_block * Q_STAGES + stage) * ctas + self.cta_in_pair
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +139,25 @@ class _Epilogue:
     mLSE: cute.Tensor
 
 
+@dataclasses.dataclass(frozen=True)
+class _MmaOperands:
+    """What the MMA warp's GEMMs read and write: the two MMAs, the shared-memory operand
+    fragments (Q and K for S, V for P·V) and TMEM (S and P per buffer, O per stage)."""
+
+    tiled_mma_qk: cute.TiledMma
+    tiled_mma_pv: cute.TiledMma
+    thr_pv: cute.TiledMma
+    sV: cute.Tensor
+    tSrQ: cute.Tensor
+    tSrK: cute.Tensor
+    tOrV: cute.Tensor
+    tmem_ptr: cute.Pointer
+    scores_layout: cute.Layout
+    outs: tuple
+    probs_type: type
+    probs_layout: cute.Layout
+
+
 def _tcgen05_after_sync():
     """Orders this thread's later tcgen05 ops after a barrier wait it just passed."""
     nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.AFTER_THREAD_SYNC)
@@ -163,13 +185,14 @@ class FlashAttentionForwardSm100:
         unknown = set(tuning) - set(TUNING_KNOBS)
         if unknown:
             raise TypeError(f"unknown tuning knobs {sorted(unknown)}; known: {TUNING_KNOBS}")
-        plan.check_budgets()
         config = plan.tile_config(head_dim, head_dim_v, tuning)
+        self.roles = plan.warp_roles(config)
+        self.roles.check()
         if head_dim_v > head_dim:
             raise ValueError("V's stages sit at K's stage offsets in one ring: head_dim_v must not exceed head_dim")
         if config.tile_n != 128:
             raise ValueError(f"{config}: the softmax's row loads and P's TMEM columns assume 128-key blocks")
-        self.tmem = plan.TmemMap(config.tile_n, head_dim_v)
+        self.tmem = plan.TmemMap(config.tile_n, head_dim_v, config.q_stages)
         if self.tmem.alloc_columns > hardware.TMEM_COLUMNS:
             raise ValueError(f"{config}: TMEM map needs {self.tmem.used_columns} columns")
         if config.smem_bytes(head_dim, head_dim_v) + plan.SMEM_MARGIN > hardware.SMEM_BYTES:
@@ -183,13 +206,14 @@ class FlashAttentionForwardSm100:
         self.config = config
         self.tile_n = config.tile_n
         self.kv_stages = config.kv_stages
+        self.q_stages = config.q_stages
         self.softmax_config = SoftmaxConfig(rescale_threshold=config.rescale_threshold,
                                             exp2_poly_share=config.exp2_poly_share, packed_pairs=True)
         # CTAs per MMA, and the query rows one MMA covers (one stage of each CTA of a pair).
         self.ctas = config.ctas
         self.mma_rows = ROWS_PER_STAGE * self.ctas
-        # A tile: both stages of every CTA of the pair.
-        self.cta_m = Q_STAGES * self.mma_rows
+        # A tile: every stage of every CTA of the pair.
+        self.cta_m = self.q_stages * self.mma_rows
         masked = self.causal or self.local
         self.scheduler = TileScheduler(
             plan.scheduler_kind(mask), self.cta_m, reverse_m=masked,
@@ -240,7 +264,7 @@ class FlashAttentionForwardSm100:
             self.dtype, self.dtype, tcgen05.OperandMajorMode.K, tcgen05.OperandMajorMode.MN,
             Float32, cta_group, mma_tiler_pv[:2], tcgen05.OperandSource.TMEM,
         )
-        sQ_layout = sm100_utils.make_smem_layout_a(tiled_mma_qk, mma_tiler_qk, self.dtype, Q_STAGES)
+        sQ_layout = sm100_utils.make_smem_layout_a(tiled_mma_qk, mma_tiler_qk, self.dtype, self.q_stages)
         sK_layout = sm100_utils.make_smem_layout_b(tiled_mma_qk, mma_tiler_qk, self.dtype, self.kv_stages)
         tP_layout = sm100_utils.make_smem_layout_a(tiled_mma_pv, mma_tiler_pv, self.dtype, 1)
         sV_layout = sm100_utils.make_smem_layout_b(tiled_mma_pv, mma_tiler_pv, self.dtype, self.kv_stages)
@@ -282,7 +306,7 @@ class FlashAttentionForwardSm100:
             # A pair's MMA warps free their TMEM together (TmemAllocator's handshake).
             tmem_dealloc: cutlass.Int64
             tmem_address: Int32
-            row_stats: cute.struct.MemRange[Float32, Q_STAGES * NUM_STATS * ROWS_PER_STAGE]
+            row_stats: cute.struct.MemRange[Float32, self.q_stages * NUM_STATS * ROWS_PER_STAGE]
             sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
             sKV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
 
@@ -299,7 +323,7 @@ class FlashAttentionForwardSm100:
             tma_atom_o, tma_o, mLSE, mSeqUsedQ, mSeqUsedK, sQ_layout, sK_layout, tP_layout, sV_layout,
             sO_layout,
             score_prescale, scale_log2, window_left, window_right, top_left,
-        ).launch(grid=grid, block=[plan.NUM_THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
+        ).launch(grid=grid, block=[self.roles.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
                  min_blocks_per_mp=1, cluster=[self.ctas, 1, 1] if self.config.cta_pair else None)
 
     def cluster_layout(self, tiled_mma_qk):
@@ -336,8 +360,9 @@ class FlashAttentionForwardSm100:
         top_left: Int32,
     ):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        load_warp = plan.role(Role.LOAD).warps[0]
-        mma_warp = plan.role(Role.MMA).warps[0]
+        roles = self.roles
+        load_warp = roles.role(Role.LOAD).warps[0]
+        mma_warp = roles.role(Role.MMA).warps[0]
         if warp == load_warp:
             for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o):
                 cpasync.prefetch_descriptor(atom)
@@ -348,7 +373,7 @@ class FlashAttentionForwardSm100:
         cluster = self.cluster_layout(tiled_mma_qk)
         storage = utils.SmemAllocator().allocate(self.shared_storage)
         pipes = self.make_pipelines(storage, cluster)
-        tmem_barrier = pipeline.NamedBarrier(barrier_id=int(Barrier.TMEM), num_threads=plan.threads(*plan.TMEM_USERS))
+        tmem_barrier = pipeline.NamedBarrier(barrier_id=int(Barrier.TMEM), num_threads=roles.threads(*roles.tmem_users))
         tmem = utils.TmemAllocator(storage.tmem_address.ptr, barrier_for_retrieve=tmem_barrier,
                                    allocator_warp_id=mma_warp, is_two_cta=pair,
                                    two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc.ptr if pair else None)
@@ -361,9 +386,9 @@ class FlashAttentionForwardSm100:
         # O_i in Q_i's bytes, seen through O's own layout.
         q_stage_elems = cute.cosize(cute.select(sQ_layout.outer, mode=[0, 1, 2]))
         sO = tuple(cute.make_tensor(cute.recast_ptr(sQ.iterator + i * q_stage_elems, sO_layout.inner),
-                                    sO_layout.outer) for i in range(Q_STAGES))
+                                    sO_layout.outer) for i in range(self.q_stages))
         row_stats = storage.row_stats.get_tensor(
-            cute.make_layout((ROWS_PER_STAGE, NUM_STATS, Q_STAGES)))
+            cute.make_layout((ROWS_PER_STAGE, NUM_STATS, self.q_stages)))
 
         # Each role derives its tiles after its setmaxnreg: values live across the MMA and load
         # warps' drop to 48 registers would be spilled.
@@ -374,7 +399,7 @@ class FlashAttentionForwardSm100:
 
         if warp >= mma_warp:
             # The MMA, load and idle warps share the last warp group's budget.
-            cute.arch.setmaxregister_decrease(plan.role(Role.MMA).registers)
+            self.set_registers(Role.MMA)
         if warp == load_warp:
             self.load(tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, sQ, sK, sV, tiled_mma_qk,
                       tiled_mma_pv, pipes, tile_problem, tile_count())
@@ -390,19 +415,19 @@ class FlashAttentionForwardSm100:
             tmem_barrier.arrive_and_wait()
             _tcgen05_after_sync()
             tmem.free(tmem_ptr)
-        for stage, softmax_role in enumerate(plan.SOFTMAX_ROLES):
-            group = plan.role(softmax_role).warps
+        for stage, softmax_role in enumerate(roles.softmax):
+            group = roles.role(softmax_role).warps
             if warp >= group[0] and warp <= group[-1]:
-                cute.arch.setmaxregister_increase(plan.role(softmax_role).registers)
+                self.set_registers(softmax_role)
                 tmem.wait_for_alloc()
                 tmem_ptr = tmem.retrieve_ptr(Float32)
                 self.softmax(stage, tiled_mma_qk, tmem_ptr, row_stats, pipes, tile_problem, tile_count(),
                              score_prescale, scale_log2)
                 _tcgen05_before_sync()
                 tmem_barrier.arrive()
-        correction = plan.role(Role.CORRECTION).warps
+        correction = roles.role(Role.CORRECTION).warps
         if warp >= correction[0] and warp <= correction[-1]:
-            cute.arch.setmaxregister_decrease(plan.role(Role.CORRECTION).registers)
+            self.set_registers(Role.CORRECTION)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
             self.correction(tiled_mma_pv, tmem_ptr, row_stats, _Epilogue(tma_atom_o, mO, sO, mLSE), pipes,
@@ -414,6 +439,14 @@ class FlashAttentionForwardSm100:
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
 
+    def set_registers(self, role: Role):
+        """The warp group's setmaxnreg to its role's budget: up from the launch's count, or down."""
+        budget = self.roles.role(role).registers
+        if budget > self.roles.launch_registers:
+            cute.arch.setmaxregister_increase(budget)
+        else:
+            cute.arch.setmaxregister_decrease(budget)
+
     def _arrivals(self, roles, landing, threads=None) -> pipeline.CooperativeGroup:
         """The arrivals that complete a pipeline barrier's phase for `roles`: one for the load
         warp (its TMA unit's transaction; a pair's partner adds bytes, not an arrival) and the
@@ -423,7 +456,7 @@ class FlashAttentionForwardSm100:
         if roles in ((Role.LOAD,), (Role.MMA,)):
             arrivals = 1
         else:
-            arrivals = (threads or plan.threads(*roles)) * (self.ctas if landing == "leader" else 1)
+            arrivals = (threads or self.roles.threads(*roles)) * (self.ctas if landing == "leader" else 1)
         return pipeline.CooperativeGroup(pipeline.Agent.Thread, arrivals)
 
     def make_pipelines(self, storage, cluster) -> dict:
@@ -481,16 +514,22 @@ class FlashAttentionForwardSm100:
                      n_block_min=n_block_min, n_blocks=n_blocks, mask=mask, stage_blocks=stage_blocks,
                      ragged_k=mSeqUsedK.shape[0] > 0)
 
+    def row_block(self, tile, stage: int):
+        """The ROWS_PER_STAGE-row block of the query rows that this CTA's stage `stage` holds
+        (a pair's CTA: its rows of each stage after the leader's)."""
+        return (tile.m_block * self.q_stages + stage) * self.ctas + tile.cta_in_pair
+
     # --- load warp ---------------------------------------------------------------------------
 
     @cute.jit
     def load(self, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, sQ, sK, sV, tiled_mma_qk,
              tiled_mma_pv, pipes, tile_problem, tile_count):
-        """Per tile, Q's two tiles and each block's K then V through the ring, in plan.role_events'
-        order; a tile without keys loads Q alone (the correction stages its zeros there). In a
-        pair each CTA loads its own rows of Q and its half of each K and V block."""
+        """Per tile, Q's tiles and the blocks' K and V through the ring, in plan.role_events' order
+        (K of the first s_lookahead blocks, then V_j and K_{j + s_lookahead}); a tile without
+        keys loads Q alone (the correction stages its zeros there). In a pair each CTA loads its
+        own rows of Q and its half of each K and V block."""
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, Q_STAGES)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         for tile_index in cutlass.range(tile_count, unroll=1):
             tile = tile_problem(tile_index)
             n_blocks = tile.n_blocks
@@ -509,19 +548,22 @@ class FlashAttentionForwardSm100:
             if n_blocks > 0:
                 self.load_block(pipes["KV"], kv_state, tma_atom_k, tKgK[None, last_block, 0], tKsK)
                 kv_state.advance()
-            for stage in cutlass.range_constexpr(Q_STAGES):
+            for stage in cutlass.range_constexpr(self.q_stages):
                 pipes["Q"].producer_acquire(q_state)
-                cute.copy(tma_atom_q, tQgQ[None, tile.m_block * Q_STAGES + stage, 0], tQsQ[None, stage],
+                cute.copy(tma_atom_q, tQgQ[None, tile.m_block * self.q_stages + stage, 0], tQsQ[None, stage],
                           tma_bar_ptr=pipes["Q"].producer_get_barrier(q_state))
                 q_state.advance()
-            if n_blocks > 0:
-                self.load_block(pipes["KV"], kv_state, tma_atom_v, tVgV[None, 0, last_block], tVsV, self.tma_bytes_v)
-                kv_state.advance()
-                for i in cutlass.range(n_blocks - 1, unroll=1):
-                    n_block = last_block - 1 - i
-                    self.load_block(pipes["KV"], kv_state, tma_atom_k, tKgK[None, n_block, 0], tKsK)
+            ahead = self.config.s_lookahead
+            for i in cutlass.range_constexpr(1, ahead):
+                if n_blocks > i:
+                    self.load_block(pipes["KV"], kv_state, tma_atom_k, tKgK[None, last_block - i, 0], tKsK)
                     kv_state.advance()
-                    self.load_block(pipes["KV"], kv_state, tma_atom_v, tVgV[None, 0, n_block], tVsV, self.tma_bytes_v)
+            for i in cutlass.range(n_blocks, unroll=1):
+                self.load_block(pipes["KV"], kv_state, tma_atom_v, tVgV[None, 0, last_block - i], tVsV,
+                                self.tma_bytes_v)
+                kv_state.advance()
+                if i + ahead < n_blocks:
+                    self.load_block(pipes["KV"], kv_state, tma_atom_k, tKgK[None, last_block - i - ahead, 0], tKsK)
                     kv_state.advance()
         pipes["KV"].producer_tail(kv_state)
 
@@ -539,76 +581,152 @@ class FlashAttentionForwardSm100:
 
     @cute.jit
     def mma(self, tiled_mma_qk, tiled_mma_pv, tP_layout, tmem_ptr, sQ, sK, sV, pipes, tile_problem, tile_count):
-        """Per tile, S_i = Q_i·Kᵀ and O_i += P_i·V for both stages, in plan.role_events' order.
-        A tile's first S_i GEMMs wait for nothing on S_i: the previous tile's last P_i·V waited
-        for S_i's last release, and this thread's MMAs run in order."""
+        """Per tile, S_i = Q_i·Kᵀ and O_i += P_i·V for every stage, in plan.role_events' order.
+        An S GEMM waits for nothing on S_i: the P_i·V that last read its columns waited for that
+        use's release, and this thread's MMAs run in order."""
         thr_qk, thr_pv = tiled_mma_qk.get_slice(0), tiled_mma_pv.get_slice(0)
-        tSrQ = tiled_mma_qk.make_fragment_A(sQ)
-        tSrK = tiled_mma_qk.make_fragment_B(sK)
-        tOrV = tiled_mma_pv.make_fragment_B(sV)
         tStS = thr_qk.make_fragment_C(thr_qk.partition_shape_C((self.mma_rows, self.tile_n)))
         tOtO = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.mma_rows, self.head_dim_v)))
         tOrP = thr_pv.make_fragment_A(cute.make_tensor(tStS.iterator, tP_layout.outer))[None, None, None, 0]
-        scores = [cute.make_tensor(tmem_ptr + self.tmem.s(i), tStS.layout) for i in range(Q_STAGES)]
-        outs = [cute.make_tensor(tmem_ptr + self.tmem.o(i), tOtO.layout) for i in range(Q_STAGES)]
-        probs = [cute.make_tensor(cute.recast_ptr(tmem_ptr + self.tmem.p(i), dtype=tOrP.element_type),
-                                  tOrP.layout) for i in range(Q_STAGES)]
+        ops = _MmaOperands(
+            tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, thr_pv=thr_pv, sV=sV,
+            tSrQ=tiled_mma_qk.make_fragment_A(sQ), tSrK=tiled_mma_qk.make_fragment_B(sK),
+            tOrV=tiled_mma_pv.make_fragment_B(sV), tmem_ptr=tmem_ptr, scores_layout=tStS.layout,
+            outs=tuple(cute.make_tensor(tmem_ptr + self.tmem.o(i), tOtO.layout) for i in range(self.q_stages)),
+            probs_type=tOrP.element_type, probs_layout=tOrP.layout,
+        )
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, Q_STAGES)
-        # Both stages' S pipelines go through the same phases in step: one state serves both.
-        s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
+        # The stages' S pipelines go through the same phases in step: one state serves all.
+        s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.config.s_lookahead)
+        # With one stage: the P_i·V waits on S's empty barrier (P is in), a use at a time.
+        p_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.config.s_lookahead)
+        pv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         o_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         for tile_index in cutlass.range(tile_count, unroll=1):
             tile = tile_problem(tile_index)
-            n_blocks = tile.n_blocks
-            if n_blocks > 0:
+            if tile.n_blocks > 0:
+                if cutlass.const_expr(self.q_stages == 1):
+                    kv_state, q_state, s_state, p_state, pv_state, o_state = self.mma_tile_one_stage(
+                        ops, pipes, tile, kv_state, q_state, s_state, p_state, pv_state, o_state)
+                else:
+                    kv_state, q_state, s_state, o_state = self.mma_tile_two_stages(
+                        ops, pipes, tile, kv_state, q_state, s_state, o_state)
+            else:
+                # A tile without keys: Q is the correction's (it stages the zeros there).
+                for i in cutlass.range_constexpr(self.q_stages):
+                    q_state.advance()
+
+    def scores_tmem(self, ops, buffer):
+        """S buffer `buffer` (static or a ring index) as the S GEMM's accumulator."""
+        return cute.make_tensor(ops.tmem_ptr + self.tmem.s(0) + buffer * self.tile_n, ops.scores_layout)
+
+    def probs_tmem(self, ops, buffer):
+        """P in S buffer `buffer` as P·V's A operand."""
+        return cute.make_tensor(cute.recast_ptr(ops.tmem_ptr + self.tmem.p(0) + buffer * self.tile_n,
+                                                dtype=ops.probs_type), ops.probs_layout)
+
+    @cute.jit
+    def mma_tile_two_stages(self, ops, pipes, tile, kv_state, q_state, s_state, o_state):
+        """One tile of two stages, each with its own S buffer: per block, both stages' P_i·V_j
+        then S_i of the next block into the same columns. Returns the advanced states."""
+        n_blocks = tile.n_blocks
+        pipes["KV"].consumer_wait(kv_state)
+        k_state = kv_state.clone()
+        kv_state.advance()
+        for i in cutlass.range_constexpr(self.q_stages):
+            pipes["Q"].consumer_wait(q_state)
+            self.gemm(ops.tiled_mma_qk, self.scores_tmem(ops, i), ops.tSrQ[None, None, None, i],
+                      ops.tSrK[None, None, None, k_state.index], accumulate=False)
+            pipes[f"S{i}"].producer_commit(s_state)
+            q_state.advance()
+        s_state.advance()
+        pipes["KV"].consumer_release(k_state)
+        for block in cutlass.range(1, n_blocks, unroll=1):
+            pipes["KV"].consumer_wait(kv_state)
+            v_state = kv_state.clone()
+            kv_state.advance()
+            if block == 1:
+                self.zero_v_past_keys(ops.thr_pv, ops.sV, v_state.index, tile)
+            pipes["KV"].consumer_wait(kv_state)
+            k_state = kv_state.clone()
+            kv_state.advance()
+            for i in cutlass.range_constexpr(self.q_stages):
+                pipes[f"S{i}"].producer_acquire(s_state)
+                _tcgen05_after_sync()
+                self.gemm(ops.tiled_mma_pv, ops.outs[i], self.probs_tmem(ops, i),
+                          ops.tOrV[None, None, None, v_state.index], accumulate=block > 1)
+                self.gemm(ops.tiled_mma_qk, self.scores_tmem(ops, i), ops.tSrQ[None, None, None, i],
+                          ops.tSrK[None, None, None, k_state.index], accumulate=False)
+                pipes[f"S{i}"].producer_commit(s_state)
+            s_state.advance()
+            pipes["KV"].consumer_release(v_state)
+            pipes["KV"].consumer_release(k_state)
+        pipes["KV"].consumer_wait(kv_state)
+        if n_blocks == 1:
+            self.zero_v_past_keys(ops.thr_pv, ops.sV, kv_state.index, tile)
+        for i in cutlass.range_constexpr(self.q_stages):
+            pipes[f"S{i}"].producer_acquire(s_state)
+            _tcgen05_after_sync()
+            self.gemm(ops.tiled_mma_pv, ops.outs[i], self.probs_tmem(ops, i),
+                      ops.tOrV[None, None, None, kv_state.index], accumulate=n_blocks > 1)
+            pipes[f"O{i}"].producer_commit(o_state)
+        pipes["KV"].consumer_release(kv_state)
+        kv_state.advance()
+        o_state.advance()
+        return kv_state, q_state, s_state, o_state
+
+    @cute.jit
+    def mma_tile_one_stage(self, ops, pipes, tile, kv_state, q_state, s_state, p_state, pv_state, o_state):
+        """One tile of one stage whose S is double-buffered: S of the first two blocks, then per
+        block j P·V_j (once softmax has written P_j and the correction rescaled O) and S of block
+        j + 2 into the buffer P_j leaves, so that the tensor core has the next S to compute
+        while the correction, told by PV0 that P·V_{j-1} is done, rescales O for P·V_j.
+        Returns the advanced states."""
+        n_blocks = tile.n_blocks
+        for first in cutlass.range_constexpr(self.config.s_lookahead):
+            if first == 0 or n_blocks > first:
                 pipes["KV"].consumer_wait(kv_state)
                 k_state = kv_state.clone()
                 kv_state.advance()
-                for i in cutlass.range_constexpr(Q_STAGES):
+                if cutlass.const_expr(first == 0):
                     pipes["Q"].consumer_wait(q_state)
-                    self.gemm(tiled_mma_qk, scores[i], tSrQ[None, None, None, i],
-                              tSrK[None, None, None, k_state.index], accumulate=False)
-                    pipes[f"S{i}"].producer_commit(s_state)
                     q_state.advance()
+                self.gemm(ops.tiled_mma_qk, self.scores_tmem(ops, s_state.index), ops.tSrQ[None, None, None, 0],
+                          ops.tSrK[None, None, None, k_state.index], accumulate=False)
+                pipes["S0"].producer_commit(s_state)
                 s_state.advance()
                 pipes["KV"].consumer_release(k_state)
-                for block in cutlass.range(1, n_blocks, unroll=1):
-                    pipes["KV"].consumer_wait(kv_state)
-                    v_state = kv_state.clone()
-                    kv_state.advance()
-                    if block == 1:
-                        self.zero_v_past_keys(thr_pv, sV, v_state.index, tile)
-                    pipes["KV"].consumer_wait(kv_state)
-                    k_state = kv_state.clone()
-                    kv_state.advance()
-                    for i in cutlass.range_constexpr(Q_STAGES):
-                        pipes[f"S{i}"].producer_acquire(s_state)
-                        _tcgen05_after_sync()
-                        self.gemm(tiled_mma_pv, outs[i], probs[i], tOrV[None, None, None, v_state.index],
-                                  accumulate=block > 1)
-                        self.gemm(tiled_mma_qk, scores[i], tSrQ[None, None, None, i],
-                                  tSrK[None, None, None, k_state.index], accumulate=False)
-                        pipes[f"S{i}"].producer_commit(s_state)
-                    s_state.advance()
-                    pipes["KV"].consumer_release(v_state)
-                    pipes["KV"].consumer_release(k_state)
-                pipes["KV"].consumer_wait(kv_state)
-                if n_blocks == 1:
-                    self.zero_v_past_keys(thr_pv, sV, kv_state.index, tile)
-                for i in cutlass.range_constexpr(Q_STAGES):
-                    pipes[f"S{i}"].producer_acquire(s_state)
-                    _tcgen05_after_sync()
-                    self.gemm(tiled_mma_pv, outs[i], probs[i], tOrV[None, None, None, kv_state.index],
-                              accumulate=n_blocks > 1)
-                    pipes[f"O{i}"].producer_commit(o_state)
-                pipes["KV"].consumer_release(kv_state)
-                kv_state.advance()
-                o_state.advance()
+        for block in cutlass.range(n_blocks, unroll=1):
+            pipes["KV"].consumer_wait(kv_state)
+            v_state = kv_state.clone()
+            kv_state.advance()
+            if block == 0:
+                self.zero_v_past_keys(ops.thr_pv, ops.sV, v_state.index, tile)
+            # S's empty barrier of this use: P_j is in and O is rescaled.
+            pipes["S0"].sync_object_empty.wait(p_state.index, p_state.phase)
+            _tcgen05_after_sync()
+            self.gemm(ops.tiled_mma_pv, ops.outs[0], self.probs_tmem(ops, p_state.index),
+                      ops.tOrV[None, None, None, v_state.index], accumulate=block > 0)
+            p_state.advance()
+            if block < n_blocks - 1:
+                pipes["PV0"].producer_acquire(pv_state)
+                pipes["PV0"].producer_commit(pv_state)
+                pv_state.advance()
             else:
-                # A tile without keys: Q is the correction's (it stages the zeros there).
-                for i in cutlass.range_constexpr(Q_STAGES):
-                    q_state.advance()
+                pipes["O0"].producer_commit(o_state)
+                o_state.advance()
+            pipes["KV"].consumer_release(v_state)
+            if block + self.config.s_lookahead < n_blocks:
+                pipes["KV"].consumer_wait(kv_state)
+                k_state = kv_state.clone()
+                kv_state.advance()
+                self.gemm(ops.tiled_mma_qk, self.scores_tmem(ops, s_state.index), ops.tSrQ[None, None, None, 0],
+                          ops.tSrK[None, None, None, k_state.index], accumulate=False)
+                pipes["S0"].producer_commit(s_state)
+                s_state.advance()
+                pipes["KV"].consumer_release(k_state)
+        return kv_state, q_state, s_state, p_state, pv_state, o_state
 
     @cute.jit
     def gemm(self, tiled_mma, acc, frag_a, frag_b, accumulate):
@@ -652,7 +770,7 @@ class FlashAttentionForwardSm100:
         causal/window band crosses and those left of the window's edge take the mask; the rest
         run unmasked, each kind in a loop of its own (a runtime choice between the two would keep
         both versions of the row's 128 scores live)."""
-        s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.config.s_lookahead)
         stats_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         for tile_index in cutlass.range(tile_count, unroll=1):
             tile = tile_problem(tile_index)
@@ -699,7 +817,7 @@ class FlashAttentionForwardSm100:
                 row_scale=cute.make_rmem_tensor((1,), Float32), row=row, row_stats=row_stats,
                 pipe_s=pipes[f"S{stage}"], pipe_stats=pipes[f"STATS{stage}"], score_prescale=score_prescale,
             )
-            m_block = tile.row_block(stage, self.ctas)
+            m_block = self.row_block(tile, stage)
             seqlen_q, seqlen_k, n_block_min = tile.seqlen_q, tile.seqlen_k, tile.n_block_min
             stage_blocks = tile.stage_blocks
             n_block = n_block_min + n_blocks - 1
@@ -731,10 +849,16 @@ class FlashAttentionForwardSm100:
                       n_block, masked: cutlass.Constexpr[bool], first: cutlass.Constexpr[bool] = False):
         """One key block of softmax i (plan.role_events): wait for S_i, mask (statically), the
         online softmax step, the row scale to the correction (not for the first block: O_i is
-        still empty), P_i into TMEM, S_i's columns released. Returns the advanced states."""
+        still empty), P_i into TMEM, S_i's columns released. Returns the advanced states. With
+        one stage the block's S and P are in the S buffer of this use (the ring's index)."""
+        scores_tmem, probs_tmem = block.scores_tmem, block.probs_tmem
+        if cutlass.const_expr(self.config.s_lookahead > 1):
+            columns = s_state.index * self.tile_n
+            scores_tmem = cute.make_tensor(scores_tmem.iterator + columns, scores_tmem.layout)
+            probs_tmem = cute.make_tensor(probs_tmem.iterator + columns, probs_tmem.layout)
         block.pipe_s.consumer_wait(s_state)
         _tcgen05_after_sync()
-        cute.copy(block.thr_load, block.scores_tmem, block.scores)
+        cute.copy(block.thr_load, scores_tmem, block.scores)
         cute.arch.fence_view_async_tmem_load()
         if cutlass.const_expr(self.has_softcap):
             for c in cutlass.range_constexpr(cute.size(block.scores)):
@@ -751,7 +875,7 @@ class FlashAttentionForwardSm100:
         scores_flat = cute.make_tensor(block.scores.iterator, cute.make_layout(self.tile_n))
         for chunk in cutlass.range_constexpr(self.tile_n // P_CHUNK):
             block.probs_chunk.store(cute.local_tile(scores_flat, (P_CHUNK,), (chunk,)).load().to(self.dtype))
-            cute.copy(block.thr_store, block.probs_chunk_f32, block.probs_tmem[None, None, chunk])
+            cute.copy(block.thr_store, block.probs_chunk_f32, probs_tmem[None, None, chunk])
         cute.arch.fence_view_async_tmem_store()
         _tcgen05_before_sync()
         block.pipe_s.consumer_release(s_state)
@@ -772,7 +896,7 @@ class FlashAttentionForwardSm100:
         thr_pv = tiled_mma_pv.get_slice(0)
         tOtO = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.mma_rows, self.head_dim_v)))
         outs = [cute.make_tensor(tmem_ptr + self.tmem.o(i), tOtO.layout)[(None, None), 0, 0]
-                for i in range(Q_STAGES)]
+                for i in range(self.q_stages)]
         chunk_layout = cute.make_layout((ROWS_PER_STAGE, O_CHUNK))
         chunk = cute.composition(outs[0], chunk_layout)
         load_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(O_CHUNK)), Float32)
@@ -781,25 +905,30 @@ class FlashAttentionForwardSm100:
         thr_store = tcgen05.make_tmem_copy(store_atom, chunk).get_slice(row)
         chunk_regs = cute.make_rmem_tensor(
             thr_load.partition_D(cute.make_identity_tensor((ROWS_PER_STAGE, O_CHUNK))).shape, Float32)
-        loads = [thr_load.partition_S(cute.composition(outs[i], chunk_layout)) for i in range(Q_STAGES)]
-        stores = [thr_store.partition_D(cute.composition(outs[i], chunk_layout)) for i in range(Q_STAGES)]
-        # The two stages' pipelines go through the same phases in step: one state each.
-        s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        loads = [thr_load.partition_S(cute.composition(outs[i], chunk_layout)) for i in range(self.q_stages)]
+        stores = [thr_store.partition_D(cute.composition(outs[i], chunk_layout)) for i in range(self.q_stages)]
+        # The stages' pipelines go through the same phases in step: one state each.
+        s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.config.s_lookahead)
         stats_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         o_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, Q_STAGES)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         for tile_index in cutlass.range(tile_count, unroll=1):
             tile = tile_problem(tile_index)
             n_blocks = tile.n_blocks
             if n_blocks > 0:
-                for i in cutlass.range_constexpr(Q_STAGES):
+                for i in cutlass.range_constexpr(self.q_stages):
                     self.release_o(pipes, i, s_state)
                 s_state.advance()
                 for block in cutlass.range(1, n_blocks, unroll=1):
-                    for i in cutlass.range_constexpr(Q_STAGES):
+                    for i in cutlass.range_constexpr(self.q_stages):
                         pipes[f"STATS{i}"].consumer_wait(stats_state)
                         scale = row_stats[row, STAT_SCALE, i]
                         pipes[f"STATS{i}"].consumer_release(stats_state)
+                        if cutlass.const_expr(self.config.s_lookahead > 1):
+                            # The S GEMM softmax waited for came before the previous P·V: wait
+                            # for that P·V to have added into O.
+                            pipes[f"PV{i}"].consumer_wait(pv_state)
                         # The warp's 32 rows share its TMEM lanes: rescale them all if any moved.
                         if cute.arch.vote_any_sync(scale != Float32(1.0)):
                             _tcgen05_after_sync()
@@ -809,10 +938,14 @@ class FlashAttentionForwardSm100:
                                     chunk_regs[e] = chunk_regs[e] * scale
                                 self.o_chunk_copy(thr_store, stores[i], chunk_regs, c, to_registers=False)
                             cute.arch.fence_view_async_tmem_store()
+                        if cutlass.const_expr(self.config.s_lookahead > 1):
+                            _tcgen05_before_sync()
+                            pipes[f"PV{i}"].consumer_release(pv_state)
                         self.release_o(pipes, i, s_state)
                     stats_state.advance()
+                    pv_state.advance()
                     s_state.advance()
-                for i in cutlass.range_constexpr(Q_STAGES):
+                for i in cutlass.range_constexpr(self.q_stages):
                     pipes[f"STATS{i}"].consumer_wait(stats_state)
                     stats = OnlineSoftmax.create(self.softmax_config, scale_log2, 1, lanes_per_row=1)
                     stats.row_sum[0] = row_stats[row, STAT_SUM, i]
@@ -830,16 +963,16 @@ class FlashAttentionForwardSm100:
                 o_state.advance()
             else:
                 landed = q_state.clone()
-                for i in cutlass.range_constexpr(Q_STAGES):
+                for i in cutlass.range_constexpr(self.q_stages):
                     # The load of Q_i has landed before its zeros go over it.
                     pipes["Q"].consumer_wait(landed)
                     landed.advance()
                     self.store_stage(thr_load, loads[i], chunk_regs, epilogue, tile, i, row, Float32(0.0),
                                      Float32(-math.inf), from_tmem=False)
-            for i in cutlass.range_constexpr(Q_STAGES):
+            for i in cutlass.range_constexpr(self.q_stages):
                 if row == 0:
-                    # Stage i's store (of the Q_STAGES this thread just issued) has read Q_i's buffer.
-                    cute.arch.cp_async_bulk_wait_group(Q_STAGES - 1 - i, read=True)
+                    # Stage i's store (of the q_stages this thread just issued) has read Q_i's buffer.
+                    cute.arch.cp_async_bulk_wait_group(self.q_stages - 1 - i, read=True)
                     # A thread's arrival on this CTA's own barrier (Q's pipeline is the MMA
                     # warp's, whose release would be a tcgen05.commit).
                     cute.arch.mbarrier_arrive(pipes["Q"].sync_object_empty.get_barrier(q_state.index))
@@ -868,7 +1001,7 @@ class FlashAttentionForwardSm100:
         """Stage i's rows: this thread's O·(1/ℓ) (0 past the entry's rows, or without a block)
         into sO[i], its LSE (−inf there) to global memory, then, once the warp group's rows are
         all in, one thread's TMA store of the stage's tile (it stops at the buffer's rows)."""
-        row = tile.row_block(stage, self.ctas) * ROWS_PER_STAGE + row_in_stage
+        row = self.row_block(tile, stage) * ROWS_PER_STAGE + row_in_stage
         live = row < tile.seqlen_q
         if not live:
             inv_sum = Float32(0.0)
@@ -889,11 +1022,11 @@ class FlashAttentionForwardSm100:
             epilogue.mLSE[row, tile.head, tile.batch] = lse
         # Ordinary stores made visible to the TMA (the async proxy), then the group's rows joined.
         cute.arch.fence_view_async_shared()
-        pipeline.NamedBarrier(barrier_id=int(Barrier.O_STORE), num_threads=plan.threads(Role.CORRECTION)).arrive_and_wait()
+        pipeline.NamedBarrier(barrier_id=int(Barrier.O_STORE), num_threads=self.roles.threads(Role.CORRECTION)).arrive_and_wait()
         if row_in_stage == 0:
             gO = cute.flat_divide(epilogue.mO[None, None, tile.head, tile.batch], (ROWS_PER_STAGE, self.head_dim_v))
             tOsO, tOgO = cpasync.tma_partition(epilogue.tma_atom_o, 0, cute.make_layout(1),
                                                cute.group_modes(epilogue.sO[stage], 0, 2),
                                                cute.group_modes(gO, 0, 2))
-            cute.copy(epilogue.tma_atom_o, tOsO, tOgO[None, tile.row_block(stage, self.ctas), 0])
+            cute.copy(epilogue.tma_atom_o, tOsO, tOgO[None, self.row_block(tile, stage), 0])
             cute.arch.cp_async_bulk_commit_group()

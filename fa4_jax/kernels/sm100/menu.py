@@ -20,26 +20,26 @@ ARCH = "sm_100f"
 VERIFIED = False
 KERNELS = {"fwd": "fa4_jax.kernels.sm100.fwd:FlashAttentionForwardSm100"}
 # (head_dim, head_dim_v) of the forward kernels, each with an entry in plan.TILE_CONFIGS. TMEM
-# holds two 128-key S tiles and two O tiles, so dv <= 128 (DeepSeek's 192/128 included); d256
-# (two O tiles of 256 columns fill TMEM) needs a kernel of another shape, one query tile per CTA
-# pair with two S buffers (FA4 upstream's dedicated one), that this folder does not have yet.
-# Other dims run zero-padded on the narrowest wider pair (routing.serving_head_dims).
-HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128))
+# holds two 128-key S tiles and two O tiles up to dv 128 (DeepSeek's 192/128 included); d256's
+# O fills the rest alone, so its kernel runs one query tile with S double-buffered
+# (plan.TileConfig.q_stages). Other dims run zero-padded on the narrowest wider pair
+# (routing.serving_head_dims).
+HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
 # Settings of the tuned variants, as overrides of the tile tables (plan.TileConfig).
 TUNINGS: dict[str, dict] = {
     "default": {},
     # A CTA pair per MMA (plan.PAIR_TILE_CONFIGS: half of each K and V block per CTA).
     "cta_pair": {"cta_pair": True},
 }
-# Dense calls without a mask at d128 and d192/dv128 run on CTA pairs, where FA4 upstream finds
-# them faster, once they have more rows than one single-CTA tile (FA4 upstream's rule: fewer
-# leave half of the pair's 512-row tile empty where one CTA's 256 rows hold them); ragged
+# Dense calls without a mask at d128, d192/dv128 and d256 run on CTA pairs, where FA4 upstream
+# finds them faster, once they have more rows than one single-CTA tile (FA4 upstream's rule:
+# fewer leave half of the pair's tile empty where one CTA's tile holds them); ragged
 # batches stay on single CTAs (a pair's partner could not zero the V padding of its half
 # before the leader's P·V reads it, and its keyless tiles would wait on a Q barrier the leader
 # owns).
 ROUTES: tuple[Route, ...] = tuple(
-    Route("cta_pair", "none", d, min_rows=plan.Q_STAGES * plan.ROWS_PER_STAGE + 1, dense=True)
-    for d, _ in plan.PAIR_TILE_CONFIGS
+    Route("cta_pair", "none", d, min_rows=plan.TILE_CONFIGS[(d, dv)].q_stages * plan.ROWS_PER_STAGE + 1, dense=True)
+    for d, dv in plan.PAIR_TILE_CONFIGS
 )
 DQ_COPIES_MAX_KEYS: dict[int, int] = {}
 

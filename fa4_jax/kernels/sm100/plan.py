@@ -8,16 +8,22 @@ arrival that lands in the wrong phase of an mbarrier.
 
 A CTA computes tile after tile of the LPT order (kernels/common/tile_scheduler.py; persistent
 without a mask, one tile per CTA under one: `scheduler_kind`), its pipelines running on from one
-tile into the next. A tile is two 128-row query tiles ("stages" 0 and 1) of one (head, batch)
-against the same key blocks: 256 rows. Per key block j (visited from the highest to the lowest),
-the MMA warp issues S_i = Q_i·K_jᵀ into TMEM for both stages; softmax warp group i reads S_i,
-writes P_i (16-bit) over the second half of S_i's own columns, and hands the MMA warp P_i; the
-MMA warp then issues O_i += P_i·V_j with P_i read from TMEM. The correction warp group rescales
-O_i in TMEM when softmax i moved its row maximum (FA4's conditional rescaling), and at the end
-divides by the row sums, stages O_i in Q_i's shared memory for a TMA store and writes LSE; once
-the store has read it, Q_i's buffer is free for the next tile's Q_i. A CTA pair (TileConfig.cta_pair)
-runs the same protocol in two CTAs with one MMA warp issuing for both; `pair_role_events` puts
-each of its events on the barrier of the CTA it lands on.
+tile into the next. A tile is `q_stages` 128-row query tiles ("stages") of one (head, batch)
+against the same key blocks. Per key block j (visited from the highest to the lowest), the MMA
+warp issues S_i = Q_i·K_jᵀ into TMEM for every stage; softmax warp group i reads S_i, writes P_i
+(16-bit) over the second half of S_i's own columns, and hands the MMA warp P_i; the MMA warp
+then issues O_i += P_i·V_j with P_i read from TMEM. The correction warp group rescales O_i in
+TMEM when softmax i moved its row maximum (FA4's conditional rescaling), and at the end divides
+by the row sums, stages O_i in Q_i's shared memory for a TMA store and writes LSE; once the store
+has read it, Q_i's buffer is free for the next tile's Q_i.
+
+TMEM holds two S tiles (`S_BUFFERS`). With two stages (d <= 192) each stage has one, and the two
+softmax warp groups ping-pong. With one (d256, whose 256-column O leaves room for no second O)
+one softmax warp group alternates between them: the MMA warp issues the S GEMM two blocks ahead
+(S_{j+2} right after P·V_j), so that the tensor core computes the next block's S while softmax
+reads this one's, and O's rescale waits for the previous P·V on a pipeline of its own (PV0).
+A CTA pair (TileConfig.cta_pair) runs the same protocol in two CTAs with one MMA warp issuing
+for both; `pair_role_events` puts each of its events on the barrier of the CTA it lands on.
 """
 from __future__ import annotations
 
@@ -28,9 +34,11 @@ from fa4_jax.kernels.sm100 import hardware
 
 # Query rows of one tcgen05 MMA (cta_group 1, M = 128): one TMEM lane per row.
 ROWS_PER_STAGE = 128
-# Query tiles per CTA: the two softmax warp groups ping-pong between them, so that one's
-# exponentials overlap the other's GEMMs on the tensor core.
+# Query tiles per CTA where TMEM holds two O tiles: the two softmax warp groups ping-pong between
+# them, so that one's exponentials overlap the other's GEMMs on the tensor core.
 Q_STAGES = 2
+# S tiles in TMEM: one per query tile with two, one query tile's S double-buffered with one.
+S_BUFFERS = 2
 THREADS_PER_WARP = 32
 WARPS_PER_GROUP = 4
 
@@ -60,22 +68,30 @@ class TileConfig:
     # SM reads and loads half the K/V bytes per score. Calls without a mask and without ragged
     # lengths only (PAIR_TILE_CONFIGS, the sm100 menu's routes).
     cta_pair: bool = False
+    # Query tiles per CTA: two, or one where O is too wide for two O tiles in TMEM (dv 256).
+    q_stages: int = Q_STAGES
 
     @property
     def ctas(self) -> int:
         """CTAs per MMA: 2 for a pair."""
         return 2 if self.cta_pair else 1
 
+    @property
+    def s_lookahead(self) -> int:
+        """Key blocks whose S GEMMs the MMA warp issues before the first P·V: one per stage's S
+        buffer with two stages, both buffers of the one stage with one."""
+        return S_BUFFERS // self.q_stages
+
     def smem_bytes(self, head_dim: int, head_dim_v: int, elem_bytes: int = 2) -> int:
-        """Q's two stages plus the K/V ring (one buffer per stage sized for the wider of K, V;
+        """Q's stages plus the K/V ring (one buffer per stage sized for the wider of K, V;
         a pair's CTA holds half of each block)."""
-        q = Q_STAGES * ROWS_PER_STAGE * head_dim
+        q = self.q_stages * ROWS_PER_STAGE * head_dim
         kv = self.kv_stages * self.tile_n * max(head_dim, head_dim_v) // self.ctas
         return elem_bytes * (q + kv)
 
 
-# Keyed by (head_dim, head_dim_v). TMEM bounds dv: two S tiles of tile_n columns and two O tiles
-# of dv columns fill at most 512 (`TmemMap`); shared memory bounds the ring depth.
+# Keyed by (head_dim, head_dim_v). TMEM bounds dv: two S tiles of tile_n columns and q_stages O
+# tiles of dv columns fill at most 512 (`TmemMap`); shared memory bounds the ring depth.
 TILE_CONFIGS = {
     # 16 KB per K/V stage: six stages keep the tensor core fed at d64's short GEMMs.
     (64, 64): TileConfig(kv_stages=6),
@@ -88,6 +104,11 @@ TILE_CONFIGS = {
     # 32 KB per stage: four fit beside Q's 64 KB (FA4 upstream's d128 runs three, with 64 KB of
     # O staging of its own; here O is staged in Q's buffers, free by the epilogue).
     (128, 128): TileConfig(kv_stages=4),
+    # Gemma's. O's 256 columns and two S tiles fill TMEM: one query tile, S double-buffered.
+    # A whole K or V block is 64 KB: two stages beside Q's 64 KB (a single CTA serves the
+    # masked and ragged calls; dense ones go to the pair). The GEMMs take 2048 cycles per
+    # block against MUFU's 1032 with every exponential there: no polynomial.
+    (256, 256): TileConfig(q_stages=1, kv_stages=2, exp2_poly_share=0.0),
 }
 # The CTA pair's tables (the "cta_pair" tuning), where FA4 upstream finds the pair pays: no
 # mask, d128 and d192/dv128 (its GEMMs long enough that K/V's shared-memory reads, halved here,
@@ -98,6 +119,9 @@ PAIR_TILE_CONFIGS = {
     (128, 128): TileConfig(cta_pair=True, kv_stages=6),
     # 24 KB per stage (K's half block; V's 16 KB at its offsets): five beside Q's 96 KB.
     (192, 128): TileConfig(cta_pair=True, kv_stages=5, exp2_poly_share=0.0),
+    # FA4 upstream's d256 kernel is a pair: half of K's keys and of V's columns per CTA, 32 KB
+    # per stage, four beside Q's 64 KB (five would leave 1 KB for barriers and statistics).
+    (256, 256): TileConfig(cta_pair=True, q_stages=1, kv_stages=4, exp2_poly_share=0.0),
 }
 # Barriers, alignment padding and the scale exchange come on top of TileConfig.smem_bytes.
 SMEM_MARGIN = 4096
@@ -136,57 +160,111 @@ class RoleAssignment:
     registers: int
 
 
-# The warp-role table. The TMEM lanes a warp may read are fixed by its index within its warp
-# group (warp w reads lanes 32·(w % 4) to 32·(w % 4) + 31), so each softmax and correction warp
-# group covers the 128 rows of a stage. Softmax takes the registers: a 128-column row of S in
-# fp32 plus its P; correction streams O through 16 columns at a time.
-ROLES = (
+SOFTMAX_ROLES = (Role.SOFTMAX0, Role.SOFTMAX1)
+
+
+@dataclasses.dataclass(frozen=True)
+class WarpRoles:
+    """A warp-role table. The TMEM lanes a warp may read are fixed by its index within its warp
+    group (warp w reads lanes 32·(w % 4) to 32·(w % 4) + 31), so each softmax and correction warp
+    group covers the 128 rows of a stage. The MMA, load and idle warps come last: they share
+    the last warp group's budget."""
+
+    table: tuple[RoleAssignment, ...]
+
+    def role(self, name: Role) -> RoleAssignment:
+        return next(r for r in self.table if r.role == name)
+
+    def threads(self, *names: Role) -> int:
+        return sum(len(self.role(name).warps) for name in names) * THREADS_PER_WARP
+
+    @property
+    def num_warps(self) -> int:
+        return sum(len(r.warps) for r in self.table)
+
+    @property
+    def num_threads(self) -> int:
+        return self.num_warps * THREADS_PER_WARP
+
+    @property
+    def launch_registers(self) -> int:
+        """Registers per thread at launch (the file shared by the block's threads, in ptxas's
+        steps of 8): a budget above it is a setmaxnreg increase, below it a decrease."""
+        return hardware.REGISTERS_PER_SM // self.num_threads // 8 * 8
+
+    @property
+    def softmax(self) -> tuple[Role, ...]:
+        """The softmax roles, softmax i serving stage i."""
+        return tuple(r for r in SOFTMAX_ROLES if any(a.role == r for a in self.table))
+
+    @property
+    def tmem_users(self) -> tuple[Role, ...]:
+        """The roles that touch TMEM: they wait on Barrier.TMEM for its address, and arrive on it
+        when done so that the MMA warp, which allocated it, may free it."""
+        return (Role.MMA, *self.softmax, Role.CORRECTION)
+
+    def check(self) -> None:
+        """Raises if the table breaks a hardware limit (run at kernel construction)."""
+        warps = sorted(w for r in self.table for w in r.warps)
+        if warps != list(range(self.num_warps)) or self.num_warps % WARPS_PER_GROUP:
+            raise ValueError(f"warp roles must cover whole warp groups once: {warps}")
+        for group in range(self.num_warps // WARPS_PER_GROUP):
+            budgets = {r.registers for r in self.table for w in r.warps if w // WARPS_PER_GROUP == group}
+            if len(budgets) != 1:
+                raise ValueError(f"warp group {group} mixes setmaxnreg budgets {budgets}")
+        total = sum(r.registers * len(r.warps) * THREADS_PER_WARP for r in self.table)
+        if total > hardware.REGISTERS_PER_SM or any(r.registers % 8 or r.registers > 256 for r in self.table):
+            raise ValueError(f"setmaxnreg budgets take {total} registers of {hardware.REGISTERS_PER_SM}")
+
+
+# Two stages. Softmax takes the registers: a 128-column row of S in fp32 plus its P; correction
+# streams O through 16 columns at a time.
+TWO_STAGE_ROLES = WarpRoles((
     RoleAssignment(Role.SOFTMAX0, (0, 1, 2, 3), 192),
     RoleAssignment(Role.SOFTMAX1, (4, 5, 6, 7), 192),
     RoleAssignment(Role.CORRECTION, (8, 9, 10, 11), 80),
     RoleAssignment(Role.MMA, (12,), 48),
     RoleAssignment(Role.LOAD, (13,), 48),
     RoleAssignment(Role.IDLE, (14, 15), 48),
-)
-NUM_WARPS = sum(len(r.warps) for r in ROLES)
-NUM_THREADS = NUM_WARPS * THREADS_PER_WARP
+))
+# One stage: three warp groups, the second softmax's registers split between the one softmax
+# (the setmaxnreg ceiling) and the correction, so that the budgets still sum to the file.
+ONE_STAGE_ROLES = WarpRoles((
+    RoleAssignment(Role.SOFTMAX0, (0, 1, 2, 3), 256),
+    RoleAssignment(Role.CORRECTION, (4, 5, 6, 7), 208),
+    RoleAssignment(Role.MMA, (8,), 48),
+    RoleAssignment(Role.LOAD, (9,), 48),
+    RoleAssignment(Role.IDLE, (10, 11), 48),
+))
 
 
-def role(name: Role) -> RoleAssignment:
-    return next(r for r in ROLES if r.role == name)
-
-
-def threads(*roles: Role) -> int:
-    return sum(len(role(name).warps) for name in roles) * THREADS_PER_WARP
-
-
-SOFTMAX_ROLES = (Role.SOFTMAX0, Role.SOFTMAX1)
-# The roles that touch TMEM: they wait on Barrier.TMEM for its address, and arrive on it when
-# done so that the MMA warp, which allocated it, may free it.
-TMEM_USERS = (Role.MMA, *SOFTMAX_ROLES, Role.CORRECTION)
+def warp_roles(config: TileConfig) -> WarpRoles:
+    return ONE_STAGE_ROLES if config.q_stages == 1 else TWO_STAGE_ROLES
 
 
 @dataclasses.dataclass(frozen=True)
 class TmemMap:
     """Column offsets (32-bit columns; every row's lane is its query row) of one CTA's tensor
-    memory. P_i (16-bit, two per column) overwrites the second half of S_i once softmax i holds
-    S_i in registers, so the next S_i GEMM, issued after P_i·V, finds it free."""
+    memory: the S_BUFFERS S tiles, then O of each stage. P (16-bit, two per column) overwrites
+    the second half of its S once softmax holds that S in registers, and the next S GEMM into
+    those columns is issued after the P·V that reads it (one thread's MMAs run in order)."""
 
     tile_n: int
     head_dim_v: int
+    q_stages: int = Q_STAGES
 
-    def s(self, stage: int) -> int:
-        return stage * self.tile_n
+    def s(self, buffer: int) -> int:
+        return buffer * self.tile_n
 
-    def p(self, stage: int) -> int:
-        return self.s(stage) + self.tile_n // 2
+    def p(self, buffer: int) -> int:
+        return self.s(buffer) + self.tile_n // 2
 
     def o(self, stage: int) -> int:
-        return Q_STAGES * self.tile_n + stage * self.head_dim_v
+        return S_BUFFERS * self.tile_n + stage * self.head_dim_v
 
     @property
     def used_columns(self) -> int:
-        return self.o(Q_STAGES - 1) + self.head_dim_v
+        return self.o(self.q_stages - 1) + self.head_dim_v
 
     @property
     def alloc_columns(self) -> int:
@@ -199,9 +277,10 @@ class TmemMap:
     def regions(self) -> dict[str, tuple[int, int]]:
         """name -> [first, last + 1) columns."""
         out = {}
-        for stage in range(Q_STAGES):
-            out[f"S{stage}"] = (self.s(stage), self.s(stage) + self.tile_n)
-            out[f"P{stage}"] = (self.p(stage), self.p(stage) + self.tile_n // 2)
+        for buffer in range(S_BUFFERS):
+            out[f"S{buffer}"] = (self.s(buffer), self.s(buffer) + self.tile_n)
+            out[f"P{buffer}"] = (self.p(buffer), self.p(buffer) + self.tile_n // 2)
+        for stage in range(self.q_stages):
             out[f"O{stage}"] = (self.o(stage), self.o(stage) + self.head_dim_v)
         return out
 
@@ -246,16 +325,22 @@ def pipelines(config: TileConfig) -> tuple[Pipeline, ...]:
         # full: Q_i has landed (the MMA warp waits, and the correction before it stages a
         # keyless tile's zeros over it); empty: the thread that TMA-stored O_i from Q_i's buffer
         # has seen the store read it, so the next tile's Q_i may load.
-        Pipeline("Q", Q_STAGES, (Role.LOAD,), (Role.CORRECTION,), consumer_threads=1, full_at="leader"),
+        Pipeline("Q", config.q_stages, (Role.LOAD,), (Role.CORRECTION,), consumer_threads=1, full_at="leader"),
         Pipeline("KV", config.kv_stages, (Role.LOAD,), (Role.MMA,), full_at="leader", empty_at="both"),
     ]
-    for stage, softmax in enumerate(SOFTMAX_ROLES):
+    for stage, softmax in enumerate(warp_roles(config).softmax):
         # full: S_i is in TMEM (a tcgen05.commit); empty: P_i is in TMEM and O_i is rescaled
-        # (the correction's part of it comes before S_i of that round is full).
-        out.append(Pipeline(f"S{stage}", 1, (Role.MMA,), (softmax, Role.CORRECTION), releases_filled=False,
-                            full_at="both", empty_at="leader"))
+        # (the correction's part of it comes before S_i of that round is full). One stage
+        # per S buffer the stage owns (uses alternate between them).
+        out.append(Pipeline(f"S{stage}", config.s_lookahead, (Role.MMA,), (softmax, Role.CORRECTION),
+                            releases_filled=False, full_at="both", empty_at="leader"))
         # Softmax i's row scales for the correction (full), read (empty).
         out.append(Pipeline(f"STATS{stage}", 1, (softmax,), (Role.CORRECTION,)))
+        if config.s_lookahead > 1:
+            # full: a P_i·V before a tile's last is done, so the correction may rescale O_i (the
+            # S GEMM that softmax waited for was issued before it); empty: rescaled.
+            out.append(Pipeline(f"PV{stage}", 1, (Role.MMA,), (Role.CORRECTION,), full_at="both",
+                                empty_at="leader"))
         # full: the last P_i·V is done, O_i is final.
         out.append(Pipeline(f"O{stage}", 1, (Role.MMA,), (Role.CORRECTION,), full_at="both"))
     return tuple(out)
@@ -279,16 +364,19 @@ def role_events(config: TileConfig, tiles: tuple[int, ...]) -> dict[Role, list[t
     """Each role's barrier events for one persistent CTA that computes `tiles` in order, each
     entry the key blocks that tile visits (0: a tile whose rows see no key and come out 0)."""
     kv = config.kv_stages
-    events: dict[Role, list[tuple]] = {r.role: [] for r in ROLES if r.role != Role.IDLE}
+    stages = config.q_stages
+    ahead = config.s_lookahead
+    roles = warp_roles(config)
+    events: dict[Role, list[tuple]] = {r.role: [] for r in roles.table if r.role != Role.IDLE}
 
-    def producer_acquire(role, pipe, stages, index):
-        stage, rnd = _ring(stages, index)
+    def producer_acquire(role, pipe, ring, index):
+        stage, rnd = _ring(ring, index)
         if rnd > 0:
             events[role].append(("wait", pipe, "empty", stage, rnd - 1))
 
-    # Load warp, per tile: K_{n-1}, Q0, Q1, V_{n-1}, then K_j, V_j for the lower blocks (a tile
-    # without keys: Q alone, which the correction waits for before it stages zeros over it).
-    # The ring holds K and V of a block in consecutive stages and runs on across tiles.
+    # Load warp, per tile: K of the first `ahead` blocks (Q's stages after the first K), then
+    # per block V_j and K_{j+ahead}: the MMA warp's order. A tile without keys: Q alone, which
+    # the correction waits for before it stages zeros over it. The ring runs on across tiles.
     load = Role.LOAD
     kv_uses = 0
 
@@ -299,8 +387,8 @@ def role_events(config: TileConfig, tiles: tuple[int, ...]) -> dict[Role, list[t
         kv_uses += 1
 
     def load_q(tile):
-        for stage in range(Q_STAGES):
-            producer_acquire(load, "Q", Q_STAGES, tile * Q_STAGES + stage)
+        for stage in range(stages):
+            producer_acquire(load, "Q", stages, tile * stages + stage)
             events[load].append(("arrive", "Q", "full", stage, tile, "async"))
 
     for tile, n_blocks in enumerate(tiles):
@@ -309,14 +397,18 @@ def role_events(config: TileConfig, tiles: tuple[int, ...]) -> dict[Role, list[t
             continue
         load_kv()
         load_q(tile)
-        load_kv()
-        for _ in range(1, n_blocks):
+        for _ in range(1, min(ahead, n_blocks)):
             load_kv()
+        for block in range(n_blocks):
             load_kv()
+            if block + ahead < n_blocks:
+                load_kv()
 
-    # MMA warp. S_i's single stage goes through one phase per key block, on from tile to tile;
-    # a tile's first S_i GEMM needs no wait: the previous tile's last P_i·V waited for S_i's
-    # last release, and one thread's MMAs run in order.
+    # MMA warp. S_i's uses run on from tile to tile; an S GEMM waits for nothing on S_i: the
+    # P_i·V that last read its columns (`ahead` uses earlier) waited for that use's release, and
+    # one thread's MMAs run in order. Per block j: P_i·V_j once P_i is in (S_i's empty), then
+    # S_i of block j + ahead; with two stages K_{j+1} is awaited before either stage's P·V
+    # (both S GEMMs read it), with one after P·V_j (which need not wait for it).
     mma = Role.MMA
     kv_reads = 0
 
@@ -329,75 +421,90 @@ def role_events(config: TileConfig, tiles: tuple[int, ...]) -> dict[Role, list[t
     def release_kv(index):
         events[mma].append(("arrive", "KV", "empty", *_ring(kv, index), "async"))
 
-    s_base = o_round = 0
+    s_base = o_round = pv_round = 0
     for tile, n_blocks in enumerate(tiles):
         if n_blocks == 0:
             continue
-        k_use = wait_kv()
-        for stage in range(Q_STAGES):
-            events[mma].append(("wait", "Q", "full", stage, tile))
-            events[mma].append(("arrive", f"S{stage}", "full", 0, s_base, "async"))
-        release_kv(k_use)
-        for block in range(1, n_blocks):
-            v_use = wait_kv()
+        for block in range(min(ahead, n_blocks)):
             k_use = wait_kv()
-            for stage in range(Q_STAGES):
-                # P_i of the previous block written and O_i rescaled: O_i += P_i·V, then S_i = Q_i·Kᵀ.
-                events[mma].append(("wait", f"S{stage}", "empty", 0, s_base + block - 1))
-                events[mma].append(("arrive", f"S{stage}", "full", 0, s_base + block, "async"))
-            release_kv(v_use)
+            for stage in range(stages):
+                if block == 0:
+                    events[mma].append(("wait", "Q", "full", stage, tile))
+                events[mma].append(("arrive", f"S{stage}", "full", *_ring(ahead, s_base + block), "async"))
             release_kv(k_use)
-        v_use = wait_kv()
-        for stage in range(Q_STAGES):
-            events[mma].append(("wait", f"S{stage}", "empty", 0, s_base + n_blocks - 1))
-            events[mma].append(("arrive", f"O{stage}", "full", 0, o_round, "async"))
-        release_kv(v_use)
+        for block in range(n_blocks):
+            v_use = wait_kv()
+            next_s = block + ahead < n_blocks
+            k_use = wait_kv() if next_s and stages > 1 else None
+            for stage in range(stages):
+                events[mma].append(("wait", f"S{stage}", "empty", *_ring(ahead, s_base + block)))
+                if block == n_blocks - 1:
+                    events[mma].append(("arrive", f"O{stage}", "full", 0, o_round, "async"))
+                elif ahead > 1:
+                    producer_acquire(mma, f"PV{stage}", 1, pv_round)
+                    events[mma].append(("arrive", f"PV{stage}", "full", 0, pv_round, "async"))
+                if next_s and stages > 1:
+                    events[mma].append(("arrive", f"S{stage}", "full", *_ring(ahead, s_base + block + ahead),
+                                        "async"))
+            release_kv(v_use)
+            if next_s and stages == 1:
+                k_use = wait_kv()
+                events[mma].append(("arrive", "S0", "full", *_ring(ahead, s_base + block + ahead), "async"))
+            if k_use is not None:
+                release_kv(k_use)
+            if ahead > 1 and block < n_blocks - 1:
+                pv_round += 1
         s_base += n_blocks
         o_round += 1
 
     # Softmax warp group i: per block, S_i in, row scale out (from the second block on), P_i
     # in; after a tile's last block, the row sum and maximum.
-    for stage, softmax in enumerate(SOFTMAX_ROLES):
+    for stage, softmax in enumerate(roles.softmax):
         s_base = stats = 0
         for n_blocks in tiles:
             for block in range(n_blocks):
-                events[softmax].append(("wait", f"S{stage}", "full", 0, s_base + block))
+                events[softmax].append(("wait", f"S{stage}", "full", *_ring(ahead, s_base + block)))
                 if block > 0:
                     producer_acquire(softmax, f"STATS{stage}", 1, stats)
                     events[softmax].append(("arrive", f"STATS{stage}", "full", 0, stats))
                     stats += 1
-                events[softmax].append(("arrive", f"S{stage}", "empty", 0, s_base + block))
+                events[softmax].append(("arrive", f"S{stage}", "empty", *_ring(ahead, s_base + block)))
             if n_blocks:
                 producer_acquire(softmax, f"STATS{stage}", 1, stats)
                 events[softmax].append(("arrive", f"STATS{stage}", "full", 0, stats))
                 stats += 1
             s_base += n_blocks
 
-    # Correction warp group, per tile: both stages' rescales per block, then both epilogues,
-    # then Q_0 and Q_1 released once their stores have read them. A tile without keys: Q_i
-    # awaited, zeros staged over it and stored, Q_i released.
+    # Correction warp group, per tile: every stage's rescale per block (with one stage, after
+    # the previous P·V is done), then every stage's epilogue, then the Q_i released once their
+    # stores have read them. A tile without keys: Q_i awaited, zeros staged over it and stored,
+    # Q_i released.
     correction = Role.CORRECTION
-    s_base = stats = o_round = 0
+    s_base = stats = o_round = pv_round = 0
     for tile, n_blocks in enumerate(tiles):
         if n_blocks == 0:
-            for stage in range(Q_STAGES):
+            for stage in range(stages):
                 events[correction].append(("wait", "Q", "full", stage, tile))
-            for stage in range(Q_STAGES):
+            for stage in range(stages):
                 events[correction].append(("arrive", "Q", "empty", stage, tile))
             continue
-        for stage in range(Q_STAGES):
-            events[correction].append(("arrive", f"S{stage}", "empty", 0, s_base))
+        for stage in range(stages):
+            events[correction].append(("arrive", f"S{stage}", "empty", *_ring(ahead, s_base)))
         for block in range(1, n_blocks):
-            for stage in range(Q_STAGES):
+            for stage in range(stages):
                 events[correction].append(("wait", f"STATS{stage}", "full", 0, stats))
                 events[correction].append(("arrive", f"STATS{stage}", "empty", 0, stats))
-                events[correction].append(("arrive", f"S{stage}", "empty", 0, s_base + block))
+                if ahead > 1:
+                    events[correction].append(("wait", f"PV{stage}", "full", 0, pv_round))
+                    events[correction].append(("arrive", f"PV{stage}", "empty", 0, pv_round))
+                events[correction].append(("arrive", f"S{stage}", "empty", *_ring(ahead, s_base + block)))
             stats += 1
-        for stage in range(Q_STAGES):
+            pv_round += 1
+        for stage in range(stages):
             events[correction].append(("wait", f"STATS{stage}", "full", 0, stats))
             events[correction].append(("arrive", f"STATS{stage}", "empty", 0, stats))
             events[correction].append(("wait", f"O{stage}", "full", 0, o_round))
-        for stage in range(Q_STAGES):
+        for stage in range(stages):
             events[correction].append(("arrive", "Q", "empty", stage, tile))
         stats += 1
         s_base += n_blocks
@@ -465,17 +572,3 @@ def expected_arrivals(config: TileConfig) -> dict[tuple[str, str], int]:
         out[(pipe.name, "full")] = len(pipe.producer)
         out[(pipe.name, "empty")] = len(pipe.consumers)
     return out
-
-
-def check_budgets() -> None:
-    """Raises if the warp-role table breaks a hardware limit (run at kernel construction)."""
-    warps = sorted(w for r in ROLES for w in r.warps)
-    if warps != list(range(NUM_WARPS)) or NUM_WARPS % WARPS_PER_GROUP:
-        raise ValueError(f"warp roles must cover whole warp groups once: {warps}")
-    for group in range(NUM_WARPS // WARPS_PER_GROUP):
-        budgets = {r.registers for r in ROLES for w in r.warps if w // WARPS_PER_GROUP == group}
-        if len(budgets) != 1:
-            raise ValueError(f"warp group {group} mixes setmaxnreg budgets {budgets}")
-    total = sum(r.registers * len(r.warps) * THREADS_PER_WARP for r in ROLES)
-    if total > hardware.REGISTERS_PER_SM or any(r.registers % 8 or r.registers > 256 for r in ROLES):
-        raise ValueError(f"setmaxnreg budgets take {total} registers of {hardware.REGISTERS_PER_SM}")
