@@ -18,11 +18,12 @@ back: one copy of each operand and result, against a kernel whose work grows by 
 share (docs/perf-log.md, "Every head dim: served zero-padded").
 
 A ragged batch's padding reaches the kernels (a TMA tile load cannot stop at a per-entry length),
-and a masked P = 0 times a NaN or inf of the padding would still be NaN. The forward kernel makes
-the K/V padding harmless itself (the mask overwrites the scores, V's padding rows are zeroed in
-shared memory); ragged calls still zero the padding of k and v (backward) and, unless they gave
-key lengths only (`AttentionParams.full_query_rows`), of q (forward and backward) and d_out
-(backward), with one elementwise pass over each.
+and a masked P = 0 times a NaN or inf of the padding would still be NaN. The forward kernels make
+the padding harmless themselves (the mask overwrites the scores, V's padding rows are zeroed in
+shared memory, rows past an entry's queries are replaced by 0 in the epilogue), so the forward
+zeroes nothing. The backward sums over query rows and keys, so ragged backward calls zero the
+padding of k and v and, unless they gave key lengths only (`AttentionParams.full_query_rows`),
+of q and d_out, with one elementwise pass over each.
 
 `library` arguments default to the shipping library; the benchmarks pass their development
 library (benchmarks/ablations.py) and a `tuning` name.
@@ -218,14 +219,13 @@ def _zero_padding(x, lengths):
 
 
 def _length_operands(seq_lengths, by_query, by_key, full_query_rows: bool):
-    """((seq_used_q, seq_used_k), by_query, by_key) for a kernel call.
+    """((seq_used_q, seq_used_k), by_query, by_key) for a backward kernel call.
 
     by_query / by_key: tuples of arrays whose axis 1 runs over query rows / keys. A ragged call
     gets them back with their padding zeroed (module docstring), a dense call unchanged; the
     query side not where every query row is valid (`AttentionParams.full_query_rows`): the
     query lengths of a call that gave only key lengths are the buffer's, and zeroing nothing
-    was still a pass over all of q (0.085 ms of a 0.31 ms call at 256 tokens x 128 entries,
-    d128: docs/perf-log.md).
+    was still a pass over all of q (docs/perf-log.md).
     """
     seq_used_q, seq_used_k = ffi.seq_used(seq_lengths)
     if seq_lengths is not None:
@@ -265,8 +265,7 @@ def forward(q, k, v, params, seq_lengths=None, segment_ids=None, *, library: ffi
         return out[..., :v.shape[-1]], lse
     if segmented:
         _require(q, k, v, params, "fwd", library, segments=True, mask_array=masked)
-        lengths, (q,), () = _length_operands(seq_lengths, (q,), (), params.full_query_rows)
-        return ffi.forward_call(library, q, k, v, lengths, ffi.attributes(params), tuning,
+        return ffi.forward_call(library, q, k, v, ffi.seq_used(seq_lengths), ffi.attributes(params), tuning,
                                 segments=segment_ids)
     if split_kv is None:
         sms = sm_count()
@@ -283,10 +282,10 @@ def forward(q, k, v, params, seq_lengths=None, segment_ids=None, *, library: ffi
                            tuning=tuning, pack_gqa=False, split_kv=1)
         return packing.unpack(out, lse, q.shape[2])
     _require(q, k, v, params, "fwd", library)
-    # K and V go in unzeroed: the kernel masks the padding keys and zeroes their V rows itself
-    # (a decode step would otherwise copy its whole KV cache twice over).
-    lengths, (q,), () = _length_operands(seq_lengths, (q,), (), params.full_query_rows)
-    return ffi.forward_call(library, q, k, v, lengths, ffi.attributes(params), tuning)
+    # Q, K and V go in unzeroed: the kernel masks the padding keys, zeroes their V rows and
+    # replaces the rows past an entry's queries itself (a decode step would otherwise copy its
+    # whole KV cache twice over).
+    return ffi.forward_call(library, q, k, v, ffi.seq_used(seq_lengths), ffi.attributes(params), tuning)
 
 
 def dq_copies(q, k, params, library: ffi.Library) -> int:

@@ -798,7 +798,7 @@ class FlashAttentionForwardSm90:
         # Decoded again rather than held in registers across the main loop.
         m_block, head, batch = problem.tile(self.scheduler, tile_i)
         seqlen_q, _ = problem.seqlens(batch)
-        self.clear_rows_past(thr_mma_pv, row_scale, lse, m_block, seqlen_q)
+        self.clear_rows_past(thr_mma_pv, acc_o_rc, row_scale, lse, m_block, seqlen_q)
         scale_rows(acc_o_rc, row_scale)
         self.epilogue(tiled_mma_pv, thr_mma_pv, tidx, acc_o, lse, sO, tma, mLSE,
                       m_block, head, batch, problem.seqlen_q, pipeline_q, q_state)
@@ -892,14 +892,18 @@ class FlashAttentionForwardSm90:
         return kv_state
 
     @cute.jit
-    def clear_rows_past(self, thr_mma_pv, row_scale, lse, m_block, seqlen_q):
-        """Rows at or past seqlen_q (a ragged entry's padding, computed from its zeroed Q like
-        any other row) come out as O = 0 and LSE = −inf: XLA does not zero results."""
+    def clear_rows_past(self, thr_mma_pv, acc_o_rc, row_scale, lse, m_block, seqlen_q):
+        """Rows at or past seqlen_q (a ragged entry's padding, computed like any other row from
+        whatever the caller left in Q there) come out as O = 0 and LSE = −inf: XLA does not zero
+        results. Their O is replaced, not scaled by 0, so that NaN in the padding of Q stays out
+        (rows are independent, so it reaches no other row) and the dispatch need not zero it."""
         o_coords = acc_rows_cols(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
         for r in cutlass.range_constexpr(cute.size(lse)):
             if m_block * self.tile_m + o_coords[r, 0][0] >= seqlen_q:
                 row_scale[r] = Float32(0.0)
                 lse[r] = -Float32.inf
+                for c in cutlass.range_constexpr(cute.size(acc_o_rc, mode=[1])):
+                    acc_o_rc[r, c] = Float32(0.0)
 
     @cute.jit
     def mma_first_block(self, blocks, kv_state, n_block, apply_mask, sV, seqlen_k, problem, tidx):
