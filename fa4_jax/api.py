@@ -107,8 +107,9 @@ def attention(
         axis that size or 1; True: the pair is visible), on top of every other mask. One shared
         by all heads (axis 1 of size 1) runs on the kernels: they read it packed to 32 keys a
         word, skip the key blocks it hides from a whole query tile, run those it shows whole
-        unmasked, and read bits only on the rest (`fa4_jax.mask_bits`); a per-head mask runs on
-        the reference. Unlike `dot_product_attention`, a row the mask hides entirely has out 0
+        unmasked, and read bits only on the rest (`fa4_jax.mask_bits`); so does a per-head
+        mask, each (batch, head) run as an entry of its own (a copy of q, k, v and out, kv heads
+        repeated to the query heads'). Unlike `dot_product_attention`, a row the mask hides entirely has out 0
         and lse -inf, like every row that sees no key here.
 
     Returns:
@@ -156,13 +157,16 @@ class _ScoreArrays:
 
     @property
     def not_read_by_kernels(self) -> str | None:
-        """Why the kernels do not read these arrays, or None when they do: segment ids, and a
-        mask shared by every head (the mask_array kernels), not yet a bias or a per-head mask."""
+        """Why the kernels do not read these arrays, or None when they do: segment ids and a
+        mask (the mask_array kernels; one that differs between heads with each (batch, head) an
+        entry of its own, `_per_head_mask_attention`), not yet a bias."""
         if self.bias is not None:
             return "a bias array"
-        if self.mask is not None and self.mask.shape[1] != 1:
-            return "a mask that differs between heads (one shared by all heads, axis 1 of size 1, runs on them)"
         return None
+
+    @property
+    def per_head_mask(self) -> bool:
+        return self.mask is not None and self.mask.shape[1] != 1
 
     def kernel_call(self, params, seq_lengths, batch, seqlen_q, seqlen_k):
         """(the params and segment operands of the kernel call): segment ids' operands
@@ -276,6 +280,14 @@ def _attention(
         notices.fallback(_BACKEND_NAMES[backend], reason, shape)
         if backend == "cudnn":
             return cudnn.attention(query, key, value, params)
+    if score_arrays is not None and score_arrays.per_head_mask:
+        given = (query_seq_lengths is not None, key_value_seq_lengths is not None)
+        lengths = (None, None) if seq_lengths is None else tuple(x if g else None for x, g in zip(seq_lengths, given))
+        out, lse = _per_head_mask_attention(
+            query, key, value, score_arrays, lengths, causal=causal, softmax_scale=params.softmax_scale,
+            window_size=window_size, softcap=softcap, deterministic=deterministic,
+            implementation=implementation, top_left=top_left)
+        return (out, lse) if return_lse else out
     segment_ids = None
     if score_arrays is not None:
         # Segment ids or a mask on the kernels (anything else returned above): the span tables
@@ -284,6 +296,36 @@ def _attention(
                                                        query.shape[1], key.shape[1])
     out, lse = attention_op(query, key, value, params, seq_lengths, segment_ids)
     return (out, lse) if return_lse else out
+
+
+def _per_head_mask_attention(query, key, value, score_arrays, seq_lengths, **options):
+    """(out, lse) of a call whose mask differs between heads, on the kernels: the kernels read one
+    mask per batch entry, so each (batch, head) becomes an entry of its own, [b · h, s, 1, d]
+    (kv heads repeated to the query heads', segment ids and lengths to each head), and the
+    results are put back. The price is a copy of q, k, v and out (and of their gradients)
+    around kernels that skip what the mask hides, where the reference computes every score in
+    float32. seq_lengths: the call's (query, key) lengths [b], each None where not given.
+    `options`: `_attention`'s keywords."""
+    batch, seqlen_q, heads, _ = query.shape
+    head_dim_v = value.shape[-1]
+
+    def fold(x):
+        if x.shape[2] != heads:
+            x = jnp.repeat(x, heads // x.shape[2], axis=2)
+        return x.transpose(0, 2, 1, 3).reshape(batch * heads, x.shape[1], 1, x.shape[3])
+
+    def per_head(x):
+        return None if x is None else jnp.repeat(x, heads, axis=0)
+
+    mask = score_arrays.mask
+    mask = jnp.broadcast_to(mask, (batch, heads) + mask.shape[2:]).reshape((batch * heads, 1) + mask.shape[2:])
+    folded = dataclasses.replace(score_arrays, mask=mask, query_segment_ids=per_head(score_arrays.query_segment_ids),
+                                 kv_segment_ids=per_head(score_arrays.kv_segment_ids))
+    q_len, kv_len = (per_head(x) for x in seq_lengths)
+    out, lse = _attention(fold(query), fold(key), fold(value), return_lse=True, query_seq_lengths=q_len,
+                          key_value_seq_lengths=kv_len, score_arrays=folded, **options)
+    out = out.reshape(batch, heads, seqlen_q, head_dim_v).transpose(0, 2, 1, 3)
+    return out, lse.reshape(batch, heads, seqlen_q)
 
 
 _BACKEND_NAMES = {"cudnn": "cuDNN (jax.nn.dot_product_attention)",
@@ -524,7 +566,8 @@ def dot_product_attention(
     [B, N, T, S] as jax's do, a row the mask hides entirely getting the mean of the values as
     in jax. A mask shared by every head (N axis of size 1, as Flax's make_causal_mask and
     make_attention_mask give) runs on the kernels, which read it packed to bits and skip the
-    key blocks it hides (`fa4_jax.mask_bits`); a per-head mask or a bias runs on the pure-JAX
+    key blocks it hides (`fa4_jax.mask_bits`); so does a per-head mask, each (batch, head) an
+    entry of its own (a copy of q, k, v and out around the kernels); a bias runs on the pure-JAX
     reference (chunked: no [T, S] buffer beyond what the caller passed; a FallbackWarning says
     so).
 

@@ -19,8 +19,8 @@ Masks: Flax describes masking with a dense boolean array `[batch..., heads, q_le
 take both with Flax's semantics (a row its mask hides entirely gets the mean of the values, as
 Flax's uniform softmax over the dtype's minimum gives it). A mask shared by the heads (what
 `nn.make_causal_mask` and `nn.make_attention_mask` build) runs on the kernels, packed to bits
-(`fa4_jax.mask_bits`); a per-head mask or a bias runs on the pure-JAX reference, chunked, with a
-FallbackWarning. A mask is packed on every call, so where the pattern is known when the function
+(`fa4_jax.mask_bits`), and so does a per-head mask (each batch entry and head run as an entry of
+its own); a bias runs on the pure-JAX reference, chunked, with a FallbackWarning. A mask is packed on every call, so where the pattern is known when the function
 is made, `make_attention_fn(causal=True)` or `make_attention_fn(window_size=(left, right))` costs
 less than the same mask as an array. The adapters refuse
 what they cannot honour - dropout while training, sowing the attention weights, quantised
@@ -87,8 +87,8 @@ def make_attention_fn(
     ):
         """Flax `dot_product_attention` contract, computed by `fa4_jax.attention`.
 
-        Honoured: query/key/value, `mask` and `bias` (broadcast as Flax does; a mask shared by
-        the heads on the kernels, a per-head mask or a bias on the reference), `dtype` (inputs are cast to it; default: their common
+        Honoured: query/key/value, `mask` and `bias` (broadcast as Flax does; a mask on the
+        kernels, a bias on the reference), `dtype` (inputs are cast to it; default: their common
         dtype), `dropout_rate` with `deterministic=True` (no dropout is applied), NNX's
         `is_causal` (Flax's top-left causal mask, tril over [q_len, kv_len]). Accepted and not
         forwarded: `precision`

@@ -482,16 +482,13 @@ def test_dot_product_attention_masks_and_bias_match_jax_xla(next_key, case):
         np.testing.assert_allclose(got, want, atol=5e-5, rtol=5e-5, err_msg=name)
 
 
-def test_a_per_head_mask_or_a_bias_runs_on_the_reference_and_says_so(next_key, monkeypatch):
+def test_a_bias_runs_on_the_reference_and_says_so(next_key, monkeypatch):
     from fa4_jax import notices
 
     monkeypatch.setattr(notices, "_SAID", set())
     q, k, v = _qkv(next_key)
-    per_head = jnp.ones((2, 4, 16, 16), bool)
-    with pytest.warns(fa4_jax.FallbackWarning, match="do not read a mask that differs between heads"):
-        fa4_jax.dot_product_attention(q, k, v, mask=per_head)
-    with pytest.raises(ValueError, match="implementation='cute' cannot serve this call: the kernels do not read a mask"):
-        fa4_jax.dot_product_attention(q, k, v, mask=per_head, implementation="cute")
+    with pytest.raises(ValueError, match="implementation='cute' cannot serve this call: the kernels do not read a bias"):
+        fa4_jax.dot_product_attention(q, k, v, bias=jnp.zeros((1, 1, 16, 16), q.dtype), implementation="cute")
     with pytest.warns(fa4_jax.FallbackWarning, match="do not read a bias array"):
         fa4_jax.dot_product_attention(q, k, v, bias=jnp.zeros((1, 1, 16, 16), q.dtype))
     mask = jnp.ones((2, 1, 16, 16), bool)
@@ -499,6 +496,37 @@ def test_a_per_head_mask_or_a_bias_runs_on_the_reference_and_says_so(next_key, m
         fa4_jax.dot_product_attention(q, k, v, mask=mask.astype(jnp.float32))
     with pytest.raises(ValueError, match="mask must be broadcastable"):
         fa4_jax.dot_product_attention(q, k, v, mask=jnp.ones((2, 3, 16, 16), bool))
+
+
+@pytest.mark.parametrize("lengths", [False, True])
+def test_a_per_head_mask_runs_each_head_as_an_entry_of_its_own(next_key, lengths):
+    # The kernels read one mask per batch entry: a per-head mask's call becomes b * h entries of
+    # one head each (kv heads repeated), and the results go back. Run here on the reference, the
+    # fold and unfold (values, lse, gradients) must give the direct call's.
+    from fa4_jax import api
+
+    q, k, v = _qkv(next_key, batch=2, seqlen_q=24, seqlen_k=40, heads_q=4, heads_kv=2)
+    mask = jax.random.uniform(next_key(), (1, 4, 24, 40)) < 0.6
+    seq_lengths = (jnp.asarray([24, 9], jnp.int32), jnp.asarray([3, 40], jnp.int32)) if lengths else (None, None)
+    score_arrays = api._score_arrays(q, k, mask, None, None, None)
+    options = dict(causal=True, softmax_scale=0.3, window_size=(None, None), softcap=None, deterministic=False,
+                   implementation="reference", top_left=False)
+
+    def folded(q, k, v):
+        out, lse = api._per_head_mask_attention(q, k, v, score_arrays, seq_lengths, **options)
+        return out, lse
+
+    def direct(q, k, v):
+        return fa4_jax.attention(q, k, v, mask=mask, causal=True, softmax_scale=0.3, implementation="reference",
+                                 query_seq_lengths=seq_lengths[0], key_value_seq_lengths=seq_lengths[1],
+                                 return_lse=True)
+
+    d_out = jax.random.normal(next_key(), q.shape[:3] + (v.shape[-1],), q.dtype)
+    for got, want in zip(folded(q, k, v), direct(q, k, v)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-6)
+    grads = [jax.grad(lambda *a: jnp.sum(f(*a)[0] * d_out), argnums=(0, 1, 2))(q, k, v) for f in (folded, direct)]
+    for name, got, want in zip("qkv", *grads):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5, err_msg=name)
 
 
 def test_segment_ids_attend_within_their_segment(next_key):

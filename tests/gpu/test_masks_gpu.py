@@ -4,9 +4,10 @@ gradients, against `jax.nn.dot_product_attention`.
 Masks of every kind jax's and Flax's users pass: a causal array, key and query padding, the
 block diagonal of packed documents, a random mask (every tile partial, so the walk skips
 nothing and every score reads its bit), masks of rank 2 and 3 that jax broadcasts, rows the
-mask hides entirely (jax gives them the mean of the values), and masks combined with is_causal,
-a local window and per-entry lengths. The oracle is jax's XLA path in f32 at full matmul
-precision, the same path in bf16 the low-precision reference (docs/design.md's rule).
+mask hides entirely (jax gives them the mean of the values), masks combined with is_causal, a
+local window and per-entry lengths, and masks that differ between heads. The oracle is jax's XLA
+path in f32 at full matmul precision, the same path in bf16 the low-precision reference
+(docs/design.md's rule).
 """
 import functools
 
@@ -125,6 +126,34 @@ def test_gqa_mqa_and_fp16(next_key, seed, heads_q, heads_kv):
     rng = np.random.default_rng(seed)
     _check(next_key, _mask(rng, "documents", 2, 700, 700), heads_q=heads_q, heads_kv=heads_kv,
            dtype=jnp.float16)
+
+
+def _per_head_mask(rng, heads, batch, seqlen_q, seqlen_k):
+    """A mask that differs between heads: documents, a random mask, key padding and the causal
+    array in turn, each head with rows it hides entirely."""
+    kinds = ("documents", "random", "key_padding", "causal_array")
+    heads_masks = [np.broadcast_to(_mask(rng, kinds[h % len(kinds)], batch, seqlen_q, seqlen_k),
+                                   (batch, 1, seqlen_q, seqlen_k)).copy() for h in range(heads)]
+    mask = np.concatenate(heads_masks, axis=1)
+    mask[:, :, rng.integers(0, seqlen_q, 10)] = False
+    return mask
+
+
+@pytest.mark.parametrize("heads_q,heads_kv", [(4, 2), (6, 6)])
+@pytest.mark.parametrize("options", [dict(), dict(is_causal=True)], ids=["mask", "mask_and_is_causal"])
+def test_per_head_masks(next_key, seed, heads_q, heads_kv, options):
+    # Each (batch, head) runs as an entry of its own on the mask_array kernels (kv heads
+    # repeated for GQA): values and gradients, dk and dv summed back over a kv head's group.
+    rng = np.random.default_rng(seed)
+    mask = _per_head_mask(rng, heads_q, 2, 500, 640)
+    _check(next_key, mask, seqlen_q=500, seqlen_k=640, heads_q=heads_q, heads_kv=heads_kv, **options)
+
+
+def test_per_head_masks_with_lengths(next_key, seed):
+    rng = np.random.default_rng(seed)
+    lengths = dict(query_seq_lengths=jnp.asarray([0, 700, 1, 350], jnp.int32),
+                   key_value_seq_lengths=jnp.asarray([700, 0, 260, 699], jnp.int32))
+    _check(next_key, _per_head_mask(rng, 4, 4, 700, 700), batch=4, **lengths)
 
 
 # Keys per case stay below 2**INDEX_BITS: a key's index in INDEX_BITS columns of its value.
