@@ -105,8 +105,8 @@ TILE_CONFIGS = {
     # O staging of its own; here O is staged in Q's buffers, free by the epilogue).
     (128, 128): TileConfig(kv_stages=4),
     # Gemma's. O's 256 columns and two S tiles fill TMEM: one query tile, S double-buffered.
-    # A whole K or V block is 64 KB: two stages beside Q's 64 KB (a single CTA serves the
-    # masked and ragged calls; dense ones go to the pair). The GEMMs take 2048 cycles per
+    # A whole K or V block is 64 KB: two stages beside Q's 64 KB (a single CTA serves masked,
+    # ragged and short calls; dense ones of more than 128 rows go to the pair). The GEMMs take 2048 cycles per
     # block against MUFU's 1032 with every exponential there: no polynomial.
     (256, 256): TileConfig(q_stages=1, kv_stages=2, exp2_poly_share=0.0),
 }
