@@ -252,9 +252,7 @@ def _attention(
     params, backend, reason = _plan(
         query, key, value, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
         softcap=softcap, deterministic=deterministic, return_lse=return_lse,
-        implementation=implementation, ragged=ragged, top_left=top_left,
-        full_query_rows=query_seq_lengths is None and key_value_seq_lengths is not None,
-        score_arrays=score_arrays)
+        implementation=implementation, ragged=ragged, top_left=top_left, score_arrays=score_arrays)
     seq_lengths = None
     if ragged:
         seq_lengths = (
@@ -497,7 +495,6 @@ def _params_and_fallback(
     implementation,
     top_left=False,
     ragged=False,
-    full_query_rows=False,
     score_arrays=None,
 ):
     """(the validated, canonical params, why the kernels do not serve the call or None)."""
@@ -528,7 +525,6 @@ def _params_and_fallback(
         softcap=_canonical_softcap(softcap),
         top_left=top_left,
         deterministic=bool(deterministic),
-        full_query_rows=full_query_rows,
     )
     return _resolve_backend(query, key, value, params, implementation, score_arrays)
 

@@ -18,12 +18,11 @@ back: one copy of each operand and result, against a kernel whose work grows by 
 share (docs/perf-log.md, "Every head dim: served zero-padded").
 
 A ragged batch's padding reaches the kernels (a TMA tile load cannot stop at a per-entry length),
-and a masked P = 0 times a NaN or inf of the padding would still be NaN. The forward kernels make
-the padding harmless themselves (the mask overwrites the scores, V's padding rows are zeroed in
-shared memory, rows past an entry's queries are replaced by 0 in the epilogue), so the forward
-zeroes nothing. The backward sums over query rows and keys, so ragged backward calls zero the
-padding of k and v and, unless they gave key lengths only (`AttentionParams.full_query_rows`),
-of q and d_out, with one elementwise pass over each.
+and a masked P = 0 times a NaN or inf of the padding would still be NaN. The kernels make the
+padding harmless themselves (the forward: the mask overwrites the scores, V's padding rows are
+zeroed in shared memory, rows past an entry's queries are replaced by 0 in the epilogue; the
+backward: Q, dO, K and V's padding rows zeroed in shared memory as they land), so the dispatch
+passes the operands as they are.
 
 `library` arguments default to the shipping library; the benchmarks pass their development
 library (benchmarks/ablations.py) and a `tuning` name.
@@ -210,31 +209,6 @@ def _padded_head_dims(q, v, params, kind: str, library: ffi.Library,
     return None if served in (None, (q.shape[-1], v.shape[-1])) else served
 
 
-def _zero_padding(x, lengths):
-    """x [b, s, ...] with its rows at or past lengths[b] set to zero (see the module docstring)."""
-    import jax.numpy as jnp
-
-    valid = jnp.arange(x.shape[1], dtype=np.int32)[None, :] < lengths[:, None]
-    return jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 2)), x, jnp.zeros((), x.dtype))
-
-
-def _length_operands(seq_lengths, by_query, by_key, full_query_rows: bool):
-    """((seq_used_q, seq_used_k), by_query, by_key) for a backward kernel call.
-
-    by_query / by_key: tuples of arrays whose axis 1 runs over query rows / keys. A ragged call
-    gets them back with their padding zeroed (module docstring), a dense call unchanged; the
-    query side not where every query row is valid (`AttentionParams.full_query_rows`): the
-    query lengths of a call that gave only key lengths are the buffer's, and zeroing nothing
-    was still a pass over all of q (docs/perf-log.md).
-    """
-    seq_used_q, seq_used_k = ffi.seq_used(seq_lengths)
-    if seq_lengths is not None:
-        if not full_query_rows:
-            by_query = tuple(_zero_padding(x, seq_used_q) for x in by_query)
-        by_key = tuple(_zero_padding(x, seq_used_k) for x in by_key)
-    return (seq_used_q, seq_used_k), by_query, by_key
-
-
 def _require(q, k, v, params, kind: str, library: ffi.Library, segments: bool = False,
              mask_array: bool = False) -> None:
     reason = unsupported_reason(q, k, v, params, kind, library, segments, mask_array)
@@ -318,9 +292,8 @@ def backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths=None, segment_
         return dq[..., :q.shape[-1]], dk[..., :k.shape[-1]], dv[..., :v.shape[-1]]
     _require(q, k, v, params, "bwd", library, segmented, masked)
     d_out = d_out.astype(q.dtype)
-    lengths, (q, d_out), (k, v) = _length_operands(seq_lengths, (q, d_out), (k, v), params.full_query_rows)
     copies = copies or dq_copies(q, k, params, library)
-    return ffi.backward_call(library, q, k, v, out, lse, d_out, d_lse, lengths, ffi.attributes(params),
+    return ffi.backward_call(library, q, k, v, out, lse, d_out, d_lse, ffi.seq_used(seq_lengths), ffi.attributes(params),
                              params.deterministic, copies, tuning, segments=segment_ids)
 
 

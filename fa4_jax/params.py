@@ -39,10 +39,6 @@ class AttentionParams:
       implementation: the resolved backend, "cute" or "reference".
       require_kernels: the caller asked for the kernels (implementation="cute"): a backward
         they cannot run raises instead of taking the reference.
-      full_query_rows: a ragged call gave key lengths only, so every query row is valid and
-        q and d_out go to the backward kernel as they are; False (any caller that does not
-        know) has the rows past the query lengths zeroed first there (the forward kernels
-        replace those rows themselves and take q as it is either way).
     """
 
     softmax_scale: float
@@ -54,4 +50,3 @@ class AttentionParams:
     deterministic: bool = False
     implementation: str = "reference"
     require_kernels: bool = False
-    full_query_rows: bool = False

@@ -212,31 +212,27 @@ def test_no_wider_kernel_says_which_dims_are_missing(monkeypatch):
     assert dispatch.unsupported_reason(q, q, q, params, "fwd", _MENU_LIBRARY) is None
 
 
-@pytest.mark.parametrize("query_padding", [False, True])
-def test_query_rows_are_zeroed_only_where_the_call_has_query_lengths(next_key, query_padding):
-    # A ragged call that gave only key lengths has no query padding: its q reaches the kernel
-    # as it is (zeroing the rows "past" full lengths was a pass over all of q); the key side's
-    # padding is zeroed either way.
-    q, k, v = (jax.random.normal(next_key(), (2, 8, 1, 4), jnp.float32) for _ in range(3))
-    lengths = (jnp.asarray([8, 5], jnp.int32), jnp.asarray([8, 3], jnp.int32))
-    _, (q_in,), (k_in, v_in) = dispatch._length_operands(lengths, (q,), (k, v), not query_padding)
-    np.testing.assert_array_equal(np.asarray(q_in[1, 5:]), 0.0 if query_padding else np.asarray(q[1, 5:]))
-    np.testing.assert_array_equal(np.asarray(q_in[:, :5]), np.asarray(q[:, :5]))
-    assert not np.any(np.asarray(k_in[1, 3:])) and not np.any(np.asarray(v_in[1, 3:]))
-
-
-@pytest.mark.parametrize("query_lengths", [False, True])
-def test_the_api_marks_query_rows_all_valid_only_for_key_lengths_alone(monkeypatch, next_key, query_lengths):
-    import fa4_jax
-    from fa4_jax import api
-
-    plan = api._plan
-    seen = []
-    monkeypatch.setattr(api, "_plan", lambda *args, **kwargs: seen.append(plan(*args, **kwargs)[0]) or plan(*args, **kwargs))
-    q, k, v = (jax.random.normal(next_key(), (2, 8, 1, 16), jnp.float32) for _ in range(3))
-    lengths = jnp.asarray([8, 5], jnp.int32)
-    fa4_jax.attention(q, k, v, query_seq_lengths=lengths if query_lengths else None, key_value_seq_lengths=lengths,
-                      implementation="reference")
-    assert seen[0].full_query_rows == (not query_lengths)
-    # Params made anywhere else keep the zeroing: only the API knows a call gave no query lengths.
-    assert not api.attention_params(q, k, v).full_query_rows
+def test_ragged_operands_reach_the_kernels_as_they_are(monkeypatch, next_key):
+    # The kernels make a ragged entry's padding harmless themselves (the forward's epilogue and
+    # V zeroing, the backward's shared-memory zeroing of Q, dO, K and V): the dispatch hands q,
+    # k, v and d_out over unchanged, NaN padding and all (each zeroing pass read and wrote a
+    # whole operand).
+    seen = {}
+    monkeypatch.setattr(dispatch, "_padded_head_dims", lambda *args, **kwargs: None)
+    monkeypatch.setattr(dispatch, "_require", lambda *args, **kwargs: None)
+    monkeypatch.setattr(ffi, "forward_call", lambda library, q, k, v, lengths, *rest, **kw: seen.update(fwd=(q, k, v, lengths)))
+    monkeypatch.setattr(ffi, "backward_call", lambda library, q, k, v, out, lse, d_out, d_lse, lengths, *rest, **kw:
+                        seen.update(bwd=(q, k, v, d_out, lengths)))
+    q, k, v, d_out = (jax.random.normal(next_key(), (2, 8, 1, 16), jnp.bfloat16) for _ in range(4))
+    lengths = (jnp.asarray([8, 5], jnp.int32), jnp.asarray([3, 8], jnp.int32))
+    q, d_out = (x.at[1, 5:].set(jnp.nan) for x in (q, d_out))
+    k, v = (x.at[0, 3:].set(jnp.nan) for x in (k, v))
+    params = attention_params(q, k, v, implementation="reference")
+    library = object()
+    dispatch.forward(q, k, v, params, lengths, library=library, pack_gqa=False, split_kv=1)
+    dispatch.backward(q, k, v, q, None, d_out, None, params, lengths, library=library, copies=1)
+    for got, want in zip(seen["fwd"][:3] + seen["bwd"][:4], (q, k, v, q, k, v, d_out)):
+        assert got is want
+    for got in (seen["fwd"][3], seen["bwd"][4]):
+        np.testing.assert_array_equal(np.asarray(got[0]), [8, 5])
+        np.testing.assert_array_equal(np.asarray(got[1]), [3, 8])

@@ -146,9 +146,10 @@ def test_gqa_and_mqa(next_key, heads_q, heads_kv, dtype):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_nan_in_the_padding_reaches_no_output(next_key, causal, head_dim):
-    """Poisoned padding gives the clean call's bits: the forward kernel masks the padding keys
-    and zeroes their V rows in shared memory; ffi zeroes the padding of q (and, for the
-    backward, of d_out, k and v).
+    """Poisoned padding gives the clean call's bits, with nothing zeroed before the kernels: the
+    forward masks the padding keys, zeroes their V rows in shared memory and replaces the rows
+    past an entry's queries; the backward zeroes the padding rows of Q, dO, K and V in shared
+    memory as they land.
 
     Deterministic mode: the default mode's dQ reduce-adds land in any order, so two clean
     calls can differ in the last bit too.

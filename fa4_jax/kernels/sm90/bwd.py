@@ -59,8 +59,10 @@ block masks them (AttentionMask.apply_key_tail). Their dK/dV rows are never stor
 
 Ragged batches (mSeqUsedQ, mSeqUsedK: each entry's valid query rows and keys; empty for a dense
 batch, whose lengths are the buffers', common/ragged.py): seqlen_q and seqlen_k above are the
-entry's, clamped to the buffers, and the padding past them is zero (the caller zeroes Q, K, V
-and dO there): padded rows get LSElog2 = +inf and D = 0 from the preprocess, so P = dS = 0 and
+entry's, clamped to the buffers, and the padding past them, which the caller may leave
+non-finite, is zeroed in shared memory by the MMA warp groups as it lands (`zero_rows_past`: K
+and V once in an entry's last key block, Q and dO at each visit of its last query block):
+padded rows get LSElog2 = +inf and D = 0 from the preprocess, so P = dS = 0 and
 their dQ rows stay 0 (the postprocess writes 0 there anyway); padded keys are loaded (a TMA box
 cannot stop at a per-entry length) and masked like the tail above, so their dK/dV rows are exact
 zeros; key blocks wholly past the length visit no query block and store zeros.
@@ -214,6 +216,7 @@ class Barrier(enum.IntEnum):
 
     PDS = 1  # dSᵀ (Pᵀ) fully in shared memory before the GEMMs that read it across warp groups
     EPILOGUE = 2  # the dK/dV epilogue
+    PADDING = 3  # a ragged entry's padding rows zeroed in shared memory before any GEMM reads them
     DQ_FULL_0 = 4
     DQ_EMPTY_0 = 5
     # dq_writers > 1: writer w waits on DQ_TOKEN[w] for the previous writer's (w - 1 mod
@@ -245,6 +248,9 @@ class Roles:
 
 ROLES = Roles()
 THREADS_PER_WARP_GROUP = 128
+# Elements of one 16-byte shared-memory store (16-bit types): a ragged entry's padding rows of
+# Q, dO, K and V are zeroed in these (`zero_rows_past`).
+ZERO_CHUNK = 8
 THREADS_PER_WARP = 32
 
 
@@ -891,13 +897,23 @@ class FlashAttentionBackwardSm90:
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipes.kv.consumer_wait(kv_state)
+        valid_keys = self.valid_rows(n_block, self.tile_n, seqlen_k, tma.k.shape[0])
+        if valid_keys < self.tile_n:
+            self.zero_rows_past(smem.k, valid_keys, tidx)
+            self.zero_rows_past(smem.v, valid_keys, tidx)
+            self.publish_zeros()
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         # The CTA's (q head of the group, query block) pairs, flattened: `index` runs over them.
         coords = functools.partial(self.block_coords, walk=walk, head_kv=key_block.head_kv,
                                    group=key_block.group)
+        # Query rows of a block inside the entry (tile_m but in a ragged entry's last block).
+        valid_queries = functools.partial(self.valid_rows, tile=self.tile_m, seqlen=seqlen_q,
+                                          buffer_rows=tma.q.shape[0])
+        issue_scores = functools.partial(self.issue_scores, blocks=blocks, smem=smem, tidx=tidx)
         dkv_step = functools.partial(
             self.dkv_step, blocks=blocks, coords=coords, key_block=key_block, block_info=block_info,
-            apply_mask=apply_mask, key_tail=key_tail, mask_key_tail=mask_key_tail,
+            apply_mask=apply_mask, key_tail=key_tail, mask_key_tail=mask_key_tail, smem=smem, tidx=tidx,
+            valid_queries=valid_queries,
         )
         dq_step = functools.partial(
             self.dq_step, blocks=blocks, coords=coords, key_block=key_block, block_info=block_info,
@@ -909,17 +925,17 @@ class FlashAttentionBackwardSm90:
             # over block index − 1's dQ while it runs, then awaits it: an in-flight WGMMA carried
             # across the loop's back edge made ptxas serialize every WGMMA (C7514).
             if blocks_total > 0:
-                self.issue_scores(blocks, state)
+                issue_scores(state=state, valid_rows=valid_queries(coords(0)[1]))
                 dkv_step(state=state, index=0)
                 for index in cutlass.range(1, blocks_total, unroll=1):
                     state.advance()
-                    self.issue_scores(blocks, state)
+                    issue_scores(state=state, valid_rows=valid_queries(coords(index)[1]))
                     dq_step(index=index - 1)
                     dkv_step(state=state, index=index)
                 dq_step(index=blocks_total - 1)
         else:
             for index in cutlass.range(blocks_total, unroll=1):
-                lse_ahead = self.issue_scores(blocks, state)
+                lse_ahead = issue_scores(state=state, valid_rows=valid_queries(coords(index)[1]))
                 if cutlass.const_expr(self.config.dq_during_dk):
                     dkv_step(state=state, index=index, hand_over_dq=functools.partial(dq_step, index=index),
                              lse_ahead=lse_ahead)
@@ -929,6 +945,38 @@ class FlashAttentionBackwardSm90:
                 state.advance()
 
         self.epilogue(blocks, thr_mma_dk, thr_mma_dv, smem, tma, key_block, scale.softmax_scale)
+
+    @cute.jit
+    def valid_rows(self, block, tile: cutlass.Constexpr[int], seqlen, buffer_rows):
+        """The rows of `block` (of `tile` rows) inside its entry: `tile`, but in the last block of
+        an entry shorter than the buffer, whose rows past it are the caller's padding (a dense
+        call's last block reads past the buffer's end, which the TMA fills with zeros)."""
+        rows = Int32(tile)
+        if seqlen < buffer_rows:
+            rows = cutlass.min(rows, cutlass.max(seqlen - block * tile, 0))
+        return rows
+
+    @cute.jit
+    def zero_rows_past(self, tile, valid_rows, tidx):
+        """Zeroes rows [valid_rows, rows) of a shared-memory operand tile (rows, cols): a ragged
+        entry's padding rows, which the caller may leave non-finite. Their P and dS are exactly
+        0, but 0 · NaN is NaN in the GEMMs that read them (dV += Pᵀ·dO, dK += dSᵀ·Q, dQ += dS·K,
+        dPᵀ = V·dOᵀ), so the dispatch zeroed q, k, v and dO's padding first, a pass over each.
+        Every MMA thread takes a share of the rows' 16-byte chunks (the swizzle moves whole
+        chunks); `publish_zeros` then orders them before the WGMMAs."""
+        chunks_per_row = cute.size(tile, mode=[1]) // ZERO_CHUNK
+        zeros = cute.make_rmem_tensor((ZERO_CHUNK,), self.dtype)
+        zeros.fill(0.0)
+        padding_chunks = (cute.size(tile, mode=[0]) - valid_rows) * chunks_per_row
+        for i in cutlass.range(tidx, padding_chunks, self.num_mma_threads, unroll=1):
+            cute.autovec_copy(zeros, cute.local_tile(tile[valid_rows + i // chunks_per_row, None], (ZERO_CHUNK,),
+                                                     (i % chunks_per_row,)))
+
+    def publish_zeros(self):
+        """The MMA threads' zeros made visible to the WGMMAs (the async proxy) and joined, so that
+        neither warp group issues a GEMM before every padding row is 0."""
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=Barrier.PADDING, number_of_threads=self.num_mma_threads)
 
     @cute.jit
     def mask_key_tail(self, tile, mask, blocks, n_block, mSeqUsedK, batch, key_buffer,
@@ -951,10 +999,11 @@ class FlashAttentionBackwardSm90:
 
     @cute.jit
     def dkv_step(self, blocks, state, index, coords, key_block, block_info, apply_mask, key_tail,
-                 mask_key_tail, hand_over_dq=None, lse_ahead=()):
+                 mask_key_tail, smem, tidx, valid_queries, hand_over_dq=None, lse_ahead=()):
         """Block `index`'s dK/dV updates and its dQ share in blocks.acc_dq (handed over by
         `hand_over_dq` during the dK GEMM when dq_during_dk); `lse_ahead` from `issue_scores`."""
         _, m_block = coords(index)
+        valid_rows = valid_queries(m_block)
         needs_mask = cutlass.Boolean(False)
         if cutlass.const_expr(block_info.has_right_bound):
             needs_mask = block_info.tile_needs_mask(m_block, key_block.n_block, key_block.seqlen_q,
@@ -964,8 +1013,9 @@ class FlashAttentionBackwardSm90:
             spans = key_block.segments.query_blocks(key_block.batch, key_block.n_block)
             if m_block < spans.full_lo or m_block >= spans.full_hi:
                 needs_mask = cutlass.Boolean(True)
-        self.query_block(blocks, state, m_block, needs_mask, apply_mask, key_tail, mask_key_tail, hand_over_dq,
-                         lse_ahead)
+        zero_padding = functools.partial(self.zero_do_padding, smem=smem, tidx=tidx, valid_rows=valid_rows)
+        self.query_block(blocks, state, m_block, needs_mask, apply_mask, key_tail, mask_key_tail, zero_padding,
+                         hand_over_dq, lse_ahead)
 
     @cute.jit
     def dq_step(self, blocks, index, coords, key_block, block_info, walk):
@@ -974,10 +1024,14 @@ class FlashAttentionBackwardSm90:
         self.accumulate_dq(blocks, m_block, key_block, block_info, walk)
 
     @cute.jit
-    def issue_scores(self, blocks, state):
-        """Sᵀ = K·Qᵀ of the query block in `state`, issued, not awaited. Returns the LSE values
-        of the columns read ahead when they are read here (`lse_before_scores`), else []."""
+    def issue_scores(self, blocks, state, smem, tidx, valid_rows):
+        """Sᵀ = K·Qᵀ of the query block in `state`, issued, not awaited (Q's padding rows past
+        `valid_rows` zeroed first). Returns the LSE values of the columns read ahead when they
+        are read here (`lse_before_scores`), else []."""
         blocks.pipeline_q.consumer_wait(state)
+        if valid_rows < self.tile_m:
+            self.zero_rows_past(smem.q[None, None, state.index], valid_rows, tidx)
+            self.publish_zeros()
         lse_ahead = []
         if cutlass.const_expr(self._lse_before_scores()):
             lse_ahead = [self._row_stat(blocks, blocks.sLSE, c, state.index)
@@ -998,15 +1052,24 @@ class FlashAttentionBackwardSm90:
         return table[self._query_of(blocks, c), stage]
 
     @cute.jit
-    def query_block(self, blocks, state, m_block, needs_mask, apply_mask, key_tail, mask_key_tail,
+    def zero_do_padding(self, smem, stage, tidx, valid_rows):
+        """dO's padding rows past `valid_rows` in slot `stage` zeroed (`zero_rows_past`)."""
+        if valid_rows < self.tile_m:
+            self.zero_rows_past(smem.do[None, None, stage], valid_rows, tidx)
+            self.publish_zeros()
+
+    @cute.jit
+    def query_block(self, blocks, state, m_block, needs_mask, apply_mask, key_tail, mask_key_tail, zero_padding,
                     hand_over_dq=None, lse_ahead=()):
         """dV and dK updates, and this query block's dQ share in blocks.acc_dq (its Sᵀ GEMM
-        already issued: `issue_scores`), handed over by `hand_over_dq` when dq_during_dk."""
+        already issued: `issue_scores`), handed over by `hand_over_dq` when dq_during_dk;
+        `zero_padding(stage=)` zeroes dO's padding rows once it has landed."""
         stage = state.index
         # Consecutive query blocks alternate dSᵀ buffers (stages is a multiple of pds_stages).
         pds_index = stage % self.config.pds_stages
         # dPᵀ = V·dOᵀ, issued behind Sᵀ.
         blocks.pipeline_do.consumer_wait(state)
+        zero_padding(stage=stage)
         wgmma_gemm(blocks.tiled_mma_sdp, blocks.acc_dp, blocks.tdPrV, blocks.tdPrdO[None, None, None, stage],
                   zero_init=True, wait_group=-1)
         scores = acc_rows_cols(blocks.acc_s)
