@@ -961,9 +961,9 @@ class FlashAttentionBackwardSm90:
         """Zeroes rows [valid_rows, rows) of a shared-memory operand tile (rows, cols): a ragged
         entry's padding rows, which the caller may leave non-finite. Their P and dS are exactly
         0, but 0 · NaN is NaN in the GEMMs that read them (dV += Pᵀ·dO, dK += dSᵀ·Q, dQ += dS·K,
-        dPᵀ = V·dOᵀ), so the dispatch zeroed q, k, v and dO's padding first, a pass over each.
-        Every MMA thread takes a share of the rows' 16-byte chunks (the swizzle moves whole
-        chunks); `publish_zeros` then orders them before the WGMMAs."""
+        dPᵀ = V·dOᵀ); zeroed here, one block per CTA, they cost no pass over the operands before
+        the call. Every MMA thread takes a share of the rows' 16-byte chunks (the swizzle moves
+        whole chunks); `publish_zeros` then orders them before the WGMMAs."""
         chunks_per_row = cute.size(tile, mode=[1]) // ZERO_CHUNK
         zeros = cute.make_rmem_tensor((ZERO_CHUNK,), self.dtype)
         zeros.fill(0.0)
