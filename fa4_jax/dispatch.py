@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 
 from fa4_jax import ffi, routing, verification
 from fa4_jax import pack_gqa as packing

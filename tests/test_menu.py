@@ -213,11 +213,14 @@ def test_the_sm100_menu_is_every_forward_problem_class_once_and_unverified():
     ("none", False, 128, 4096, "cta_pair"), ("none", False, 192, 257, "cta_pair"),
     ("none", False, 128, 256, "default"), ("none", True, 128, 4096, "default"),
     ("causal", False, 128, 4096, "default"), ("local", False, 192, 4096, "default"),
-    ("none", False, 64, 4096, "default")])
+    ("none", False, 64, 4096, "default"),
+    # d256's single CTA holds one 128-row tile: more rows go to the pair, unless masked or ragged.
+    ("none", False, 256, 129, "cta_pair"), ("none", False, 256, 128, "default"),
+    ("causal", False, 256, 4096, "default"), ("none", True, 256, 4096, "default")])
 def test_blackwell_pairs_serve_dense_unmasked_calls_at_their_head_dims(mask, ragged, head_dim, rows, tuning):
     # A pair cannot zero its partner's half of V's padding, nor wait for a keyless tile's Q:
     # ragged calls and masked ones (whose tiles may see no key) stay on single CTAs, and so do
-    # calls that one CTA's 256 rows hold.
+    # calls that one CTA's tile holds (256 rows, 128 at d256).
     from fa4_jax.kernels.sm100 import menu as sm100
 
     dv = dict(sm100.HEAD_DIMS)[head_dim]

@@ -684,19 +684,10 @@ class FlashAttentionForwardSm100:
         while the correction, told by PV0 that P·V_{j-1} is done, rescales O for P·V_j.
         Returns the advanced states."""
         n_blocks = tile.n_blocks
-        for first in cutlass.range_constexpr(self.config.s_lookahead):
-            if first == 0 or n_blocks > first:
-                pipes["KV"].consumer_wait(kv_state)
-                k_state = kv_state.clone()
-                kv_state.advance()
-                if cutlass.const_expr(first == 0):
-                    pipes["Q"].consumer_wait(q_state)
-                    q_state.advance()
-                self.gemm(ops.tiled_mma_qk, self.scores_tmem(ops, s_state.index), ops.tSrQ[None, None, None, 0],
-                          ops.tSrK[None, None, None, k_state.index], accumulate=False)
-                pipes["S0"].producer_commit(s_state)
-                s_state.advance()
-                pipes["KV"].consumer_release(k_state)
+        kv_state, s_state, q_state = self.issue_next_scores(ops, pipes, kv_state, s_state, q_state)
+        for first in cutlass.range_constexpr(1, self.config.s_lookahead):
+            if n_blocks > first:
+                kv_state, s_state, _ = self.issue_next_scores(ops, pipes, kv_state, s_state)
         for block in cutlass.range(n_blocks, unroll=1):
             pipes["KV"].consumer_wait(kv_state)
             v_state = kv_state.clone()
@@ -718,15 +709,26 @@ class FlashAttentionForwardSm100:
                 o_state.advance()
             pipes["KV"].consumer_release(v_state)
             if block + self.config.s_lookahead < n_blocks:
-                pipes["KV"].consumer_wait(kv_state)
-                k_state = kv_state.clone()
-                kv_state.advance()
-                self.gemm(ops.tiled_mma_qk, self.scores_tmem(ops, s_state.index), ops.tSrQ[None, None, None, 0],
-                          ops.tSrK[None, None, None, k_state.index], accumulate=False)
-                pipes["S0"].producer_commit(s_state)
-                s_state.advance()
-                pipes["KV"].consumer_release(k_state)
+                kv_state, s_state, _ = self.issue_next_scores(ops, pipes, kv_state, s_state)
         return kv_state, q_state, s_state, p_state, pv_state, o_state
+
+    @cute.jit
+    def issue_next_scores(self, ops, pipes, kv_state, s_state, q_state=None):
+        """One stage's next S = Q·Kᵀ, K from the ring's next stage, into the S buffer of
+        s_state's use (free: the P·V that read it came first); a tile's first waits for Q
+        (`q_state`). Returns the advanced (kv_state, s_state, q_state)."""
+        pipes["KV"].consumer_wait(kv_state)
+        k_state = kv_state.clone()
+        kv_state.advance()
+        if cutlass.const_expr(q_state is not None):
+            pipes["Q"].consumer_wait(q_state)
+            q_state.advance()
+        self.gemm(ops.tiled_mma_qk, self.scores_tmem(ops, s_state.index), ops.tSrQ[None, None, None, 0],
+                  ops.tSrK[None, None, None, k_state.index], accumulate=False)
+        pipes["S0"].producer_commit(s_state)
+        s_state.advance()
+        pipes["KV"].consumer_release(k_state)
+        return kv_state, s_state, q_state
 
     @cute.jit
     def gemm(self, tiled_mma, acc, frag_a, frag_b, accumulate):
