@@ -6,6 +6,8 @@ forward+backward, on the same documents:
 
 - fa4_jax_segments: `fa4_jax.attention(query_segment_ids=, kv_segment_ids=)` (the segments
   kernels: key blocks that share no document with a query tile are skipped);
+- fa4_jax_segments_det (forward+backward only): the same with deterministic=True (dQ added in
+  a fixed order; each key block walks the query tiles whose key hull holds it);
 - fa4_jax_varlen: `fa4_jax.varlen_attention` on the documents packed without padding, one
   cu_seqlens for queries and keys (in place, as segment ids);
 - fa4_jax_dense_equal: the same kernels' dense call on one sequence per row of the same useful
@@ -54,6 +56,11 @@ import numpy as np
 
 import fa4_jax
 from benchmarks.bench_attention import FWD_BWD_FLOP_FACTOR, MODES, Settings, time_step
+
+
+# Peers timed in one mode only: the tables are a forward's; deterministic mode differs from
+# the default in the backward alone.
+ONLY_IN_MODE = {"span_tables": "fwd", "fa4_jax_segments_det": "fwd_bwd"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,9 +145,11 @@ def peers(case: PackedCase, implementation: str, max_mask_gib: float):
                                              for r, row in enumerate(case.lengths)]))
     cu_seqlens, longest = _cu_seqlens(case)
 
-    def segments(q, k, v, q_ids, kv_ids):
-        return fa4_jax.attention(q, k, v, causal=True, implementation=implementation,
-                                 query_segment_ids=q_ids, kv_segment_ids=kv_ids)
+    def segments(deterministic):
+        def attend(q, k, v, q_ids, kv_ids):
+            return fa4_jax.attention(q, k, v, causal=True, implementation=implementation, deterministic=deterministic,
+                                     query_segment_ids=q_ids, kv_segment_ids=kv_ids)
+        return attend
 
     def varlen(apart):
         def attend(q, k, v, q_ids, kv_ids):
@@ -171,7 +180,8 @@ def peers(case: PackedCase, implementation: str, max_mask_gib: float):
                                              implementation=implementation)
 
     mask_gib = case.rows * case.row_tokens ** 2 / 2**30
-    result = {"fa4_jax_segments": segments, "fa4_jax_varlen": varlen(apart=False),
+    result = {"fa4_jax_segments": segments(False), "fa4_jax_segments_det": segments(True),
+              "fa4_jax_varlen": varlen(apart=False),
               "fa4_jax_varlen_apart": varlen(apart=True)}
     result["span_tables"] = span_tables
     result["cudnn_mask"] = cudnn_mask if implementation == "cute" and mask_gib <= max_mask_gib else (
@@ -239,7 +249,7 @@ def main(argv=None) -> int:
         for mode in args.modes.split(","):
             for peer, attend in runs.items():
                 record = dict(case=case.name, mode=mode, peer=peer, useful_tflop=case.flops(mode) / 1e12)
-                if peer == "span_tables" and mode != "fwd":
+                if ONLY_IN_MODE.get(peer, mode) != mode:
                     continue
                 if isinstance(attend, str):
                     print(f"  {mode:7s} {peer:22s} skipped: {attend}", flush=True)

@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import dataclasses
 
-
 from fa4_jax import ffi, routing, verification
 from fa4_jax import pack_gqa as packing
 from fa4_jax import split_kv as splitting
+from fa4_jax.segment_layout import WIDEST_BACKWARD_TILE_M
 
 _DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16"}
 
@@ -290,10 +290,25 @@ def backward(q, k, v, out, lse, d_out, d_lse, params, seq_lengths=None, segment_
                               seq_lengths, segment_ids, library=library, tuning=tuning, copies=copies)
         return dq[..., :q.shape[-1]], dk[..., :k.shape[-1]], dv[..., :v.shape[-1]]
     _require(q, k, v, params, "bwd", library, segmented, masked)
+    if segmented and params.deterministic:
+        segment_ids = _deterministic_walk(q, k, v, params, seq_lengths is not None, segment_ids, library, masked)
     d_out = d_out.astype(q.dtype)
     copies = copies or dq_copies(q, k, params, library)
     return ffi.backward_call(library, q, k, v, out, lse, d_out, d_lse, ffi.seq_used(seq_lengths), ffi.attributes(params),
                              params.deterministic, copies, tuning, segments=segment_ids)
+
+
+def _deterministic_walk(q, k, v, params, ragged: bool, segment_ids, library: ffi.Library, masked: bool):
+    """segment_ids with the key spans a deterministic backward walks (`segments.deterministic_walk`),
+    at the query tile of the variant that runs the call (the widest backward tile, which walks a
+    superset for any, when the manifest does not say)."""
+    from fa4_jax import segments
+
+    arch, _ = device_arch()
+    variant = library.choose(kernel_call(q, k, v, params, "bwd", arch, ragged, segments=True, mask_array=masked))
+    tile_m = library.segments_backward_tile_m.get(variant.name, WIDEST_BACKWARD_TILE_M)
+    q_ids, kv_ids, row_spans, key_spans, *bits = segment_ids
+    return (q_ids, kv_ids, row_spans, segments.deterministic_walk(row_spans, key_spans, tile_m), *bits)
 
 
 def available() -> bool:

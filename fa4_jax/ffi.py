@@ -85,6 +85,8 @@ class Library:
     bwd_masked_target: str | None = None
     # Archs whose kernels no GPU of the arch has run: checked on first use (fa4_jax.verification).
     unverified_arches: frozenset = frozenset()
+    # Segments backward variant name -> its query tile's rows (the deterministic walk's tile).
+    segments_backward_tile_m: dict = dataclasses.field(default_factory=dict)
 
     def routes_for(self, arch: str) -> tuple:
         return tuple(route for route_arch, route in self.routes if route_arch == arch)
@@ -148,6 +150,7 @@ def load(path: str | None = None, tuning_targets: bool = False) -> Library:
         fwd_masked_target=None if tuning_targets else FWD_MASKED_TARGET,
         bwd_masked_target=None if tuning_targets else BWD_MASKED_TARGET,
         unverified_arches=frozenset(manifest.get("unverified_arches", ())),
+        segments_backward_tile_m=dict(manifest.get("segments_backward_tile_m", {})),
     )
 
 

@@ -35,5 +35,8 @@ SPAN_FIELDS = 4
 # "No position": above any sequence position the int32 ABI allows, far enough below 2^31 that
 # the kernels' block arithmetic (adding a tile width before dividing) cannot overflow.
 NO_SPAN = 1 << 30
+# Rows of the widest backward query tile; every backward tile_m divides it, so a deterministic
+# walk computed at this width serves any backward kernel (fa4_jax.segments.deterministic_walk).
+WIDEST_BACKWARD_TILE_M = 128
 # A boolean mask's bits (fa4_jax/mask_bits.py): keys per int32 word.
 MASK_WORD_BITS = 32

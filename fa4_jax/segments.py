@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fa4_jax.segment_layout import NO_SPAN, SPAN_CHUNK
+from fa4_jax.segment_layout import HI, LO, NO_SPAN, SPAN_CHUNK, WIDEST_BACKWARD_TILE_M
 
 
 def _dense_ranks(q_ids, kv_ids):
@@ -91,3 +91,40 @@ def operands(segment_ids, seq_lengths=None):
     forward and its backward."""
     q_ids, kv_ids = (ids.astype(np.int32) for ids in segment_ids)
     return (q_ids, kv_ids, *span_tables(q_ids, kv_ids, seq_lengths))
+
+
+def deterministic_walk(row_spans, key_spans, tile_m: int = WIDEST_BACKWARD_TILE_M):
+    """key_spans [b, ceil(sk / 64), 4] with each chunk's visit range (LO, HI) replaced by the rows
+    of the query tiles (tile_m rows each) whose key hull reaches the chunk: the backward's walk in
+    deterministic mode.
+
+    In deterministic mode query tile m's dQ takes the adds of the key blocks in its key hull
+    (row_spans reduced over the tile, `SegmentIds.key_blocks`) in a fixed order, each waiting for
+    its turn; a key block of that hull that did not visit m would leave every later turn waiting
+    forever. The key spans' own hull (the rows that see the chunk's keys) need not hold m: a
+    tile of ids 1 and 3 has the keys of id 2 in its hull and no row that sees them. This table
+    is the hull relation transposed, so a key block walks every tile that counts it (and the
+    rows that see its keys are among them). FULL_LO and FULL_HI are kept.
+
+    tile_m: the backward kernel's query tile. A tile of WIDEST_BACKWARD_TILE_M rows holds whole
+    narrower ones and its hull theirs, so that width walks a superset for any kernel (at most one
+    extra narrow tile at each end of a key block's walk)."""
+    if tile_m % SPAN_CHUNK:
+        raise ValueError(f"tile_m={tile_m}: a query tile is whole {SPAN_CHUNK}-row chunks")
+    batch, row_chunks, _ = row_spans.shape
+    per_tile = tile_m // SPAN_CHUNK
+    tiles = -(-row_chunks // per_tile)
+
+    def by_tile(field, identity, reduce):
+        x = jnp.pad(row_spans[..., field], [(0, 0), (0, tiles * per_tile - row_chunks)], constant_values=identity)
+        return reduce(x.reshape(batch, tiles, per_tile), axis=-1)
+
+    hull_lo, hull_hi = by_tile(LO, NO_SPAN, jnp.min), by_tile(HI, 0, jnp.max)
+    first_key = jnp.arange(key_spans.shape[1], dtype=jnp.int32) * SPAN_CHUNK
+    reaches = (hull_lo[:, :, None] < first_key + SPAN_CHUNK) & (hull_hi[:, :, None] > first_key)
+    tile = jnp.arange(tiles, dtype=jnp.int32)[None, :, None]
+    first = jnp.min(jnp.where(reaches, tile, tiles), axis=1)
+    last = jnp.max(jnp.where(reaches, tile, -1), axis=1)
+    walked = last >= 0
+    return jnp.asarray(key_spans).at[..., LO].set(jnp.where(walked, first * tile_m, NO_SPAN)).at[..., HI].set(
+        jnp.where(walked, (last + 1) * tile_m, 0))

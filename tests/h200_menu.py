@@ -1,9 +1,21 @@
 """The shipping library as the run time sees it on an H200, for CPU tests of routing and calls."""
 from __future__ import annotations
 
+import functools
+
 from fa4_jax import dispatch, ffi
 from fa4_jax.aot import menu
 from fa4_jax.kernels.sm90 import menu as sm90
+
+
+@functools.cache
+def _segments_backward_tile_m() -> dict:
+    """The manifest's query tile of each segments backward variant (constructs the kernels: the
+    DSL is needed)."""
+    from fa4_jax.aot import build
+
+    return build.manifest(build.Menu(tuple(v for v in menu.MENU if v.kind == "bwd" and v.segments)))[
+        "segments_backward_tile_m"]
 
 
 def use_h200_menu(monkeypatch) -> ffi.Library:
@@ -16,7 +28,8 @@ def use_h200_menu(monkeypatch) -> ffi.Library:
                           dq_copies_max_keys={sm90.ARCH: dict(sm90.DQ_COPIES_MAX_KEYS)},
                           tuning_targets=False, head_dims={sm90.ARCH: frozenset(sm90.HEAD_DIMS)},
                           fwd_segments_target="fs", bwd_segments_target="bs",
-                          fwd_masked_target="fm", bwd_masked_target="bm")
+                          fwd_masked_target="fm", bwd_masked_target="bm",
+                          segments_backward_tile_m=_segments_backward_tile_m())
     monkeypatch.setattr(ffi, "load", lambda *args, **kwargs: library)
     monkeypatch.setattr(dispatch, "device_arch", lambda: (sm90.ARCH, None))
     monkeypatch.setattr(dispatch, "sm_count", lambda: 132)

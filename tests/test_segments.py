@@ -143,6 +143,88 @@ def test_one_long_document_among_many_short_ones_visits_only_its_own_blocks():
     assert sum(visits) == 64 * 64 + sum(visits[64:])
 
 
+def _counted_but_not_walked(row_spans, walk_spans, tile_m, tile_n):
+    """The (query tile, key block) pairs of one entry where the key block is in the tile's key
+    hull, so that the tile's deterministic turns count it, but the key block's walk over the
+    key spans misses the tile: each would leave the tile's later turns waiting forever."""
+    hull_lo, hull_hi, _, _ = (np.asarray(r)[0] for r in _tile_ranges(np.asarray(row_spans)[None], tile_m, tile_n))
+    walk_lo, walk_hi, _, _ = (np.asarray(r)[0] for r in _tile_ranges(np.asarray(walk_spans)[None], tile_n, tile_m))
+    return [(m, n) for m in range(len(hull_lo)) for n in range(hull_lo[m], hull_hi[m])
+            if not walk_lo[n] <= m < walk_hi[n]]
+
+
+def test_a_key_blocks_own_hull_misses_a_query_tile_that_counts_it():
+    # The hazard the deterministic walk exists for: a query tile of ids 1 and 3 has the keys of
+    # id 2 in its hull, and no row that sees them, so key block 1's own span (the rows that see
+    # it) is empty. The transposed walk visits the tile.
+    q_ids = np.repeat(np.array([1, 3], np.int32), 32)[None]
+    kv_ids = np.repeat(np.array([1, 2, 3], np.int32), 64)[None]
+    row_spans, key_spans = (np.asarray(t)[0] for t in segments.span_tables(q_ids, kv_ids))
+    assert _counted_but_not_walked(row_spans, key_spans, 64, 64) == [(0, 1)]
+    walk = np.asarray(segments.deterministic_walk(row_spans[None], key_spans[None], 64))[0]
+    assert _counted_but_not_walked(row_spans, walk, 64, 64) == []
+
+
+@pytest.mark.parametrize("tile_m, tile_n", [(64, 64), (64, 128), (128, 64), (128, 128)])
+@pytest.mark.parametrize("seqlen_q, seqlen_k, kind, ragged", CASES)
+def test_the_deterministic_walk_visits_every_query_tile_that_counts_a_key_block(
+        tile_m, tile_n, seqlen_q, seqlen_k, kind, ragged):
+    rng = np.random.default_rng([tile_m, tile_n, seqlen_q, seqlen_k, len(kind), ragged, 1])
+    q_ids, kv_ids, q_len, kv_len = _rows(rng, 2, seqlen_q, seqlen_k, kind, ragged)
+    row_spans, key_spans = segments.span_tables(q_ids, kv_ids, (q_len, kv_len))
+    exact = np.asarray(segments.deterministic_walk(row_spans, key_spans, tile_m))
+    widest = np.asarray(segments.deterministic_walk(row_spans, key_spans))
+    packed = kind != "shuffled" and seqlen_q == seqlen_k
+    for b in range(2):
+        for walk in (exact[b], widest[b]):
+            assert _counted_but_not_walked(row_spans[b], walk, tile_m, tile_n) == []
+            # Still every visible pair (dK and dV), and the full ranges untouched.
+            _check_blocks(walk, kv_ids[b], q_ids[b], kv_len[b], q_len[b], tile_n, tile_m, packed=False)
+        np.testing.assert_array_equal(exact[b][:, 2:], np.asarray(key_spans)[b][:, 2:])
+        # Packed documents: the walk at the kernel's tile is exactly the tiles with pairs.
+        _check_blocks(exact[b], kv_ids[b], q_ids[b], kv_len[b], q_len[b], tile_n, tile_m, packed)
+
+
+def test_a_deterministic_backward_gets_the_walk_at_its_kernels_query_tile(next_key, segment_kernels, monkeypatch):
+    # Through the API: the deterministic d64 backward (128-row query tiles) gets the walk at 128
+    # rows, the default one the plain key spans, and both gradients match the reference on ids
+    # whose hulls disagree (ids 0-3 shuffled).
+    import jax
+    import jax.numpy as jnp
+
+    import fa4_jax
+    from fa4_jax import ffi
+
+    passed = []
+    modelled = ffi.backward_call
+
+    def recording_backward(*args, segments=None, **kwargs):
+        jax.debug.callback(lambda key_spans: passed.append(np.asarray(key_spans)), segments[3])
+        return modelled(*args, segments=segments, **kwargs)
+
+    monkeypatch.setattr(ffi, "backward_call", recording_backward)
+    rng = np.random.default_rng(11)
+    q_ids, kv_ids, _, _ = _rows(rng, 2, 400, 400, "shuffled", False)
+    q, k, v = (jax.random.normal(next_key(), (2, 400, 2, 64), jnp.bfloat16) for _ in range(3))
+    row_spans, key_spans = segments.span_tables(q_ids, kv_ids)
+
+    def grads(implementation, deterministic):
+        def loss(q, k, v):
+            out = fa4_jax.attention(q, k, v, causal=True, implementation=implementation, deterministic=deterministic,
+                                    query_segment_ids=q_ids, kv_segment_ids=kv_ids)
+            return jnp.sum(out.astype(jnp.float32) * jnp.sin(jnp.arange(out.size).reshape(out.shape)))
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    want = grads("reference", False)
+    for deterministic in (False, True):
+        for g, w in zip(grads("cute", deterministic), want):
+            np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=2e-2, atol=2e-2)
+    assert len(passed) == 2
+    np.testing.assert_array_equal(passed[0], key_spans)
+    np.testing.assert_array_equal(passed[1], segments.deterministic_walk(row_spans, key_spans, 128))
+    assert not np.array_equal(passed[0], passed[1])
+
+
 def _tile_ranges(table, tile, other_tile):
     """SegmentIds._reduce for every tile at once: [b, tiles] arrays (visit lo, hi, full lo, hi)
     over the other side's blocks, from a [b, chunks, 4] table."""

@@ -281,7 +281,8 @@ def link(built: Menu, found: dict[str, Path], out: Path = LIBRARY, log=print) ->
 
 def manifest(built: Menu) -> dict:
     """What fa4_jax.ffi reads at run time: the variants, the routes, the dQ-copies rule, the
-    archs whose kernels are checked on first use."""
+    archs whose kernels are checked on first use, and the query tile of each segments backward
+    (whose deterministic walk the dispatch computes for that tile: fa4_jax.segments)."""
     return {
         "version": MANIFEST_VERSION,
         "variants": [v.to_json() for v in built.variants],
@@ -289,6 +290,9 @@ def manifest(built: Menu) -> dict:
         "dq_copies_max_keys": {arch: {str(d): keys for d, keys in rule.items()}
                                for arch, rule in built.dq_copies_max_keys.items()},
         "unverified_arches": list(built.unverified_arches),
+        "segments_backward_tile_m": {
+            v.name: compile_worker.construct_kernel(v, built.kernel_class(v), built.tuning_kwargs(v)).tile_m
+            for v in built.variants if v.kind == "bwd" and v.segments},
     }
 
 

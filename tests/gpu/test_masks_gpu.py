@@ -69,7 +69,7 @@ def _out_and_grads(attention, q, k, v, d_out):
 
 
 def _check(next_key, mask, batch=2, seqlen_q=700, seqlen_k=700, heads_q=4, heads_kv=2, head_dim=128,
-           dtype=jnp.bfloat16, **options):
+           dtype=jnp.bfloat16, dk_factor=2, **options):
     q, k, v = qkv(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype)
     d_out = jax.random.normal(next_key(), q.shape, dtype)
     mask = jnp.asarray(mask)
@@ -83,7 +83,8 @@ def _check(next_key, mask, batch=2, seqlen_q=700, seqlen_k=700, heads_q=4, heads
     # Rows the mask hides entirely take the mean of the values: their share of dv is added to
     # the kernel's dv in the inputs' dtype, one rounding more than jax makes.
     for name, result, want, want_lowp in zip(("out", "dq", "dk", "dv"), got, ref, lowp):
-        assert_close_by_rule(result, want, want_lowp, name=name, factor=3 if name == "dv" else 2)
+        factor = {"dv": 3, "dk": dk_factor}.get(name, 2)
+        assert_close_by_rule(result, want, want_lowp, name=name, factor=factor)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -143,10 +144,13 @@ def _per_head_mask(rng, heads, batch, seqlen_q, seqlen_k):
 @pytest.mark.parametrize("options", [dict(), dict(is_causal=True)], ids=["mask", "mask_and_is_causal"])
 def test_per_head_masks(next_key, seed, heads_q, heads_kv, options):
     # Each (batch, head) runs as an entry of its own on the mask_array kernels (kv heads
-    # repeated for GQA): values and gradients, dk and dv summed back over a kv head's group.
+    # repeated for GQA): values and gradients, dk and dv summed back over a kv head's group. A
+    # kv head's dk is then the sum of its group's dk in the inputs' dtype, one rounding more
+    # than jax makes (one seed put it 2% past factor 2's bound).
     rng = np.random.default_rng(seed)
     mask = _per_head_mask(rng, heads_q, 2, 500, 640)
-    _check(next_key, mask, seqlen_q=500, seqlen_k=640, heads_q=heads_q, heads_kv=heads_kv, **options)
+    _check(next_key, mask, seqlen_q=500, seqlen_k=640, heads_q=heads_q, heads_kv=heads_kv,
+           dk_factor=3 if heads_q != heads_kv else 2, **options)
 
 
 def test_per_head_masks_with_lengths(next_key, seed):

@@ -90,13 +90,13 @@ def _visible(q_ids, kv_ids, q_len, kv_len, **options):
 
 
 def _check(next_key, rng, heads_q=2, heads_kv=1, head_dim=128, dtype=jnp.bfloat16, head_dim_v=None,
-           batch=2, seqlen_q=SEQLEN, seqlen_k=SEQLEN, kind="packed", ragged=False, packing=None,
+           batch=2, seqlen_q=SEQLEN, seqlen_k=SEQLEN, kind="packed", ragged=False, packing=None, ids=None,
            **options):
     head_dim_v = head_dim_v or head_dim
     q, k, v = qkv(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, head_dim_v)
     d_out = jax.random.normal(next_key(), (batch, seqlen_q, heads_q, head_dim_v), dtype)
     d_lse = jax.random.normal(next_key(), (batch, heads_q, seqlen_q), jnp.float32)
-    q_ids, kv_ids = _segment_ids(rng, batch, seqlen_q, seqlen_k, kind, **(packing or {}))
+    q_ids, kv_ids = ids or _segment_ids(rng, batch, seqlen_q, seqlen_k, kind, **(packing or {}))
     q_len = np.full(batch, seqlen_q, np.int32)
     kv_len = np.full(batch, seqlen_k, np.int32)
     lengths = ()
@@ -178,6 +178,25 @@ def test_deterministic_mode_is_bitwise_repeatable(next_key, seed, head_dim, caus
     for _ in range(3):
         again = fn(*arrays)
         for name, want, got in zip(("out", "lse", "dq", "dk", "dv"), first, again):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_deterministic_mode_where_the_two_sides_hulls_disagree(next_key, seed, head_dim, causal, ragged):
+    # Queries hold the even ids 0-6 in runs of 32, over and over; keys every id in runs of 128:
+    # a query tile's key hull holds key blocks of odd ids that none of its rows sees, and its
+    # deterministic turns count them, so their walk must visit it anyway (else a later turn
+    # waits forever: a hang, not a wrong answer). Against the oracle, then repeated bitwise.
+    rng = np.random.default_rng(seed)
+    ids = (jnp.asarray(np.tile(2 * ((np.arange(SEQLEN) // 32) % 4), (2, 1)), jnp.int32),
+           jnp.asarray(np.tile(np.arange(SEQLEN) // 128, (2, 1)), jnp.int32))
+    arrays, first = _check(next_key, rng, head_dim=head_dim, causal=causal, ragged=ragged, ids=ids,
+                           deterministic=True)
+    fn = _kernel_fn(tuple(sorted(dict(causal=causal, deterministic=True).items())), ragged)
+    for _ in range(2):
+        for name, want, got in zip(("out", "lse", "dq", "dk", "dv"), first, fn(*arrays)):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
 
 

@@ -67,8 +67,8 @@ their dQ rows stay 0 (the postprocess writes 0 there anyway); padded keys are lo
 cannot stop at a per-entry length) and masked like the tail above, so their dK/dV rows are exact
 zeros; key blocks wholly past the length visit no query block and store zeros.
 
-Segment ids (a `segments` kernel; kernels/common/segments.py): in default mode a key block walks
-only the query blocks in its span (a deterministic call walks the mask's: see `kernel`), a query
+Segment ids (a `segments` kernel; kernels/common/segments.py): a key block walks only the query
+blocks in its span (in deterministic mode a span transposed from the row spans: see `kernel`), a query
 block takes the adds of the key blocks in its own span as the forward visits them (`_dq_turn`,
 so turns count those), no rotated walk, and ids are compared on the pairs outside the key
 block's full span (`dkv_step`). A `mask_array` kernel is the same walk over a boolean mask's
@@ -100,6 +100,7 @@ from fa4_jax.kernels.common.segments import SegmentIds
 from fa4_jax.kernels.common.softmax import score_scales
 from fa4_jax.kernels.sm90 import hardware
 from fa4_jax.kernels.sm90.operands import smem_layout, swizzled_tensor, tma_pipeline, wgmma_gemm
+from fa4_jax.segment_layout import WIDEST_BACKWARD_TILE_M
 
 
 @dataclasses.dataclass(frozen=True)
@@ -447,9 +448,11 @@ class FlashAttentionBackwardSm90:
     def _check_config(self):
         """Refuses settings the kernel cannot run correctly, naming the setting."""
         config = self.config
-        if config.tile_m not in (64, 128) or config.tile_m % BWD_SEMAPHORE_ROWS:
+        if (config.tile_m not in (64, 128) or config.tile_m % BWD_SEMAPHORE_ROWS
+                or WIDEST_BACKWARD_TILE_M % config.tile_m):
             raise ValueError(f"{config}: tile_m must be 64 or 128 (one or two 64-row WGMMA tiles "
-                             f"per warp group, whole {BWD_SEMAPHORE_ROWS}-row semaphores)")
+                             f"per warp group, whole {BWD_SEMAPHORE_ROWS}-row semaphores, dividing "
+                             f"the deterministic walk's {WIDEST_BACKWARD_TILE_M})")
         if config.stages % config.pds_stages:
             raise ValueError(f"{config}: stages must be a multiple of pds_stages (consecutive "
                              "query blocks alternate dSᵀ buffers by stage)")
@@ -738,14 +741,14 @@ class FlashAttentionBackwardSm90:
         block_info = BlockInfo(self.tile_m, self.tile_n, self.causal, self.local, bounds)
         m_block_min, m_block_max = block_info.m_block_range(n_block, seqlen_q, seqlen_k)
         if cutlass.const_expr(self.segments):
-            # Default mode skips the query blocks that share no segment with this key block. A
-            # deterministic call walks the mask's: its turns count the key blocks of a query
-            # block's span (`_dq_turn`), and for ids that do not run in one order on both sides
-            # a key block's span of query blocks need not hold every query block that counts it.
-            if deterministic == 0:
-                spans = segments.query_blocks(batch, n_block)
-                m_block_min = cutlass.max(m_block_min, spans.lo)
-                m_block_max = cutlass.max(cutlass.min(m_block_max, spans.hi), m_block_min)
+            # The query blocks that share no segment with this key block are skipped. In
+            # deterministic mode a query block's turns count the key blocks of its own span
+            # (`_dq_turn`), so the dispatch passes key spans transposed from the row spans
+            # (fa4_jax.segments.deterministic_walk): every query block that counts this key
+            # block is on its walk, or a later turn would wait forever.
+            spans = segments.query_blocks(batch, n_block)
+            m_block_min = cutlass.max(m_block_min, spans.lo)
+            m_block_max = cutlass.max(cutlass.min(m_block_max, spans.hi), m_block_min)
         walk = self._query_walk(m_block_min, m_block_max, n_block, seqlen_k, deterministic, num_sms)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
         # The preprocess's writes (D, LSE, the zeroed dQ workspace and turn counters) are visible
@@ -897,11 +900,8 @@ class FlashAttentionBackwardSm90:
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipes.kv.consumer_wait(kv_state)
-        valid_keys = self.valid_rows(n_block, self.tile_n, seqlen_k, tma.k.shape[0])
-        if valid_keys < self.tile_n:
-            self.zero_rows_past(smem.k, valid_keys, tidx)
-            self.zero_rows_past(smem.v, valid_keys, tidx)
-            self.publish_zeros()
+        self.zero_rows_past((smem.k, smem.v), self.valid_rows(n_block, self.tile_n, seqlen_k, tma.k.shape[0]),
+                            tidx)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         # The CTA's (q head of the group, query block) pairs, flattened: `index` runs over them.
         coords = functools.partial(self.block_coords, walk=walk, head_kv=key_block.head_kv,
@@ -957,20 +957,25 @@ class FlashAttentionBackwardSm90:
         return rows
 
     @cute.jit
-    def zero_rows_past(self, tile, valid_rows, tidx):
-        """Zeroes rows [valid_rows, rows) of a shared-memory operand tile (rows, cols): a ragged
-        entry's padding rows, which the caller may leave non-finite. Their P and dS are exactly
-        0, but 0 · NaN is NaN in the GEMMs that read them (dV += Pᵀ·dO, dK += dSᵀ·Q, dQ += dS·K,
-        dPᵀ = V·dOᵀ); zeroed here, one block per CTA, they cost no pass over the operands before
-        the call. Every MMA thread takes a share of the rows' 16-byte chunks (the swizzle moves
-        whole chunks); `publish_zeros` then orders them before the WGMMAs."""
-        chunks_per_row = cute.size(tile, mode=[1]) // ZERO_CHUNK
-        zeros = cute.make_rmem_tensor((ZERO_CHUNK,), self.dtype)
-        zeros.fill(0.0)
-        padding_chunks = (cute.size(tile, mode=[0]) - valid_rows) * chunks_per_row
-        for i in cutlass.range(tidx, padding_chunks, self.num_mma_threads, unroll=1):
-            cute.autovec_copy(zeros, cute.local_tile(tile[valid_rows + i // chunks_per_row, None], (ZERO_CHUNK,),
-                                                     (i % chunks_per_row,)))
+    def zero_rows_past(self, tiles, valid_rows, tidx):
+        """Zeroes rows [valid_rows, rows) of shared-memory operand tiles (rows, cols; one row
+        count), if the block has any: a ragged entry's padding rows, which the caller may leave
+        non-finite. Their P and dS are exactly 0, but 0 · NaN is NaN in the GEMMs that read them
+        (dV += Pᵀ·dO, dK += dSᵀ·Q, dQ += dS·K, dPᵀ = V·dOᵀ); zeroed here, one block per CTA, they
+        cost no pass over the operands before the call. Every MMA thread takes a share of the
+        rows' 16-byte chunks (the swizzle moves whole chunks); `publish_zeros` then orders them
+        before the WGMMAs."""
+        rows = cute.size(tiles[0], mode=[0])
+        if valid_rows < rows:
+            zeros = cute.make_rmem_tensor((ZERO_CHUNK,), self.dtype)
+            zeros.fill(0.0)
+            for t in cutlass.range_constexpr(len(tiles)):
+                chunks_per_row = cute.size(tiles[t], mode=[1]) // ZERO_CHUNK
+                padding_chunks = (rows - valid_rows) * chunks_per_row
+                for i in cutlass.range(tidx, padding_chunks, self.num_mma_threads, unroll=1):
+                    cute.autovec_copy(zeros, cute.local_tile(tiles[t][valid_rows + i // chunks_per_row, None],
+                                                             (ZERO_CHUNK,), (i % chunks_per_row,)))
+            self.publish_zeros()
 
     def publish_zeros(self):
         """The MMA threads' zeros made visible to the WGMMAs (the async proxy) and joined, so that
@@ -1029,9 +1034,7 @@ class FlashAttentionBackwardSm90:
         `valid_rows` zeroed first). Returns the LSE values of the columns read ahead when they
         are read here (`lse_before_scores`), else []."""
         blocks.pipeline_q.consumer_wait(state)
-        if valid_rows < self.tile_m:
-            self.zero_rows_past(smem.q[None, None, state.index], valid_rows, tidx)
-            self.publish_zeros()
+        self.zero_rows_past((smem.q[None, None, state.index],), valid_rows, tidx)
         lse_ahead = []
         if cutlass.const_expr(self._lse_before_scores()):
             lse_ahead = [self._row_stat(blocks, blocks.sLSE, c, state.index)
@@ -1054,9 +1057,7 @@ class FlashAttentionBackwardSm90:
     @cute.jit
     def zero_do_padding(self, smem, stage, tidx, valid_rows):
         """dO's padding rows past `valid_rows` in slot `stage` zeroed (`zero_rows_past`)."""
-        if valid_rows < self.tile_m:
-            self.zero_rows_past(smem.do[None, None, stage], valid_rows, tidx)
-            self.publish_zeros()
+        self.zero_rows_past((smem.do[None, None, stage],), valid_rows, tidx)
 
     @cute.jit
     def query_block(self, blocks, state, m_block, needs_mask, apply_mask, key_tail, mask_key_tail, zero_padding,
