@@ -9,10 +9,13 @@ through the drop-in `dot_product_attention`:
   diagonal; the bits and tables are made in every step, from the mask passed to it);
 - mask_operands (forward only): that preparation alone (`fa4_jax.mask_bits.operands`);
 - cudnn_is_causal / cudnn_mask: `jax.nn.dot_product_attention(implementation="cudnn")` with the
-  flag and with the same array.
+  flag and with the same array;
+- fa4_jax_padding_mask / cudnn_padding_mask: a key padding mask [B, 1, 1, T] instead (each
+  entry's keys past a length drawn from [T/2, T] hidden), as BERT-style encoders pass one.
 
-TF/s count the causal work (half the square) for every peer. The mask is an argument of the
-timed step, as a model's mask is built outside its attention call.
+TF/s count the causal work (half the square) for the causal peers and the visible pairs for the
+padding ones. The masks are arguments of the timed step, as a model's mask is built outside its
+attention call.
 
 On the GPU machine:  python -m benchmarks.bench_mask --out .bench_mask
 On any machine (CPU, tiny shapes, the reference): python -m benchmarks.bench_mask --dry-run
@@ -27,6 +30,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import fa4_jax
 from benchmarks.bench_attention import FWD_BWD_FLOP_FACTOR, MODES, Settings, time_step
@@ -46,15 +50,25 @@ def peers(implementation: str):
         return mask_bits.operands(mask[:, 0], params, None, q.shape[1], k.shape[1], q.shape[0])
 
     result = {
-        "fa4_jax_is_causal": lambda q, k, v, mask: drop_in(q, k, v, is_causal=True),
-        "fa4_jax_mask": lambda q, k, v, mask: drop_in(q, k, v, mask=mask),
-        "mask_operands": operands,
+        "fa4_jax_is_causal": lambda q, k, v, mask, padding: drop_in(q, k, v, is_causal=True),
+        "fa4_jax_mask": lambda q, k, v, mask, padding: drop_in(q, k, v, mask=mask),
+        "mask_operands": lambda q, k, v, mask, padding: operands(q, k, v, mask),
+        "fa4_jax_padding_mask": lambda q, k, v, mask, padding: drop_in(q, k, v, mask=padding),
     }
     if implementation == "cute":
         cudnn = functools.partial(jax.nn.dot_product_attention, implementation="cudnn")
-        result["cudnn_is_causal"] = lambda q, k, v, mask: cudnn(q, k, v, is_causal=True)
-        result["cudnn_mask"] = lambda q, k, v, mask: cudnn(q, k, v, mask=mask)
+        result["cudnn_is_causal"] = lambda q, k, v, mask, padding: cudnn(q, k, v, is_causal=True)
+        result["cudnn_mask"] = lambda q, k, v, mask, padding: cudnn(q, k, v, mask=mask)
+        result["cudnn_padding_mask"] = lambda q, k, v, mask, padding: cudnn(q, k, v, mask=padding)
     return result
+
+
+def key_padding(batch: int, seqlen: int):
+    """(bool [batch, 1, 1, seqlen] key padding mask, visible pairs): lengths drawn from
+    [seqlen / 2, seqlen] with a fixed seed."""
+    lengths = np.random.default_rng(seqlen).integers(seqlen // 2, seqlen + 1, batch)
+    mask = np.arange(seqlen)[None, :] < lengths[:, None]
+    return jnp.asarray(mask[:, None, None, :]), int(lengths.sum()) * seqlen
 
 
 def main(argv=None) -> int:
@@ -79,17 +93,20 @@ def main(argv=None) -> int:
         batch = max(1, tokens // seqlen)
         shape = (batch, seqlen, heads, head_dim)
         mask = jnp.tril(jnp.ones((seqlen, seqlen), bool))[None, None]
+        padding, padding_pairs = key_padding(batch, seqlen)
         print(f"causal {batch} x {seqlen}, {heads} heads of {head_dim}", flush=True)
         for mode in args.modes.split(","):
-            flops = 2 * batch * heads * head_dim * seqlen ** 2 * (FWD_BWD_FLOP_FACTOR if mode == "fwd_bwd" else 1)
+            factor = FWD_BWD_FLOP_FACTOR if mode == "fwd_bwd" else 1
             for peer, attend in peers(implementation).items():
+                pairs = padding_pairs if peer.endswith("padding_mask") else batch * seqlen ** 2 / 2
+                flops = 4 * heads * head_dim * pairs * factor
                 if args.peers and peer not in args.peers.split(","):
                     continue
                 if peer == "mask_operands" and mode != "fwd":
                     continue
                 record = dict(seqlen=seqlen, batch=batch, mode=mode, peer=peer)
                 try:
-                    timing = time_step(step(attend, mode), input_sets(shape, len(results), (mask,)), settings)
+                    timing = time_step(step(attend, mode), input_sets(shape, len(results), (mask, padding)), settings)
                 except Exception as error:  # noqa: BLE001 - a peer that cannot run is reported
                     message = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
                     print(f"  {mode:7s} {peer:18s} error: {message}", flush=True)

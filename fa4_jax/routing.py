@@ -93,7 +93,9 @@ class Route:
         (`diagonal_on_blocks`);
       tail_tile_n, tail_keys: more than one tail_tile_n-key block, and at most tail_keys keys
         in the last;
-      softcap: only calls with (True) or without (False) softcap.
+      softcap: only calls with (True) or without (False) softcap;
+      mask_array: calls with a boolean mask's bits (True: the masked targets' calls, whose
+        variants the route's tuning then names) or without (False).
     """
 
     tuning: str
@@ -108,9 +110,12 @@ class Route:
     tail_tile_n: int = 0
     tail_keys: int = 0
     softcap: bool | None = None
+    mask_array: bool = False
 
     def fits(self, call: "Call") -> bool:
         if (call.kind, call.mask, call.head_dim) != (self.kind, self.mask, self.head_dim):
+            return False
+        if call.mask_array != self.mask_array:
             return False
         if self.softcap is not None and call.softcap != self.softcap:
             return False

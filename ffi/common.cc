@@ -84,6 +84,7 @@ bool Fits(const Fa4Route& r, const Problem& p) {
       r.head_dim != p.head_dim)
     return false;
   if (r.softcap >= 0 && (r.softcap == 1) != p.softcap) return false;
+  if (r.mask_array != p.mask_array) return false;
   if (r.min_rows && p.seqlen_q < r.min_rows) return false;
   if (r.max_rows && p.seqlen_q > r.max_rows) return false;
   if (r.max_len && std::max(p.seqlen_q, p.seqlen_k) > r.max_len) return false;

@@ -75,7 +75,7 @@ struct Fa4Variant {
 
 // fa4_jax.routing.Route: calls of (kind, arch, mask, head_dim) meeting every condition run the
 // `tuning` variant of their problem class, if compiled. 0 means no condition; softcap is -1
-// (either), 0 or 1.
+// (either), 0 or 1; mask_array: calls with a boolean mask's bits, or calls without.
 struct Fa4Route {
   Fa4Kind kind;
   const char* arch;
@@ -86,6 +86,7 @@ struct Fa4Route {
   bool dense;
   int diagonal_block, tail_tile_n, tail_keys;
   int softcap;
+  bool mask_array;
 };
 
 extern const Fa4Variant kFa4Variants[];

@@ -34,8 +34,11 @@ def test_menu_covers_the_axes_once():
                        for v in defaults if v.kind == kind and v.mask_array}
         assert mask_arrays == {(dtype, d, dv, "none", False)
                                for dtype, (d, dv) in itertools.product(routing.DTYPES, head_dims)}
-    # The segments kernels run the default tuning only (the routes assume the mask's own blocks).
-    assert all(v.tuning == "default" for v in menu.MENU if v.segments)
+    # Segment ids' kernels run the default tuning only (the routes that narrow a tile's first
+    # blocks assume the causal mask's own); a mask array's tuned kernels narrow none.
+    assert all(v.tuning == "default" for v in menu.MENU if v.segments and not v.mask_array)
+    for r in sm90.ROUTES:
+        assert not r.mask_array or not (r.diagonal_block or r.tail_tile_n), r
     assert len(COMPILED) == len(menu.MENU)
     assert all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v.name) for v in menu.MENU)
     assert {v.arch for v in menu.MENU} == {"sm_90a", "sm_100f"}
@@ -44,15 +47,15 @@ def test_menu_covers_the_axes_once():
 
 def test_every_shipped_variant_is_reachable():
     # The menu holds only what a public call can reach: the defaults, and each route's tuning.
-    routed = {(r.kind, r.mask, r.head_dim, r.tuning) for r in sm90.ROUTES}
+    routed = {(r.kind, r.mask, r.head_dim, r.tuning, r.mask_array) for r in sm90.ROUTES}
     for v in sm90.MENU:
-        assert v.tuning == "default" or (v.kind, v.mask, v.head_dim, v.tuning) in routed, v.name
+        assert v.tuning == "default" or (v.kind, v.mask, v.head_dim, v.tuning, v.mask_array) in routed, v.name
         assert v.tuning in sm90.TUNINGS
     # And each route's variants exist at both dtypes (and the softcap settings it takes).
     for r, dtype in itertools.product(sm90.ROUTES, routing.DTYPES):
         for softcap in ((False, True) if r.softcap is None else (r.softcap,)):
             v = Variant("sm_90a", dtype, r.head_dim, dict(sm90.HEAD_DIMS)[r.head_dim], r.mask, softcap,
-                        r.kind, r.tuning)
+                        r.kind, r.tuning, segments=r.mask_array, mask_array=r.mask_array)
             assert v.name in COMPILED
 
 
@@ -179,6 +182,21 @@ def test_route_conditions():
     assert not Route("x", "none", 128).fits(call)
     assert not Route("x", "causal", 64).fits(call)
     assert not Route("x", "causal", 128, kind="bwd").fits(call)
+    assert not Route("x", "causal", 128, mask_array=True).fits(call)
+    masked = Call("fwd", "sm_90a", "bf16", 128, 128, "causal", False, 1000, 1128, segments=True, mask_array=True)
+    assert Route("x", "causal", 128, mask_array=True).fits(masked) and not Route("x", "causal", 128).fits(masked)
+
+
+def test_short_d128_calls_with_a_mask_array_take_the_persistent_short_kernel():
+    def masked(seqlen, head_dim=128, softcap=False):
+        call = Call("fwd", "sm_90a", "bf16", head_dim, head_dim, "none", softcap, seqlen, seqlen,
+                    segments=True, mask_array=True)
+        return routing.choose(call, sm90.ROUTES, COMPILED).tuning
+
+    assert [masked(s) for s in (256, 1024, 1025)] == ["short", "short", "default"]
+    assert masked(512, head_dim=64) == "default"
+    # The same call without a mask array keeps its own route.
+    assert choose(seqlen_q=512, seqlen_k=512) == "n128_tree"
 
 
 def test_dq_copies():

@@ -106,11 +106,11 @@ def _route_entry(arch: str, r) -> str:
     softcap = -1 if r.softcap is None else int(r.softcap)
     return (f'  {{{_KIND[r.kind]}, "{arch}", "{r.mask}", {r.head_dim}, "{r.tuning}", {r.min_rows}, {r.max_rows}, '
             f'{r.max_len}, {str(r.dense).lower()}, {r.diagonal_block}, {r.tail_tile_n}, '
-            f'{r.tail_keys}, {softcap}}},')
+            f'{r.tail_keys}, {softcap}, {str(r.mask_array).lower()}}},')
 
 
 # A zero-length array is not C++: a menu without routes gets one entry no call matches.
-_NO_ROUTE = '  {Fa4Kind::kFwd, "", "", 0, "", 0, 0, 0, false, 0, 0, 0, -1},'
+_NO_ROUTE = '  {Fa4Kind::kFwd, "", "", 0, "", 0, 0, 0, false, 0, 0, 0, -1, false},'
 
 
 def dispatch_source(variants, headers: dict[str, str], routes=()) -> str:

@@ -73,6 +73,10 @@ ROUTES: tuple[Route, ...] = (
     # Short d128 calls without a mask on 128-key blocks ("The wait for P·V: the row maximum as
     # a tree, on 128-key blocks").
     Route("n128_tree", "none", 128, max_len=1024),
+    # Short d128 calls with a boolean mask (padding or causal arrays, BERT-sized batches) on the
+    # short causal calls' persistent kernel ("Short calls with a mask on the persistent short
+    # kernel"; at d64 it lost on padding masks, which a route cannot tell from causal ones).
+    Route("short", "none", 128, max_len=1024, softcap=False, mask_array=True),
     # Longer dense d128 calls without a mask: the narrowest tail that holds the last block
     # ("d128's tail block only as wide as its keys").
     *(Route(f"tail{keys}", "none", 128, dense=True, tail_tile_n=_D128_TILE_N, tail_keys=keys)
@@ -91,7 +95,7 @@ def _route_variants():
         softcaps = (False, True) if route.softcap is None else (route.softcap,)
         for dtype, softcap in itertools.product(DTYPES, softcaps):
             yield Variant(ARCH, dtype, route.head_dim, head_dim_v[route.head_dim], route.mask, softcap,
-                          route.kind, route.tuning)
+                          route.kind, route.tuning, segments=route.mask_array, mask_array=route.mask_array)
 
 
 # Every problem class, with and without segment ids (the segments kernels run the default
