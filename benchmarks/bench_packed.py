@@ -16,6 +16,9 @@ forward+backward, on the same documents:
 - fa4_jax_dense_docs (cases of equal documents only): the same documents as a dense batch, one
   sequence each: the kernels' own speed on sequences that short, which the packed call cannot
   beat (its tiles are as short), so the gap to it is the cost of the segment ids alone;
+- cudnn_dense_equal, cudnn_dense_docs: the same two dense calls on cuDNN
+  (`jax.nn.dot_product_attention(is_causal=True)`): how far below its long-sequence speed the
+  best peer runs on documents that short;
 - fa4_jax_varlen_apart: `fa4_jax.varlen_attention` with two cu_seqlens arrays (so it cannot
   assume one packing): the documents gathered into rows of total_q + total_k positions that
   align each document's diagonal with the row's (the padded ragged batch this replaced is in
@@ -214,11 +217,20 @@ def _dense(rows: int, tokens: int, case: PackedCase, implementation: str):
         q, k, v, causal=True, implementation=implementation)
 
 
+def _cudnn_dense(rows: int, tokens: int, case: PackedCase, implementation: str):
+    if implementation != "cute":
+        return None, "cuDNN runs on a GPU only"
+    return (rows, tokens, case.heads, case.head_dim), lambda q, k, v, *ids: jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, implementation="cudnn")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, the reference")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--max-mask-gib", type=float, default=8.0)
+    p.add_argument("--peers", default="", help="comma-separated peer names (default: all)")
+    p.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     p.add_argument("--out", default=".bench_packed")
     args = p.parse_args(argv)
     if args.dry_run:
@@ -230,26 +242,29 @@ def main(argv=None) -> int:
                         fa4_implementation=implementation)
     results = []
     for case in cases(args.dry_run):
+        if args.cases and case.name not in args.cases.split(","):
+            continue
         print(case.label(), flush=True)
         runs = dict(peers(case, implementation, args.max_mask_gib))
         ids = case.segment_ids()
         shape = (case.rows, case.row_tokens, case.heads, case.head_dim)
         inputs = {name: shape for name in runs}
         dense_tokens = case.equal_dense_tokens()
-        inputs["fa4_jax_dense_equal"], runs["fa4_jax_dense_equal"] = _dense(case.rows, dense_tokens, case,
-                                                                             implementation)
         document_length = case.equal_documents()
-        if document_length:
-            documents = sum(len(row) for row in case.lengths)
-            inputs["fa4_jax_dense_docs"], runs["fa4_jax_dense_docs"] = _dense(documents, document_length, case,
-                                                                           implementation)
+        for prefix, dense in (("fa4_jax", _dense), ("cudnn", _cudnn_dense)):
+            inputs[f"{prefix}_dense_equal"], runs[f"{prefix}_dense_equal"] = dense(case.rows, dense_tokens, case,
+                                                                                   implementation)
+            if document_length:
+                documents = sum(len(row) for row in case.lengths)
+                inputs[f"{prefix}_dense_docs"], runs[f"{prefix}_dense_docs"] = dense(
+                    documents, document_length, case, implementation)
         if case.name == "one long + short":
             inputs["fa4_jax_long_alone"], runs["fa4_jax_long_alone"] = _dense(1, case.lengths[0][0], case,
                                                                              implementation)
         for mode in args.modes.split(","):
             for peer, attend in runs.items():
                 record = dict(case=case.name, mode=mode, peer=peer, useful_tflop=case.flops(mode) / 1e12)
-                if ONLY_IN_MODE.get(peer, mode) != mode:
+                if ONLY_IN_MODE.get(peer, mode) != mode or (args.peers and peer not in args.peers.split(",")):
                     continue
                 if isinstance(attend, str):
                     print(f"  {mode:7s} {peer:22s} skipped: {attend}", flush=True)
@@ -269,7 +284,7 @@ def main(argv=None) -> int:
                 elif peer == "fa4_jax_long_alone":
                     flops = 4 * case.heads * case.head_dim * (case.lengths[0][0] ** 2 / 2) * (
                         FWD_BWD_FLOP_FACTOR if mode == "fwd_bwd" else 1)
-                elif peer == "fa4_jax_dense_equal":
+                elif peer.endswith("_dense_equal"):
                     flops = 2 * case.rows * case.heads * case.head_dim * dense_tokens ** 2 * (
                         FWD_BWD_FLOP_FACTOR if mode == "fwd_bwd" else 1)
                 tflops = flops / (timing.ms * 1e-3) / 1e12
