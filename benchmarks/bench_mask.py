@@ -59,7 +59,9 @@ def peers(implementation: str):
         cudnn = functools.partial(jax.nn.dot_product_attention, implementation="cudnn")
         result["cudnn_is_causal"] = lambda q, k, v, mask, padding: cudnn(q, k, v, is_causal=True)
         result["cudnn_mask"] = lambda q, k, v, mask, padding: cudnn(q, k, v, mask=mask)
-        result["cudnn_padding_mask"] = lambda q, k, v, mask, padding: cudnn(q, k, v, mask=padding)
+        # cuDNN through jax takes a mask of whole [T, S] planes only.
+        result["cudnn_padding_mask"] = lambda q, k, v, mask, padding: cudnn(
+            q, k, v, mask=jnp.broadcast_to(padding, (q.shape[0], 1, q.shape[1], k.shape[1])))
     return result
 
 

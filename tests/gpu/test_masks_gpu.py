@@ -146,7 +146,7 @@ def test_per_head_masks(next_key, seed, heads_q, heads_kv, options):
     # Each (batch, head) runs as an entry of its own on the mask_array kernels (kv heads
     # repeated for GQA): values and gradients, dk and dv summed back over a kv head's group. A
     # kv head's dk is then the sum of its group's dk in the inputs' dtype, one rounding more
-    # than jax makes (one seed put it 2% past factor 2's bound).
+    # than jax makes (seeds put it 2-4% past factor 2's bound), hence factor 3 there.
     rng = np.random.default_rng(seed)
     mask = _per_head_mask(rng, heads_q, 2, 500, 640)
     _check(next_key, mask, seqlen_q=500, seqlen_k=640, heads_q=heads_q, heads_kv=heads_kv,
@@ -154,10 +154,11 @@ def test_per_head_masks(next_key, seed, heads_q, heads_kv, options):
 
 
 def test_per_head_masks_with_lengths(next_key, seed):
+    # Two heads per kv head: dk at factor 3, as in test_per_head_masks.
     rng = np.random.default_rng(seed)
     lengths = dict(query_seq_lengths=jnp.asarray([0, 700, 1, 350], jnp.int32),
                    key_value_seq_lengths=jnp.asarray([700, 0, 260, 699], jnp.int32))
-    _check(next_key, _per_head_mask(rng, 4, 4, 700, 700), batch=4, **lengths)
+    _check(next_key, _per_head_mask(rng, 4, 4, 700, 700), batch=4, dk_factor=3, **lengths)
 
 
 # Keys per case stay below 2**INDEX_BITS: a key's index in INDEX_BITS columns of its value.
