@@ -40,6 +40,8 @@ PROBE_LENGTHS = ((200, 333), (1, 777), (64, 64), (256, 256), (1024, 1024), (1152
 HEADS_Q, HEADS_KV = 4, 2
 # The segment probe's lengths and documents: (query rows, keys) of each, then padding.
 SEGMENT_PROBE = ((200, 333), ((70, 150), (110, 140)))
+# The mask probe's lengths: the segment probe's, and a call past the short mask route (1024).
+MASK_PROBE_LENGTHS = (SEGMENT_PROBE[0], (1152, 1152))
 # The options of each mask kind (causal folds into a window's right bound).
 MASK_OPTIONS = {"none": {}, "causal": {"causal": True}, "local": {"window_size": (64, 16)}}
 SOFTCAP = 20.0
@@ -131,12 +133,12 @@ def _check_call(problem, dtype, head_dim, head_dim_v, options, seqlen_q, seqlen_
                  explanation.backward_variant, errors, time.perf_counter() - start)
 
 
-def _segment_ids():
+def _segment_ids(seqlen_q: int = SEGMENT_PROBE[0][0], seqlen_k: int = SEGMENT_PROBE[0][1]):
     """The segment probe's (query ids [1, sq], kv ids [1, sk]): SEGMENT_PROBE's documents,
     padding that matches nothing after them."""
     import numpy as np
 
-    (seqlen_q, seqlen_k), documents = SEGMENT_PROBE
+    documents = SEGMENT_PROBE[1]
     ids = []
     for side, (length, no_match) in enumerate(((seqlen_q, -1), (seqlen_k, -2))):
         side_ids = np.full((1, length), no_match, np.int32)
@@ -146,24 +148,25 @@ def _segment_ids():
     return tuple(ids)
 
 
-def _mask():
+def _mask(seqlen_q: int, seqlen_k: int):
     """The mask probe's bool [1, 1, sq, sk]: the segment probe's documents, and every fifth key
     shown to every row (so no key block is one run of a tile's keys)."""
     import numpy as np
 
-    q_ids, kv_ids = _segment_ids()
+    q_ids, kv_ids = _segment_ids(seqlen_q, seqlen_k)
     every_fifth = np.arange(kv_ids.shape[1]) % 5 == 0
     return ((q_ids[:, None, :, None] == kv_ids[:, None, None, :]) | every_fifth)
 
 
 def _probes(options):
     """(seqlen_q, seqlen_k, options) of a problem class's calls: PROBE_LENGTHS, then the
-    segment probe and the mask probe."""
+    segment probe and the mask probes."""
     for seqlen_q, seqlen_k in PROBE_LENGTHS:
         yield seqlen_q, seqlen_k, options
     q_ids, kv_ids = _segment_ids()
     yield *SEGMENT_PROBE[0], dict(options, query_segment_ids=q_ids, kv_segment_ids=kv_ids)
-    yield *SEGMENT_PROBE[0], dict(options, mask=_mask())
+    for seqlen_q, seqlen_k in MASK_PROBE_LENGTHS:
+        yield seqlen_q, seqlen_k, dict(options, mask=_mask(seqlen_q, seqlen_k))
 
 
 def _problem_classes(library, arch):
