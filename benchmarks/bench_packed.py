@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -212,16 +213,12 @@ def step(attend, mode: str):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
 
-def _dense(rows: int, tokens: int, case: PackedCase, implementation: str):
-    return (rows, tokens, case.heads, case.head_dim), lambda q, k, v, *ids: fa4_jax.attention(
-        q, k, v, causal=True, implementation=implementation)
-
-
-def _cudnn_dense(rows: int, tokens: int, case: PackedCase, implementation: str):
-    if implementation != "cute":
-        return None, "cuDNN runs on a GPU only"
-    return (rows, tokens, case.heads, case.head_dim), lambda q, k, v, *ids: jax.nn.dot_product_attention(
-        q, k, v, is_causal=True, implementation="cudnn")
+def _dense(rows: int, tokens: int, case: PackedCase, attend):
+    """(input shape, step's attend) of a dense causal call of rows x tokens; attend(q, k, v) is
+    fa4_jax's or cuDNN's, or a reason to skip."""
+    if isinstance(attend, str):
+        return None, attend
+    return (rows, tokens, case.heads, case.head_dim), lambda q, k, v, *ids: attend(q, k, v)
 
 
 def main(argv=None) -> int:
@@ -251,16 +248,21 @@ def main(argv=None) -> int:
         inputs = {name: shape for name in runs}
         dense_tokens = case.equal_dense_tokens()
         document_length = case.equal_documents()
-        for prefix, dense in (("fa4_jax", _dense), ("cudnn", _cudnn_dense)):
-            inputs[f"{prefix}_dense_equal"], runs[f"{prefix}_dense_equal"] = dense(case.rows, dense_tokens, case,
-                                                                                   implementation)
+        dense_calls = {
+            "fa4_jax": functools.partial(fa4_jax.attention, causal=True, implementation=implementation),
+            "cudnn": (functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
+                      if implementation == "cute" else "cuDNN runs on a GPU only"),
+        }
+        for prefix, attend in dense_calls.items():
+            inputs[f"{prefix}_dense_equal"], runs[f"{prefix}_dense_equal"] = _dense(case.rows, dense_tokens, case,
+                                                                                    attend)
             if document_length:
                 documents = sum(len(row) for row in case.lengths)
-                inputs[f"{prefix}_dense_docs"], runs[f"{prefix}_dense_docs"] = dense(
-                    documents, document_length, case, implementation)
+                inputs[f"{prefix}_dense_docs"], runs[f"{prefix}_dense_docs"] = _dense(
+                    documents, document_length, case, attend)
         if case.name == "one long + short":
             inputs["fa4_jax_long_alone"], runs["fa4_jax_long_alone"] = _dense(1, case.lengths[0][0], case,
-                                                                             implementation)
+                                                                             dense_calls["fa4_jax"])
         for mode in args.modes.split(","):
             for peer, attend in runs.items():
                 record = dict(case=case.name, mode=mode, peer=peer, useful_tflop=case.flops(mode) / 1e12)

@@ -14,8 +14,7 @@ def _segments_backward_tile_m() -> dict:
     DSL is needed)."""
     from fa4_jax.aot import build
 
-    return build.manifest(build.Menu(tuple(v for v in menu.MENU if v.kind == "bwd" and v.segments)))[
-        "segments_backward_tile_m"]
+    return build.segments_backward_tile_m(build.Menu(menu.MENU))
 
 
 def use_h200_menu(monkeypatch) -> ffi.Library:

@@ -290,10 +290,15 @@ def manifest(built: Menu) -> dict:
         "dq_copies_max_keys": {arch: {str(d): keys for d, keys in rule.items()}
                                for arch, rule in built.dq_copies_max_keys.items()},
         "unverified_arches": list(built.unverified_arches),
-        "segments_backward_tile_m": {
-            v.name: compile_worker.construct_kernel(v, built.kernel_class(v), built.tuning_kwargs(v)).tile_m
-            for v in built.variants if v.kind == "bwd" and v.segments},
+        "segments_backward_tile_m": segments_backward_tile_m(built),
     }
+
+
+def segments_backward_tile_m(built: Menu) -> dict[str, int]:
+    """Each segments backward variant's query tile rows, from its kernel (constructed, not
+    compiled): the tile a deterministic call's walk is computed at (fa4_jax.segments)."""
+    return {v.name: compile_worker.construct_kernel(v, built.kernel_class(v), built.tuning_kwargs(v)).tile_m
+            for v in built.variants if v.kind == "bwd" and v.segments}
 
 
 def build(built: Menu, out: Path = LIBRARY, jobs: int | None = None, log=print) -> None:
