@@ -86,9 +86,6 @@ TUNINGS: dict[str, dict] = {
     # backward: a CTA pair sharing dSᵀ, and Q/dO released early").
     "release_early": {"release_early": True},
     "release_late": {"release_early": False},
-    # Sᵀ and dPᵀ each on one MMA warp group, whole ("d256 backward: Sᵀ and dPᵀ one per warp group").
-    "sdp_per_group": {"sdp_per_group": True, "dv_during_ds": False},
-    "sdp_per_group_dv_early": {"sdp_per_group": True, "dv_during_ds": True},
 }
 # (kind, head dim, tunings), bf16, masks none and causal.
 ABLATIONS = (
@@ -107,7 +104,7 @@ ABLATIONS = (
                   "lse_late", "stores_first", "exp2_mufu", "poly25", "dq_after_dk")),
     ("bwd", 192, ("scores_late", "dq_writer1", "det_one_copy", "dq_writers3", "release_early")),
     ("bwd", 256, ("dq_writer1", "det_one_copy", "dq_writers3", "lse_early", "stores_first",
-                  "poly25", "release_late", "sdp_per_group", "sdp_per_group_dv_early")),
+                  "poly25", "release_late")),
 )
 
 

@@ -123,23 +123,10 @@ def _backward(head_dim=64, mask="none", softcap=False, **tuning):
     # Releasing Q and dO early needs dK's GEMM before dQ's, with dSᵀ from shared memory.
     (128, dict(release_early=True)),
     (192, dict(release_early=True, dq_during_dk=True, scores_ahead=False)),
-    # Sᵀ and dPᵀ one per warp group: the second group reads Pᵀ back from shared memory.
-    (128, dict(sdp_per_group=True)),
-    (256, dict(sdp_per_group=True, lse_before_scores=True)),
 ])
 def test_bad_backward_tunings_are_refused(head_dim, tuning):
     with pytest.raises((ValueError, TypeError)):
         _backward(head_dim, **tuning)
-
-
-def test_scores_and_grads_per_group_refuse_softcap_and_unequal_head_dims():
-    # Softcap's dSᵀ needs the capped scores, which only the scores group holds; the groups'
-    # operands are one layout at two bases, so K and V (Q and dO) must have one shape.
-    with pytest.raises(ValueError, match="sdp_per_group"):
-        _backward(256, "none", True, sdp_per_group=True)
-    with pytest.raises(ValueError, match="sdp_per_group"):
-        FlashAttentionBackwardSm90(cutlass.BFloat16, 192, 128, "none", False, sdp_per_group=True,
-                                   scores_ahead=False)
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])

@@ -114,9 +114,8 @@ class TileConfig:
     # Pᵀ, dSᵀ feed the dV/dK WGMMAs from registers (else from shared memory).
     dkv_from_registers: bool = True
     pds_stages: int = 2  # dSᵀ (and Pᵀ) shared-memory buffers; 2 saves a barrier per query block
-    # dkv_from_registers: dV's WGMMA is issued as soon as Pᵀ is in registers (sdp_per_group: in
-    # shared memory), so that it runs while dSᵀ is computed; False: after dSᵀ, beside dK (FA4
-    # upstream's order). Issued early,
+    # dkv_from_registers: dV's WGMMA is issued as soon as Pᵀ is in registers, so that it runs
+    # while dSᵀ is computed; False: after dSᵀ, beside dK (FA4 upstream's order). Issued early,
     # it holds Pᵀ's registers and dV's accumulator through that pass, which at 128 query rows
     # is more than 240 registers: ptxas then serializes every WGMMA of the kernel (C7512).
     dv_during_ds: bool = False
@@ -161,12 +160,6 @@ class TileConfig:
     # warp groups meet at the dSᵀ barrier every step, so their exponentials run at the same
     # time on the same SMSPs' MUFU units.
     exp2_poly_share: float = 0.0
-    # Sᵀ on the first MMA warp group and dPᵀ on the second, each over the whole tile_n × tile_m
-    # (the second reads Pᵀ back from shared memory for dSᵀ), instead of both GEMMs split between
-    # the groups by query columns: each group then reads one of K and V from shared memory, not
-    # both, and its WGMMAs are twice as wide. P through shared memory, d == dv, no softcap (its
-    # dSᵀ needs the capped scores, which only the first group holds).
-    sdp_per_group: bool = False
 
 
 # A WGMMA has 64 rows: the Sᵀ/dPᵀ GEMMs put keys on them (64 per warp group with
@@ -234,7 +227,6 @@ class Barrier(enum.IntEnum):
     DQ_FULL_1 = 8
     DQ_EMPTY_1 = 9
     DQ_TOKEN_2 = 10
-    P_READY = 11  # sdp_per_group: Pᵀ in shared memory, dPᵀ in the second group's registers
 
 
 DQ_FULL = (Barrier.DQ_FULL_0, Barrier.DQ_FULL_1)
@@ -403,8 +395,6 @@ class _BlockOperands:
     pipeline_q: pipeline.PipelineTmaAsync
     pipeline_do: pipeline.PipelineTmaAsync
     sdQ: cute.Tensor
-    load_p: cute.ThrCopy = None  # sdp_per_group: Pᵀ shared memory -> the dSᵀ group's registers
-    tPsP_read: cute.Tensor = None
 
 
 class FlashAttentionBackwardSm90:
@@ -478,11 +468,6 @@ class FlashAttentionBackwardSm90:
         if config.release_early and (config.dkv_from_registers or config.dq_during_dk):
             raise ValueError(f"{config}: release_early orders dV, dK, then dQ (dkv_from_registers and "
                              "dq_during_dk off)")
-        if config.sdp_per_group and (config.dkv_from_registers or config.scores_ahead
-                                     or config.lse_before_scores or self.has_softcap
-                                     or self.head_dim != self.head_dim_v):
-            raise ValueError(f"{config}: sdp_per_group needs P through shared memory, d == dv, and "
-                             "no scores_ahead, lse_before_scores or softcap")
         if config.scores_ahead and config.stages < 2:
             raise ValueError(f"{config}: scores_ahead needs two Q/dO stages (the next block's Q "
                              "loads while this block's is still read; released early, at d256 it "
@@ -498,11 +483,8 @@ class FlashAttentionBackwardSm90:
             dkv_atoms = (wgs, 1, 1)
             dkv_a = warpgroup.OperandSource.RMEM
         else:
-            # Each warp group: all tile_n keys x half of tile_m (Sᵀ, dPᵀ) and x half of d (dK, dV);
-            # sdp_per_group: all of tile_m, of one of the two GEMMs.
+            # Each warp group: all tile_n keys x half of tile_m (Sᵀ, dPᵀ) and x half of d (dK, dV).
             sdp = ((1, wgs, 1), (self.tile_n, self.tile_m // wgs))
-            if cutlass.const_expr(self.config.sdp_per_group):
-                sdp = ((1, 1, 1), (self.tile_n, self.tile_m))
             dkv_atoms = (1, wgs, 1)
             dkv_a = warpgroup.OperandSource.SMEM
         dkv_rows = self.tile_n // dkv_atoms[0]
@@ -575,10 +557,6 @@ class FlashAttentionBackwardSm90:
         sdO_layout = smem_layout(self.dtype, self.tile_m, self.head_dim_v, self.stages, split=self.dv_cols)
         sK_layout = smem_layout(self.dtype, self.tile_n, self.head_dim, split=self.dq_cols)
         sV_layout = smem_layout(self.dtype, self.tile_n, self.head_dim_v, split=self.dv_cols)
-        if cutlass.const_expr(self.config.sdp_per_group):
-            # The second group's GEMM reads V and dO through K's and Q's layouts (`_group_operand`).
-            if cutlass.const_expr(str(sK_layout) != str(sV_layout) or str(sQ_layout) != str(sdO_layout)):
-                raise ValueError(f"{self.config}: sdp_per_group needs K and V, Q and dO in one layout")
         # Pᵀ and dSᵀ: keys x queries, queries contiguous.
         sPdS_layout = smem_layout(self.dtype, self.tile_n, self.tile_m, self.config.pds_stages)
         sRow_layout = cute.make_layout((self.tile_m, self.stages))
@@ -840,14 +818,11 @@ class FlashAttentionBackwardSm90:
         warp_group = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARP_GROUP)
         # WGMMA descriptors are per warp group; register fragments are per thread.
         wg_first_thread = warp_group * THREADS_PER_WARP_GROUP
-        # sdp_per_group: each warp group runs the whole of a one-group Sᵀ or dPᵀ MMA.
-        per_group = self.config.sdp_per_group
-        sdp_thread = tidx % THREADS_PER_WARP_GROUP if cutlass.const_expr(per_group) else tidx
-        wg_mma_sdp = mmas.sdp.get_slice(0 if cutlass.const_expr(per_group) else wg_first_thread)
+        wg_mma_sdp = mmas.sdp.get_slice(wg_first_thread)
         wg_mma_dk = mmas.dk.get_slice(wg_first_thread)
         wg_mma_dv = mmas.dv.get_slice(wg_first_thread)
         wg_mma_dq = mmas.dq.get_slice(wg_first_thread)
-        thr_mma_sdp = mmas.sdp.get_slice(sdp_thread)
+        thr_mma_sdp = mmas.sdp.get_slice(tidx)
         thr_mma_dk = mmas.dk.get_slice(tidx)
         thr_mma_dv = mmas.dv.get_slice(tidx)
         thr_mma_dq = mmas.dq.get_slice(tidx)
@@ -862,20 +837,9 @@ class FlashAttentionBackwardSm90:
         store_pds = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
             mmas.sdp,
-        ).get_slice(sdp_thread)
+        ).get_slice(tidx)
         tdVrP, tdKrdS = None, None
         tPsP = None
-        load_p, tPsP_read = None, None
-        scores_a, scores_b = smem.k, smem.q
-        if cutlass.const_expr(per_group):
-            # The second group's "scores" GEMM is dPᵀ = V·dOᵀ: its operands' bases are V's and dO's.
-            scores_a = self._group_operand(smem.k, smem.v, warp_group)
-            scores_b = self._group_operand(smem.q, smem.do, warp_group)
-            load_p = cute.make_tiled_copy_C(
-                cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
-                mmas.sdp,
-            ).get_slice(sdp_thread)
-            tPsP_read = load_p.partition_S(smem.p)
         if cutlass.const_expr(not self.config.dkv_from_registers):
             tdVrP = wg_mma_dv.make_fragment_A(wg_mma_dv.partition_A(smem.p))
             tdKrdS = wg_mma_dk.make_fragment_A(wg_mma_dk.partition_A(smem.ds))
@@ -889,8 +853,8 @@ class FlashAttentionBackwardSm90:
         score_identity = cute.make_identity_tensor((self.tile_n, self.tile_m))
         blocks = _BlockOperands(
             mmas.sdp, mmas.dk, mmas.dv, mmas.dq, thr_mma_sdp, thr_mma_dq,
-            wg_mma_sdp.make_fragment_A(wg_mma_sdp.partition_A(scores_a)),
-            wg_mma_sdp.make_fragment_B(wg_mma_sdp.partition_B(scores_b)),
+            wg_mma_sdp.make_fragment_A(wg_mma_sdp.partition_A(smem.k)),
+            wg_mma_sdp.make_fragment_B(wg_mma_sdp.partition_B(smem.q)),
             wg_mma_sdp.make_fragment_A(wg_mma_sdp.partition_A(smem.v)),
             wg_mma_sdp.make_fragment_B(wg_mma_sdp.partition_B(smem.do)),
             tdVrP,
@@ -918,8 +882,6 @@ class FlashAttentionBackwardSm90:
             pipes.q,
             pipes.do,
             sdQ=smem.dq,
-            load_p=load_p,
-            tPsP_read=tPsP_read,
         )
         n_block, seqlen_q, seqlen_k = key_block.n_block, key_block.seqlen_q, key_block.seqlen_k
         mask = AttentionMask(self.tile_m, self.tile_n, self.causal, self.local, block_info.bounds,
@@ -983,14 +945,6 @@ class FlashAttentionBackwardSm90:
                 state.advance()
 
         self.epilogue(blocks, thr_mma_dk, thr_mma_dv, smem, tma, key_block, scale.softmax_scale)
-
-    @cute.jit
-    def _group_operand(self, first, second, group):
-        """`first` for MMA warp group 0, `second` for group 1: two shared-memory tiles of one
-        swizzled layout, 1024-byte aligned, as one tensor whose base each group picks."""
-        gap = second.iterator.toint() - first.iterator.toint()
-        elems = cute.assume(group * gap // (self.dtype.width // 8), divby=1024 * 8 // self.dtype.width)
-        return cute.make_tensor(first.iterator + elems, first.layout)
 
     @cute.jit
     def valid_rows(self, block, tile: cutlass.Constexpr[int], seqlen, buffer_rows):
@@ -1064,15 +1018,9 @@ class FlashAttentionBackwardSm90:
             spans = key_block.segments.query_blocks(key_block.batch, key_block.n_block)
             if m_block < spans.full_lo or m_block >= spans.full_hi:
                 needs_mask = cutlass.Boolean(True)
-        if cutlass.const_expr(self.config.sdp_per_group):
-            pds_index = state.index % self.config.pds_stages
-            self.scores_grads_per_group(blocks, state.index, pds_index, m_block, needs_mask, apply_mask, key_tail,
-                                        mask_key_tail)
-            self.dkv_dq_gemms(blocks, state, pds_index, hand_over_dq)
-        else:
-            zero_padding = functools.partial(self.zero_do_padding, smem=smem, tidx=tidx, valid_rows=valid_rows)
-            self.query_block(blocks, state, m_block, needs_mask, apply_mask, key_tail, mask_key_tail,
-                             zero_padding, hand_over_dq, lse_ahead)
+        zero_padding = functools.partial(self.zero_do_padding, smem=smem, tidx=tidx, valid_rows=valid_rows)
+        self.query_block(blocks, state, m_block, needs_mask, apply_mask, key_tail, mask_key_tail, zero_padding,
+                         hand_over_dq, lse_ahead)
 
     @cute.jit
     def dq_step(self, blocks, index, coords, key_block, block_info, walk):
@@ -1087,10 +1035,6 @@ class FlashAttentionBackwardSm90:
         are read here (`lse_before_scores`), else []."""
         blocks.pipeline_q.consumer_wait(state)
         self.zero_rows_past((smem.q[None, None, state.index],), valid_rows, tidx)
-        if cutlass.const_expr(self.config.sdp_per_group):
-            # The second group's GEMM is dPᵀ = V·dOᵀ (blocks.tSrK, tSrQ are V and dO there).
-            blocks.pipeline_do.consumer_wait(state)
-            self.zero_rows_past((smem.do[None, None, state.index],), valid_rows, tidx)
         lse_ahead = []
         if cutlass.const_expr(self._lse_before_scores()):
             lse_ahead = [self._row_stat(blocks, blocks.sLSE, c, state.index)
@@ -1198,9 +1142,17 @@ class FlashAttentionBackwardSm90:
         if cutlass.const_expr(self.config.dkv_from_registers and not self.config.dv_during_ds):
             issue_dv_from_registers()
 
+        def issue_dk():
+            if cutlass.const_expr(self.config.dkv_from_registers):
+                wgmma_gemm(blocks.tiled_mma_dk, blocks.acc_dk, acc_as_operand_a(blocks.ds),
+                          blocks.tdKrQ[None, None, None, stage], zero_init=False, wait_group=-1)
+            else:
+                wgmma_gemm(blocks.tiled_mma_dk, blocks.acc_dk, blocks.tdKrdS[None, None, None, pds_index],
+                          blocks.tdKrQ[None, None, None, stage], zero_init=False, wait_group=-1)
+
         dq_during_dk = self.config.dq_during_dk
         if cutlass.const_expr(self.config.dkv_from_registers and not dq_during_dk):
-            self.issue_dk(blocks, stage, pds_index)
+            issue_dk()
 
         # dSᵀ (and Pᵀ) to shared memory for the GEMMs that read all of it from both warp groups.
         if cutlass.const_expr(self.config.pds_stages == 1):
@@ -1212,87 +1164,12 @@ class FlashAttentionBackwardSm90:
         # Ordinary stores must be made visible to WGMMA (async proxy) before it reads them.
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=Barrier.PDS, number_of_threads=self.num_mma_threads)
-        self.dkv_dq_gemms(blocks, state, pds_index, hand_over_dq)
-
-    @cute.jit
-    def scores_grads_per_group(self, blocks, stage, pds_index, m_block, needs_mask, apply_mask, key_tail,
-                               mask_key_tail):
-        """sdp_per_group: this warp group's GEMM (issued by `issue_scores`) awaited, then Pᵀ from
-        the scores group's Sᵀ, and dSᵀ = Pᵀ ∘ (dPᵀ − D) from the other group's dPᵀ and that Pᵀ
-        read back (16-bit, as the dV GEMM reads it), both into shared memory, joined on PDS.
-        With dv_during_ds both groups issue their dV GEMM once Pᵀ is there, so that it runs
-        while the second group computes dSᵀ."""
-        _, group = self._mma_thread_chunk()
-        values = acc_rows_cols(blocks.acc_s)
-        row_stat = functools.partial(self._row_stat, blocks, stage=stage)
-        stats_ahead = self._stats_ahead(blocks)
-        warpgroup.wait_group(0)
-        if cutlass.const_expr(self.config.pds_stages == 1):
-            # The other warp group may still be reading the previous block's buffers.
-            cute.arch.barrier(barrier_id=Barrier.PDS, number_of_threads=self.num_mma_threads)
-        if group == 0:
-            lse_ahead = [row_stat(blocks.sLSE, c) for c in range(stats_ahead)]
-            if cutlass.const_expr(self.causal or self.local or self.segments):
-                if needs_mask:
-                    apply_mask(values, m_block=m_block)
-            if key_tail:
-                mask_key_tail(values)
-            for c in cutlass.range_constexpr(cute.size(values, mode=[1])):
-                lse_log2 = lse_ahead[c] if c < stats_ahead else row_stat(blocks.sLSE, c)
-                for r in cutlass.range_constexpr(cute.size(values, mode=[0])):
-                    exponent = values[r, c] * blocks.scale_log2 - lse_log2
-                    if cutlass.const_expr(uses_poly(self.config.exp2_poly_share, c)):
-                        values[r, c] = exp2_poly(exponent)
-                    else:
-                        values[r, c] = cute.math.exp2(exponent, fastmath=True)
-            blocks.p.store(blocks.acc_s.load().to(self.dtype))
-            cute.copy(blocks.store_pds, blocks.store_pds.retile(blocks.p), blocks.tPsP[None, None, None, pds_index])
-            # Read back by the other group's threads, and by both groups' WGMMAs (async proxy).
-            cute.arch.fence_view_async_shared()
-        # The second group's dPᵀ has landed by the time the first has its exponentials.
-        cute.arch.barrier(barrier_id=Barrier.P_READY, number_of_threads=self.num_mma_threads)
-        if cutlass.const_expr(self.config.dv_during_ds):
-            self.issue_dv(blocks, stage, pds_index)
-        if group != 0:
-            d_ahead = [row_stat(blocks.sdPsum, c) for c in range(stats_ahead)]
-            cute.copy(blocks.load_p, blocks.tPsP_read[None, None, None, pds_index], blocks.load_p.retile(blocks.p))
-            blocks.acc_dp.store(blocks.p.load().to(Float32))
-            probs = acc_rows_cols(blocks.acc_dp)
-            for c in cutlass.range_constexpr(cute.size(values, mode=[1])):
-                d_value = d_ahead[c] if c < stats_ahead else row_stat(blocks.sdPsum, c)
-                for r in cutlass.range_constexpr(cute.size(values, mode=[0])):
-                    values[r, c] = probs[r, c] * (values[r, c] - d_value)
-            blocks.ds.store(blocks.acc_s.load().to(self.dtype))
-            cute.copy(blocks.store_pds, blocks.store_pds.retile(blocks.ds), blocks.tdSsdS[None, None, None, pds_index])
-            cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=Barrier.PDS, number_of_threads=self.num_mma_threads)
-
-    def issue_dv(self, blocks, stage, pds_index):
-        """dV += Pᵀ·dO from shared memory, issued, not awaited."""
-        wgmma_gemm(blocks.tiled_mma_dv, blocks.acc_dv, blocks.tdVrP[None, None, None, pds_index],
-                  blocks.tdVrdO[None, None, None, stage], zero_init=False, wait_group=-1)
-
-    def issue_dk(self, blocks, stage, pds_index):
-        """dK += dSᵀ·Q, issued, not awaited."""
-        if cutlass.const_expr(self.config.dkv_from_registers):
-            wgmma_gemm(blocks.tiled_mma_dk, blocks.acc_dk, acc_as_operand_a(blocks.ds),
-                      blocks.tdKrQ[None, None, None, stage], zero_init=False, wait_group=-1)
-        else:
-            wgmma_gemm(blocks.tiled_mma_dk, blocks.acc_dk, blocks.tdKrdS[None, None, None, pds_index],
-                      blocks.tdKrQ[None, None, None, stage], zero_init=False, wait_group=-1)
-
-    def dkv_dq_gemms(self, blocks, state, pds_index, hand_over_dq):
-        """The GEMMs that read Pᵀ and dSᵀ from shared memory once both are there (dV, dK as
-        not issued yet, dQ), the dQ hand-over during dK when dq_during_dk, and Q's and dO's slots
-        released."""
-        stage = state.index
-        dq_during_dk = self.config.dq_during_dk
         release_early = self.config.release_early
         if cutlass.const_expr(not self.config.dkv_from_registers):
-            if cutlass.const_expr(not (self.config.sdp_per_group and self.config.dv_during_ds)):
-                self.issue_dv(blocks, stage, pds_index)
+            wgmma_gemm(blocks.tiled_mma_dv, blocks.acc_dv, blocks.tdVrP[None, None, None, pds_index],
+                      blocks.tdVrdO[None, None, None, stage], zero_init=False, wait_group=-1)
             if cutlass.const_expr(not dq_during_dk):
-                self.issue_dk(blocks, stage, pds_index)
+                issue_dk()
             if cutlass.const_expr(release_early):
                 # dV has retired (dK may still run).
                 warpgroup.wait_group(1)
@@ -1306,7 +1183,7 @@ class FlashAttentionBackwardSm90:
             blocks.pipeline_q.consumer_release(state)
             warpgroup.wait_group(0)
         if cutlass.const_expr(dq_during_dk):
-            self.issue_dk(blocks, stage, pds_index)
+            issue_dk()
             # dQ (and dV) retired; dK runs through the hand-over.
             warpgroup.wait_group(1)
             hand_over_dq()
