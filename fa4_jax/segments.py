@@ -11,6 +11,8 @@ then the tables may call whole blocks inside that run fully visible.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,6 +40,14 @@ def _runs(ranks, count, num_ranks):
     return first, last, how_many
 
 
+def _reduce_groups(x, size: int, identity, reduce):
+    """x's last axis reduced in consecutive groups of `size`, the last group padded with
+    `identity`."""
+    groups = -(-x.shape[-1] // size)
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, groups * size - x.shape[-1])], constant_values=identity)
+    return reduce(x.reshape(*x.shape[:-1], groups, size), axis=-1)
+
+
 def chunk_table(first, last, partners, count):
     """[ceil(n / SPAN_CHUNK), 4] entries (LO, HI, FULL_LO, FULL_HI) of one side of one batch
     entry, from each position's partners (first, last, how many) and the side's valid count."""
@@ -49,15 +59,10 @@ def chunk_table(first, last, partners, count):
     hi = jnp.where(seen, last + 1, 0)
     full_lo = jnp.where(counted, jnp.where(exact, first, NO_SPAN), 0)
     full_hi = jnp.where(counted, jnp.where(exact, last + 1, 0), NO_SPAN)
-    chunks = -(-length // SPAN_CHUNK)
-    pad = chunks * SPAN_CHUNK - length
-
-    def by_chunk(x, identity, reduce):
-        x = jnp.pad(x, (0, pad), constant_values=identity).reshape(chunks, SPAN_CHUNK)
-        return reduce(x, axis=1)
-
-    return jnp.stack([by_chunk(lo, NO_SPAN, jnp.min), by_chunk(hi, 0, jnp.max),
-                      by_chunk(full_lo, 0, jnp.max), by_chunk(full_hi, NO_SPAN, jnp.min)],
+    by_chunk = functools.partial(_reduce_groups, size=SPAN_CHUNK)
+    return jnp.stack([by_chunk(lo, identity=NO_SPAN, reduce=jnp.min), by_chunk(hi, identity=0, reduce=jnp.max),
+                      by_chunk(full_lo, identity=0, reduce=jnp.max),
+                      by_chunk(full_hi, identity=NO_SPAN, reduce=jnp.min)],
                      axis=1).astype(jnp.int32)
 
 
@@ -111,15 +116,10 @@ def deterministic_walk(row_spans, key_spans, tile_m: int = WIDEST_BACKWARD_TILE_
     extra narrow tile at each end of a key block's walk)."""
     if tile_m % SPAN_CHUNK:
         raise ValueError(f"tile_m={tile_m}: a query tile is whole {SPAN_CHUNK}-row chunks")
-    batch, row_chunks, _ = row_spans.shape
     per_tile = tile_m // SPAN_CHUNK
-    tiles = -(-row_chunks // per_tile)
-
-    def by_tile(field, identity, reduce):
-        x = jnp.pad(row_spans[..., field], [(0, 0), (0, tiles * per_tile - row_chunks)], constant_values=identity)
-        return reduce(x.reshape(batch, tiles, per_tile), axis=-1)
-
-    hull_lo, hull_hi = by_tile(LO, NO_SPAN, jnp.min), by_tile(HI, 0, jnp.max)
+    hull_lo = _reduce_groups(row_spans[..., LO], per_tile, NO_SPAN, jnp.min)
+    hull_hi = _reduce_groups(row_spans[..., HI], per_tile, 0, jnp.max)
+    tiles = hull_lo.shape[-1]
     first_key = jnp.arange(key_spans.shape[1], dtype=jnp.int32) * SPAN_CHUNK
     reaches = (hull_lo[:, :, None] < first_key + SPAN_CHUNK) & (hull_hi[:, :, None] > first_key)
     tile = jnp.arange(tiles, dtype=jnp.int32)[None, :, None]
