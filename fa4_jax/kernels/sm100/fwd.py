@@ -66,6 +66,7 @@ from fa4_jax.kernels.common.layouts import permute_modes
 from fa4_jax.kernels.common.mask import AttentionMask
 from fa4_jax.kernels.common.ragged import entry_length
 from fa4_jax.kernels.common.softmax import OnlineSoftmax, SoftmaxConfig, score_scales
+from fa4_jax.kernels.common.sync import Sync, action, protocol
 from fa4_jax.kernels.common.tile_scheduler import TileScheduler
 from fa4_jax.kernels.sm100 import hardware, plan
 from fa4_jax.kernels.sm100.plan import ROWS_PER_STAGE, Barrier, Role
@@ -108,7 +109,7 @@ class _Tile:
 @dataclasses.dataclass(frozen=True)
 class _SoftmaxBlock:
     """What every key block of one softmax warp group touches: its row of S in TMEM and in
-    registers, P's chunk registers and TMEM columns, the softmax state and its pipelines."""
+    registers, P's chunk registers and TMEM columns, and the softmax state."""
 
     thr_load: cute.TiledCopy
     scores_tmem: cute.Tensor
@@ -123,9 +124,74 @@ class _SoftmaxBlock:
     row_scale: cute.Tensor
     row: Int32
     row_stats: cute.Tensor
-    pipe_s: pipeline.PipelineUmmaAsync
-    pipe_stats: pipeline.PipelineAsync
     score_prescale: Float32
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tiles:
+    """A role's tiles: `problem(i)` is its i-th (`_Tile`), of `count`."""
+
+    problem: object
+    count: Int32
+
+
+@dataclasses.dataclass(frozen=True)
+class _LoadResources:
+    """What the load warp reads and writes: the TMA atoms and tensors, the shared-memory
+    buffers, the MMAs whose partitions they follow, and the bytes of a V block."""
+
+    tma_atom_q: cute.CopyAtom
+    mQ: cute.Tensor
+    tma_atom_k: cute.CopyAtom
+    mK: cute.Tensor
+    tma_atom_v: cute.CopyAtom
+    mV: cute.Tensor
+    sQ: cute.Tensor
+    sK: cute.Tensor
+    sV: cute.Tensor
+    tiled_mma_qk: cute.TiledMma
+    tiled_mma_pv: cute.TiledMma
+    v_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _LoadSources:
+    """One tile's TMA partitions: Q's, K's and V's global tiles and their shared stages."""
+
+    q: cute.Tensor
+    sq: cute.Tensor
+    k: cute.Tensor
+    sk: cute.Tensor
+    v: cute.Tensor
+    sv: cute.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class _MmaResources:
+    tiled_mma_qk: cute.TiledMma
+    tiled_mma_pv: cute.TiledMma
+    tP_layout: cute.ComposedLayout
+    tmem_ptr: cute.Pointer
+    sQ: cute.Tensor
+    sK: cute.Tensor
+    sV: cute.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class _SoftmaxResources:
+    tiled_mma_qk: cute.TiledMma
+    tmem_ptr: cute.Pointer
+    row_stats: cute.Tensor
+    score_prescale: Float32
+    scale_log2: Float32
+
+
+@dataclasses.dataclass(frozen=True)
+class _SBuffer:
+    """A thread's row of one S buffer in TMEM: S (fp32) and P (16-bit) in its second half."""
+
+    scores_tmem: cute.Tensor
+    probs_tmem: cute.Tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +203,32 @@ class _Epilogue:
     mO: cute.Tensor
     sO: tuple
     mLSE: cute.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class _CorrectionResources:
+    tiled_mma_pv: cute.TiledMma
+    tmem_ptr: cute.Pointer
+    row_stats: cute.Tensor
+    epilogue: _Epilogue
+    scale_log2: Float32
+
+
+@dataclasses.dataclass(frozen=True)
+class _CorrectionRegisters:
+    """The correction's views of its row: O's 16-column TMEM chunks per stage (`loads`,
+    `stores`) with their copies and registers, the statistics softmax hands over, and where
+    the epilogue writes."""
+
+    row: Int32
+    thr_load: cute.TiledCopy
+    thr_store: cute.TiledCopy
+    chunk_regs: cute.Tensor
+    loads: tuple
+    stores: tuple
+    row_stats: cute.Tensor
+    epilogue: _Epilogue
+    scale_log2: Float32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,11 +250,13 @@ class _MmaOperands:
     probs_layout: cute.Layout
 
 
+@action
 def _tcgen05_after_sync():
     """Orders this thread's later tcgen05 ops after a barrier wait it just passed."""
     nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.AFTER_THREAD_SYNC)
 
 
+@action
 def _tcgen05_before_sync():
     """Orders this thread's earlier tcgen05 ops before a barrier arrival that follows."""
     nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.BEFORE_THREAD_SYNC)
@@ -372,7 +466,7 @@ class FlashAttentionForwardSm100:
         cta_in_pair = cute.arch.block_idx_in_cluster() if cutlass.const_expr(pair) else 0
         cluster = self.cluster_layout(tiled_mma_qk)
         storage = utils.SmemAllocator().allocate(self.shared_storage)
-        pipes = self.make_pipelines(storage, cluster)
+        sync = Sync(self.make_pipelines(storage, cluster), {"Q": self.tma_bytes_q, "KV": self.tma_bytes_kv})
         tmem_barrier = pipeline.NamedBarrier(barrier_id=int(Barrier.TMEM), num_threads=roles.threads(*roles.tmem_users))
         tmem = utils.TmemAllocator(storage.tmem_address.ptr, barrier_for_retrieve=tmem_barrier,
                                    allocator_warp_id=mma_warp, is_two_cta=pair,
@@ -401,16 +495,17 @@ class FlashAttentionForwardSm100:
             # The MMA, load and idle warps share the last warp group's budget.
             self.set_registers(Role.MMA)
         if warp == load_warp:
-            self.load(tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, sQ, sK, sV, tiled_mma_qk,
-                      tiled_mma_pv, pipes, tile_problem, tile_count())
+            self.load(_LoadResources(tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, sQ, sK, sV, tiled_mma_qk,
+                                     tiled_mma_pv, self.tma_bytes_v),
+                      sync, _Tiles(tile_problem, tile_count()))
         if warp == mma_warp:
             # A pair's two MMA warps allocate the same columns together; the leader's issues.
             tmem.allocate(self.tmem.alloc_columns)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
             if cta_in_pair == 0:
-                self.mma(tiled_mma_qk, tiled_mma_pv, tP_layout, tmem_ptr, sQ, sK, sV, pipes, tile_problem,
-                         tile_count())
+                self.mma(_MmaResources(tiled_mma_qk, tiled_mma_pv, tP_layout, tmem_ptr, sQ, sK, sV), sync,
+                         _Tiles(tile_problem, tile_count()))
             tmem.relinquish_alloc_permit()
             tmem_barrier.arrive_and_wait()
             _tcgen05_after_sync()
@@ -421,8 +516,8 @@ class FlashAttentionForwardSm100:
                 self.set_registers(softmax_role)
                 tmem.wait_for_alloc()
                 tmem_ptr = tmem.retrieve_ptr(Float32)
-                self.softmax(stage, tiled_mma_qk, tmem_ptr, row_stats, pipes, tile_problem, tile_count(),
-                             score_prescale, scale_log2)
+                self.softmax(stage, _SoftmaxResources(tiled_mma_qk, tmem_ptr, row_stats, score_prescale, scale_log2),
+                             sync, _Tiles(tile_problem, tile_count()))
                 _tcgen05_before_sync()
                 tmem_barrier.arrive()
         correction = roles.role(Role.CORRECTION).warps
@@ -430,14 +525,24 @@ class FlashAttentionForwardSm100:
             self.set_registers(Role.CORRECTION)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
-            self.correction(tiled_mma_pv, tmem_ptr, row_stats, _Epilogue(tma_atom_o, mO, sO, mLSE), pipes,
-                            tile_problem, tile_count(), scale_log2)
+            self.correction(_CorrectionResources(tiled_mma_pv, tmem_ptr, row_stats,
+                                                 _Epilogue(tma_atom_o, mO, sO, mLSE), scale_log2),
+                            sync, _Tiles(tile_problem, tile_count()))
             _tcgen05_before_sync()
             tmem_barrier.arrive()
         if cutlass.const_expr(pair):
             # Neither CTA leaves while its partner may still arrive on its barriers.
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
+
+    def role_calls(self) -> dict:
+        """Each warp role's method and its leading static arguments, as the kernel entry calls
+        it (then its resources, the Sync and its tiles); the protocol recorder makes the same
+        calls (kernels/common/recording.py)."""
+        calls = {Role.LOAD: ("load", ()), Role.MMA: ("mma", ()), Role.CORRECTION: ("correction", ())}
+        for stage, softmax_role in enumerate(self.roles.softmax):
+            calls[softmax_role] = ("softmax", (stage,))
+        return calls
 
     def set_registers(self, role: Role):
         """The warp group's setmaxnreg to its role's budget: up from the launch's count, or down."""
@@ -514,6 +619,7 @@ class FlashAttentionForwardSm100:
                      n_block_min=n_block_min, n_blocks=n_blocks, mask=mask, stage_blocks=stage_blocks,
                      ragged_k=mSeqUsedK.shape[0] > 0)
 
+    @action
     def row_block(self, tile, stage: int):
         """The ROWS_PER_STAGE-row block of the query rows that this CTA's stage `stage` holds
         (a pair's CTA: its rows of each stage after the leader's)."""
@@ -521,80 +627,77 @@ class FlashAttentionForwardSm100:
 
     # --- load warp ---------------------------------------------------------------------------
 
+    @protocol
     @cute.jit
-    def load(self, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mV, sQ, sK, sV, tiled_mma_qk,
-             tiled_mma_pv, pipes, tile_problem, tile_count):
-        """Per tile, Q's tiles and the blocks' K and V through the ring, in plan.role_events' order
-        (K of the first s_lookahead blocks, then V_j and K_{j + s_lookahead}); a tile without
-        keys loads Q alone (the correction stages its zeros there). In a pair each CTA loads its
-        own rows of Q and its half of each K and V block."""
+    def load(self, res, sync: Sync, tiles):
+        """Per tile, Q's tiles and the blocks' K and V through the ring (K of the first
+        s_lookahead blocks, then V_j and K_{j + s_lookahead}: the MMA warp's order); a tile
+        without keys loads Q alone (the correction stages its zeros there). In a pair each CTA
+        loads its own rows of Q and its half of each K and V block."""
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
-        for tile_index in cutlass.range(tile_count, unroll=1):
-            tile = tile_problem(tile_index)
+        for tile_index in cutlass.range(tiles.count, unroll=1):
+            tile = tiles.problem(tile_index)
             n_blocks = tile.n_blocks
-            head, head_kv, batch = tile.head, tile.head_kv, tile.batch
-            thr_qk, thr_pv = tiled_mma_qk.get_slice(tile.cta_in_pair), tiled_mma_pv.get_slice(tile.cta_in_pair)
-            gQ = cute.flat_divide(mQ[None, None, head, batch], (self.mma_rows, self.head_dim))
-            gK = cute.flat_divide(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim))
-            gV = cute.flat_divide(mV[None, None, head_kv, batch], (self.head_dim_v, self.tile_n))
-            tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3),
-                                               cute.group_modes(thr_qk.partition_A(gQ), 0, 3))
-            tKsK, tKgK = cpasync.tma_partition(tma_atom_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 3),
-                                               cute.group_modes(thr_qk.partition_B(gK), 0, 3))
-            tVsV, tVgV = cpasync.tma_partition(tma_atom_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 3),
-                                               cute.group_modes(thr_pv.partition_B(gV), 0, 3))
+            src = self.load_sources(res, tile)
             last_block = tile.n_block_min + n_blocks - 1
             if n_blocks > 0:
-                self.load_block(pipes["KV"], kv_state, tma_atom_k, tKgK[None, last_block, 0], tKsK)
+                self.load_block(sync, kv_state, res.tma_atom_k, src.k[None, last_block, 0], src.sk)
                 kv_state.advance()
             for stage in cutlass.range_constexpr(self.q_stages):
-                pipes["Q"].producer_acquire(q_state)
-                cute.copy(tma_atom_q, tQgQ[None, tile.m_block * self.q_stages + stage, 0], tQsQ[None, stage],
-                          tma_bar_ptr=pipes["Q"].producer_get_barrier(q_state))
+                sync.acquire("Q", q_state)
+                sync.tma_load("Q", q_state, res.tma_atom_q, src.q[None, tile.m_block * self.q_stages + stage, 0],
+                              src.sq[None, stage])
                 q_state.advance()
             ahead = self.config.s_lookahead
             for i in cutlass.range_constexpr(1, ahead):
                 if n_blocks > i:
-                    self.load_block(pipes["KV"], kv_state, tma_atom_k, tKgK[None, last_block - i, 0], tKsK)
+                    self.load_block(sync, kv_state, res.tma_atom_k, src.k[None, last_block - i, 0], src.sk)
                     kv_state.advance()
             for i in cutlass.range(n_blocks, unroll=1):
-                self.load_block(pipes["KV"], kv_state, tma_atom_v, tVgV[None, 0, last_block - i], tVsV,
-                                self.tma_bytes_v)
+                self.load_block(sync, kv_state, res.tma_atom_v, src.v[None, 0, last_block - i], src.sv,
+                                res.v_bytes)
                 kv_state.advance()
                 if i + ahead < n_blocks:
-                    self.load_block(pipes["KV"], kv_state, tma_atom_k, tKgK[None, last_block - i - ahead, 0], tKsK)
+                    self.load_block(sync, kv_state, res.tma_atom_k, src.k[None, last_block - i - ahead, 0], src.sk)
                     kv_state.advance()
-        pipes["KV"].producer_tail(kv_state)
+        sync.tail("KV", kv_state)
 
+    @action
     @cute.jit
-    def load_block(self, pipe, state, atom, src, dst, tx_bytes=None):
+    def load_sources(self, res, tile) -> "_LoadSources":
+        """The TMA partitions of one tile: Q's rows, K's and V's blocks of its (head, batch), and
+        the shared-memory stages they land in (this CTA's half of each in a pair)."""
+        head, head_kv, batch = tile.head, tile.head_kv, tile.batch
+        thr_qk, thr_pv = res.tiled_mma_qk.get_slice(tile.cta_in_pair), res.tiled_mma_pv.get_slice(tile.cta_in_pair)
+        gQ = cute.flat_divide(res.mQ[None, None, head, batch], (self.mma_rows, self.head_dim))
+        gK = cute.flat_divide(res.mK[None, None, head_kv, batch], (self.tile_n, self.head_dim))
+        gV = cute.flat_divide(res.mV[None, None, head_kv, batch], (self.head_dim_v, self.tile_n))
+        tQsQ, tQgQ = cpasync.tma_partition(res.tma_atom_q, 0, cute.make_layout(1), cute.group_modes(res.sQ, 0, 3),
+                                           cute.group_modes(thr_qk.partition_A(gQ), 0, 3))
+        tKsK, tKgK = cpasync.tma_partition(res.tma_atom_k, 0, cute.make_layout(1), cute.group_modes(res.sK, 0, 3),
+                                           cute.group_modes(thr_qk.partition_B(gK), 0, 3))
+        tVsV, tVgV = cpasync.tma_partition(res.tma_atom_v, 0, cute.make_layout(1), cute.group_modes(res.sV, 0, 3),
+                                           cute.group_modes(thr_pv.partition_B(gV), 0, 3))
+        return _LoadSources(q=tQgQ, sq=tQsQ, k=tKgK, sk=tKsK, v=tVgV, sv=tVsV)
+
+    @protocol
+    @cute.jit
+    def load_block(self, sync: Sync, state, atom, src, dst, tx_bytes=None):
         """One K or V block into the ring's next stage; V's narrower block (head_dim_v <
         head_dim) expects its own byte count on the stage's barrier."""
-        if cutlass.const_expr(tx_bytes is None or tx_bytes == self.tma_bytes_kv):
-            pipe.producer_acquire(state)
-        else:
-            pipe.producer_acquire(state, expected_tx=tx_bytes)
-        cute.copy(atom, src, dst[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
+        sync.acquire("KV", state, tx_bytes)
+        sync.tma_load("KV", state, atom, src, dst[None, state.index])
 
     # --- MMA warp ------------------------------------------------------------------------------
 
+    @protocol
     @cute.jit
-    def mma(self, tiled_mma_qk, tiled_mma_pv, tP_layout, tmem_ptr, sQ, sK, sV, pipes, tile_problem, tile_count):
-        """Per tile, S_i = Q_i·Kᵀ and O_i += P_i·V for every stage, in plan.role_events' order.
-        An S GEMM waits for nothing on S_i: the P_i·V that last read its columns waited for that
-        use's release, and this thread's MMAs run in order."""
-        thr_qk, thr_pv = tiled_mma_qk.get_slice(0), tiled_mma_pv.get_slice(0)
-        tStS = thr_qk.make_fragment_C(thr_qk.partition_shape_C((self.mma_rows, self.tile_n)))
-        tOtO = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.mma_rows, self.head_dim_v)))
-        tOrP = thr_pv.make_fragment_A(cute.make_tensor(tStS.iterator, tP_layout.outer))[None, None, None, 0]
-        ops = _MmaOperands(
-            tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, thr_pv=thr_pv, sV=sV,
-            tSrQ=tiled_mma_qk.make_fragment_A(sQ), tSrK=tiled_mma_qk.make_fragment_B(sK),
-            tOrV=tiled_mma_pv.make_fragment_B(sV), tmem_ptr=tmem_ptr, scores_layout=tStS.layout,
-            outs=tuple(cute.make_tensor(tmem_ptr + self.tmem.o(i), tOtO.layout) for i in range(self.q_stages)),
-            probs_type=tOrP.element_type, probs_layout=tOrP.layout,
-        )
+    def mma(self, res, sync: Sync, tiles):
+        """Per tile, S_i = Q_i·Kᵀ and O_i += P_i·V for every stage. An S GEMM waits for nothing
+        on S_i: the P_i·V that last read its columns waited for that use's release, and this
+        thread's MMAs run in order."""
+        ops = self.mma_operands(res)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         # The stages' S pipelines go through the same phases in step: one state serves all.
@@ -603,19 +706,36 @@ class FlashAttentionForwardSm100:
         p_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.config.s_lookahead)
         pv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         o_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        for tile_index in cutlass.range(tile_count, unroll=1):
-            tile = tile_problem(tile_index)
+        for tile_index in cutlass.range(tiles.count, unroll=1):
+            tile = tiles.problem(tile_index)
             if tile.n_blocks > 0:
                 if cutlass.const_expr(self.q_stages == 1):
                     kv_state, q_state, s_state, p_state, pv_state, o_state = self.mma_tile_one_stage(
-                        ops, pipes, tile, kv_state, q_state, s_state, p_state, pv_state, o_state)
+                        ops, sync, tile, kv_state, q_state, s_state, p_state, pv_state, o_state)
                 else:
                     kv_state, q_state, s_state, o_state = self.mma_tile_two_stages(
-                        ops, pipes, tile, kv_state, q_state, s_state, o_state)
+                        ops, sync, tile, kv_state, q_state, s_state, o_state)
             else:
                 # A tile without keys: Q is the correction's (it stages the zeros there).
                 for i in cutlass.range_constexpr(self.q_stages):
                     q_state.advance()
+
+    @action
+    @cute.jit
+    def mma_operands(self, res) -> "_MmaOperands":
+        """The GEMMs' operands: Q and K fragments for S, V's and P's (in S's TMEM) for P·V, the
+        S and O accumulators."""
+        thr_qk, thr_pv = res.tiled_mma_qk.get_slice(0), res.tiled_mma_pv.get_slice(0)
+        tStS = thr_qk.make_fragment_C(thr_qk.partition_shape_C((self.mma_rows, self.tile_n)))
+        tOtO = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.mma_rows, self.head_dim_v)))
+        tOrP = thr_pv.make_fragment_A(cute.make_tensor(tStS.iterator, res.tP_layout.outer))[None, None, None, 0]
+        return _MmaOperands(
+            tiled_mma_qk=res.tiled_mma_qk, tiled_mma_pv=res.tiled_mma_pv, thr_pv=thr_pv, sV=res.sV,
+            tSrQ=res.tiled_mma_qk.make_fragment_A(res.sQ), tSrK=res.tiled_mma_qk.make_fragment_B(res.sK),
+            tOrV=res.tiled_mma_pv.make_fragment_B(res.sV), tmem_ptr=res.tmem_ptr, scores_layout=tStS.layout,
+            outs=tuple(cute.make_tensor(res.tmem_ptr + self.tmem.o(i), tOtO.layout) for i in range(self.q_stages)),
+            probs_type=tOrP.element_type, probs_layout=tOrP.layout,
+        )
 
     def scores_tmem(self, ops, buffer):
         """S buffer `buffer` (static or a ring index) as the S GEMM's accumulator."""
@@ -626,108 +746,119 @@ class FlashAttentionForwardSm100:
         return cute.make_tensor(cute.recast_ptr(ops.tmem_ptr + self.tmem.p(0) + buffer * self.tile_n,
                                                 dtype=ops.probs_type), ops.probs_layout)
 
+    @action
     @cute.jit
-    def mma_tile_two_stages(self, ops, pipes, tile, kv_state, q_state, s_state, o_state):
+    def s_gemm(self, ops, buffer, q_stage, k_stage):
+        """S buffer `buffer` = Q_{q_stage}·Kᵀ, K from ring stage `k_stage`."""
+        self.gemm(ops.tiled_mma_qk, self.scores_tmem(ops, buffer), ops.tSrQ[None, None, None, q_stage],
+                  ops.tSrK[None, None, None, k_stage], accumulate=False)
+
+    @action
+    @cute.jit
+    def pv_gemm(self, ops, stage, buffer, v_stage, accumulate):
+        """O_{stage} (+)= P·V, P from S buffer `buffer`, V from ring stage `v_stage`."""
+        self.gemm(ops.tiled_mma_pv, ops.outs[stage], self.probs_tmem(ops, buffer),
+                  ops.tOrV[None, None, None, v_stage], accumulate=accumulate)
+
+    @protocol
+    @cute.jit
+    def mma_tile_two_stages(self, ops, sync: Sync, tile, kv_state, q_state, s_state, o_state):
         """One tile of two stages, each with its own S buffer: per block, both stages' P_i·V_j
         then S_i of the next block into the same columns. Returns the advanced states."""
         n_blocks = tile.n_blocks
-        pipes["KV"].consumer_wait(kv_state)
+        sync.wait("KV", kv_state)
         k_state = kv_state.clone()
         kv_state.advance()
         for i in cutlass.range_constexpr(self.q_stages):
-            pipes["Q"].consumer_wait(q_state)
-            self.gemm(ops.tiled_mma_qk, self.scores_tmem(ops, i), ops.tSrQ[None, None, None, i],
-                      ops.tSrK[None, None, None, k_state.index], accumulate=False)
-            pipes[f"S{i}"].producer_commit(s_state)
+            sync.wait("Q", q_state)
+            self.s_gemm(ops, i, i, k_state.index)
+            sync.commit(f"S{i}", s_state)
             q_state.advance()
         s_state.advance()
-        pipes["KV"].consumer_release(k_state)
+        sync.release("KV", k_state)
         for block in cutlass.range(1, n_blocks, unroll=1):
-            pipes["KV"].consumer_wait(kv_state)
+            sync.wait("KV", kv_state)
             v_state = kv_state.clone()
             kv_state.advance()
             if block == 1:
-                self.zero_v_past_keys(ops.thr_pv, ops.sV, v_state.index, tile)
-            pipes["KV"].consumer_wait(kv_state)
+                self.zero_v_past_keys(ops, v_state.index, tile)
+            sync.wait("KV", kv_state)
             k_state = kv_state.clone()
             kv_state.advance()
             for i in cutlass.range_constexpr(self.q_stages):
-                pipes[f"S{i}"].producer_acquire(s_state)
+                sync.acquire(f"S{i}", s_state)
                 _tcgen05_after_sync()
-                self.gemm(ops.tiled_mma_pv, ops.outs[i], self.probs_tmem(ops, i),
-                          ops.tOrV[None, None, None, v_state.index], accumulate=block > 1)
-                self.gemm(ops.tiled_mma_qk, self.scores_tmem(ops, i), ops.tSrQ[None, None, None, i],
-                          ops.tSrK[None, None, None, k_state.index], accumulate=False)
-                pipes[f"S{i}"].producer_commit(s_state)
+                self.pv_gemm(ops, i, i, v_state.index, block > 1)
+                self.s_gemm(ops, i, i, k_state.index)
+                sync.commit(f"S{i}", s_state)
             s_state.advance()
-            pipes["KV"].consumer_release(v_state)
-            pipes["KV"].consumer_release(k_state)
-        pipes["KV"].consumer_wait(kv_state)
+            sync.release("KV", v_state)
+            sync.release("KV", k_state)
+        sync.wait("KV", kv_state)
         if n_blocks == 1:
-            self.zero_v_past_keys(ops.thr_pv, ops.sV, kv_state.index, tile)
+            self.zero_v_past_keys(ops, kv_state.index, tile)
         for i in cutlass.range_constexpr(self.q_stages):
-            pipes[f"S{i}"].producer_acquire(s_state)
+            sync.acquire(f"S{i}", s_state)
             _tcgen05_after_sync()
-            self.gemm(ops.tiled_mma_pv, ops.outs[i], self.probs_tmem(ops, i),
-                      ops.tOrV[None, None, None, kv_state.index], accumulate=n_blocks > 1)
-            pipes[f"O{i}"].producer_commit(o_state)
-        pipes["KV"].consumer_release(kv_state)
+            self.pv_gemm(ops, i, i, kv_state.index, n_blocks > 1)
+            sync.commit(f"O{i}", o_state)
+        sync.release("KV", kv_state)
         kv_state.advance()
         o_state.advance()
         return kv_state, q_state, s_state, o_state
 
+    @protocol
     @cute.jit
-    def mma_tile_one_stage(self, ops, pipes, tile, kv_state, q_state, s_state, p_state, pv_state, o_state):
+    def mma_tile_one_stage(self, ops, sync: Sync, tile, kv_state, q_state, s_state, p_state, pv_state, o_state):
         """One tile of one stage whose S is double-buffered: S of the first two blocks, then per
         block j P·V_j (once softmax has written P_j and the correction rescaled O) and S of block
         j + 2 into the buffer P_j leaves, so that the tensor core has the next S to compute
         while the correction, told by PV0 that P·V_{j-1} is done, rescales O for P·V_j.
         Returns the advanced states."""
         n_blocks = tile.n_blocks
-        kv_state, s_state, q_state = self.issue_next_scores(ops, pipes, kv_state, s_state, q_state)
+        kv_state, s_state, q_state = self.issue_next_scores(ops, sync, kv_state, s_state, q_state)
         for first in cutlass.range_constexpr(1, self.config.s_lookahead):
             if n_blocks > first:
-                kv_state, s_state, _ = self.issue_next_scores(ops, pipes, kv_state, s_state)
+                kv_state, s_state, _ = self.issue_next_scores(ops, sync, kv_state, s_state)
         for block in cutlass.range(n_blocks, unroll=1):
-            pipes["KV"].consumer_wait(kv_state)
+            sync.wait("KV", kv_state)
             v_state = kv_state.clone()
             kv_state.advance()
             if block == 0:
-                self.zero_v_past_keys(ops.thr_pv, ops.sV, v_state.index, tile)
+                self.zero_v_past_keys(ops, v_state.index, tile)
             # S's empty barrier of this use: P_j is in and O is rescaled.
-            pipes["S0"].sync_object_empty.wait(p_state.index, p_state.phase)
+            sync.wait_empty("S0", p_state)
             _tcgen05_after_sync()
-            self.gemm(ops.tiled_mma_pv, ops.outs[0], self.probs_tmem(ops, p_state.index),
-                      ops.tOrV[None, None, None, v_state.index], accumulate=block > 0)
+            self.pv_gemm(ops, 0, p_state.index, v_state.index, block > 0)
             p_state.advance()
             if block < n_blocks - 1:
-                pipes["PV0"].producer_acquire(pv_state)
-                pipes["PV0"].producer_commit(pv_state)
+                sync.acquire("PV0", pv_state)
+                sync.commit("PV0", pv_state)
                 pv_state.advance()
             else:
-                pipes["O0"].producer_commit(o_state)
+                sync.commit("O0", o_state)
                 o_state.advance()
-            pipes["KV"].consumer_release(v_state)
+            sync.release("KV", v_state)
             if block + self.config.s_lookahead < n_blocks:
-                kv_state, s_state, _ = self.issue_next_scores(ops, pipes, kv_state, s_state)
+                kv_state, s_state, _ = self.issue_next_scores(ops, sync, kv_state, s_state)
         return kv_state, q_state, s_state, p_state, pv_state, o_state
 
+    @protocol
     @cute.jit
-    def issue_next_scores(self, ops, pipes, kv_state, s_state, q_state=None):
+    def issue_next_scores(self, ops, sync: Sync, kv_state, s_state, q_state=None):
         """One stage's next S = Q·Kᵀ, K from the ring's next stage, into the S buffer of
         s_state's use (free: the P·V that read it came first); a tile's first waits for Q
         (`q_state`). Returns the advanced (kv_state, s_state, q_state)."""
-        pipes["KV"].consumer_wait(kv_state)
+        sync.wait("KV", kv_state)
         k_state = kv_state.clone()
         kv_state.advance()
         if cutlass.const_expr(q_state is not None):
-            pipes["Q"].consumer_wait(q_state)
+            sync.wait("Q", q_state)
             q_state.advance()
-        self.gemm(ops.tiled_mma_qk, self.scores_tmem(ops, s_state.index), ops.tSrQ[None, None, None, 0],
-                  ops.tSrK[None, None, None, k_state.index], accumulate=False)
-        pipes["S0"].producer_commit(s_state)
+        self.s_gemm(ops, s_state.index, 0, k_state.index)
+        sync.commit("S0", s_state)
         s_state.advance()
-        pipes["KV"].consumer_release(k_state)
+        sync.release("KV", k_state)
         return kv_state, s_state, q_state
 
     @cute.jit
@@ -742,8 +873,9 @@ class FlashAttentionForwardSm100:
             mma.set(tcgen05.Field.ACCUMULATE, accumulate if k == 0 else True)
             cute.gemm(mma, acc, frag_a[None, None, k], frag_b[None, None, k], acc)
 
+    @action
     @cute.jit
-    def zero_v_past_keys(self, thr_pv, sV, stage, tile):
+    def zero_v_past_keys(self, ops, stage, tile):
         """A ragged entry's last key block: V rows past its keys hold the next entry's values (or
         anything), and P = 0 times a NaN there is NaN, so the MMA warp zeroes them in shared
         memory before P·V reads the block (the first block visited, the tail)."""
@@ -753,8 +885,8 @@ class FlashAttentionForwardSm100:
             if valid_keys < self.tile_n:
                 # The stage's elements in the order of their (dv, key) coordinates' partition:
                 # V's shared layout is the P·V MMA's B partition, as the TMA load wrote it.
-                stage_v = sV[None, None, None, stage]
-                coords = thr_pv.partition_B(cute.make_identity_tensor((self.head_dim_v, self.tile_n)))
+                stage_v = ops.sV[None, None, None, stage]
+                coords = ops.thr_pv.partition_B(cute.make_identity_tensor((self.head_dim_v, self.tile_n)))
                 for e in cutlass.range(cute.arch.lane_idx(), cute.size(stage_v), plan.THREADS_PER_WARP,
                                        unroll=1):
                     if coords[e][1] >= valid_keys:
@@ -764,9 +896,9 @@ class FlashAttentionForwardSm100:
 
     # --- softmax warp groups ---------------------------------------------------------------
 
+    @protocol
     @cute.jit
-    def softmax(self, stage: cutlass.Constexpr[int], tiled_mma_qk, tmem_ptr, row_stats, pipes, tile_problem,
-                tile_count, score_prescale, scale_log2):
+    def softmax(self, stage: cutlass.Constexpr[int], res, sync: Sync, tiles):
         """Softmax i, per tile: S_i from TMEM, one row per thread; P_i back into TMEM; row
         statistics to the correction. The first block visited (the keys' tail), the blocks the
         causal/window band crosses and those left of the window's edge take the mask; the rest
@@ -774,64 +906,32 @@ class FlashAttentionForwardSm100:
         both versions of the row's 128 scores live)."""
         s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.config.s_lookahead)
         stats_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        for tile_index in cutlass.range(tile_count, unroll=1):
-            tile = tile_problem(tile_index)
-            s_state, stats_state = self.softmax_tile(stage, tiled_mma_qk, tmem_ptr, row_stats, pipes, tile,
-                                                     score_prescale, scale_log2, s_state, stats_state)
+        for tile_index in cutlass.range(tiles.count, unroll=1):
+            tile = tiles.problem(tile_index)
+            s_state, stats_state = self.softmax_tile(stage, res, sync, tile, s_state, stats_state)
 
+    @protocol
     @cute.jit
-    def softmax_tile(self, stage: cutlass.Constexpr[int], tiled_mma_qk, tmem_ptr, row_stats, pipes, tile,
-                     score_prescale, scale_log2, s_state, stats_state):
+    def softmax_tile(self, stage: cutlass.Constexpr[int], res, sync: Sync, tile, s_state, stats_state):
         """Softmax i over one tile's key blocks, with a fresh row maximum and sum. Returns the
         advanced pipeline states."""
         n_blocks = tile.n_blocks
         if n_blocks > 0:
-            row = cute.arch.thread_idx()[0] % ROWS_PER_STAGE
-            # Either CTA of a pair sees its 128 rows of S in its own TMEM the same way.
-            thr_qk = tiled_mma_qk.get_slice(0)
-            tStS = thr_qk.make_fragment_C(thr_qk.partition_shape_C((self.mma_rows, self.tile_n)))
-            scores_tmem = cute.make_tensor(tmem_ptr + self.tmem.s(stage), tStS.layout)[(None, None), 0, 0]
-            probs_tmem = cute.make_tensor(
-                scores_tmem.iterator + self.tmem.p(stage) - self.tmem.s(stage),
-                cute.composition(scores_tmem.layout, cute.make_layout((ROWS_PER_STAGE, self.tile_n // 2))))
-            load_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(32)), Float32)
-            tiled_load = tcgen05.make_tmem_copy(load_atom, scores_tmem)
-            thr_load = tiled_load.get_slice(row)
-            store_atom = cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(16)), Float32)
-            thr_store = tcgen05.make_tmem_copy(store_atom, probs_tmem).get_slice(row)
-            coords = cute.make_identity_tensor((ROWS_PER_STAGE, self.tile_n))
-            scores = cute.make_rmem_tensor(thr_load.partition_D(coords).shape, Float32)
-            # P goes to TMEM a chunk of P_CHUNK keys at a time, so that the fp32 scores die as their
-            # 16-bit P forms: the whole row of both would not fit the softmax's 192 registers.
-            probs_chunk_f32 = cute.make_rmem_tensor(
-                thr_store.partition_S(cute.make_identity_tensor((ROWS_PER_STAGE, self.tile_n // 2)))[
-                    None, None, 0].shape, Float32)
-            row_view = cute.make_layout((1, self.tile_n))
-            block = _SoftmaxBlock(
-                thr_load=thr_load, scores_tmem=thr_load.partition_S(scores_tmem), scores=scores,
-                scores_row=cute.make_tensor(scores.iterator, row_view),
-                coords_row=cute.composition(tiled_load.get_slice(0).partition_D(coords), row_view),
-                thr_store=thr_store, probs_tmem=thr_store.partition_D(probs_tmem),
-                probs_chunk_f32=probs_chunk_f32,
-                probs_chunk=cute.make_tensor(cute.recast_ptr(probs_chunk_f32.iterator, dtype=self.dtype),
-                                             cute.make_layout(P_CHUNK)),
-                softmax=OnlineSoftmax.create(self.softmax_config, scale_log2, 1, lanes_per_row=1),
-                row_scale=cute.make_rmem_tensor((1,), Float32), row=row, row_stats=row_stats,
-                pipe_s=pipes[f"S{stage}"], pipe_stats=pipes[f"STATS{stage}"], score_prescale=score_prescale,
-            )
+            block = self.softmax_registers(stage, res)
             m_block = self.row_block(tile, stage)
-            seqlen_q, seqlen_k, n_block_min = tile.seqlen_q, tile.seqlen_k, tile.n_block_min
+            n_block_min = tile.n_block_min
             stage_blocks = tile.stage_blocks
             n_block = n_block_min + n_blocks - 1
-            step = functools.partial(self.softmax_block, stage, block, tile, m_block)
+            step = functools.partial(self.softmax_block, stage, block, sync, tile, m_block)
             s_state, stats_state = step(s_state, stats_state, n_block, masked=True, first=True)
             n_block -= 1
             if cutlass.const_expr(self.causal or self.local):
-                right_masked = stage_blocks.n_block_min_right_masked(m_block, n_block_min, seqlen_q, seqlen_k)
+                right_masked = stage_blocks.n_block_min_right_masked(m_block, n_block_min, tile.seqlen_q,
+                                                                     tile.seqlen_k)
                 for _ in cutlass.range(n_block + 1 - right_masked, unroll=1):
                     s_state, stats_state = step(s_state, stats_state, n_block, masked=True)
                     n_block -= 1
-            unmasked = stage_blocks.n_block_min_unmasked(m_block, n_block_min, seqlen_q, seqlen_k)
+            unmasked = stage_blocks.n_block_min_unmasked(m_block, n_block_min, tile.seqlen_q, tile.seqlen_k)
             for _ in cutlass.range(n_block + 1 - unmasked, unroll=1):
                 s_state, stats_state = step(s_state, stats_state, n_block, masked=False)
                 n_block -= 1
@@ -839,65 +939,196 @@ class FlashAttentionForwardSm100:
                 for _ in cutlass.range(n_block + 1 - n_block_min, unroll=1):
                     s_state, stats_state = step(s_state, stats_state, n_block, masked=True)
                     n_block -= 1
-            pipes[f"STATS{stage}"].producer_acquire(stats_state)
-            row_stats[row, STAT_SUM, stage] = block.softmax.row_sum[0]
-            row_stats[row, STAT_MAX, stage] = block.softmax.row_max[0]
-            pipes[f"STATS{stage}"].producer_commit(stats_state)
+            sync.acquire(f"STATS{stage}", stats_state)
+            self.publish_row_stats(stage, block)
+            sync.commit(f"STATS{stage}", stats_state)
             stats_state.advance()
         return s_state, stats_state
 
+    @action
     @cute.jit
-    def softmax_block(self, stage: cutlass.Constexpr[int], block, tile, m_block, s_state, stats_state,
+    def softmax_registers(self, stage: cutlass.Constexpr[int], res) -> "_SoftmaxBlock":
+        """Softmax i's views of its row: S_i's and P_i's TMEM columns and their copies, the
+        score registers, P's chunk registers and a fresh online softmax."""
+        row = cute.arch.thread_idx()[0] % ROWS_PER_STAGE
+        # Either CTA of a pair sees its 128 rows of S in its own TMEM the same way.
+        thr_qk = res.tiled_mma_qk.get_slice(0)
+        tStS = thr_qk.make_fragment_C(thr_qk.partition_shape_C((self.mma_rows, self.tile_n)))
+        scores_tmem = cute.make_tensor(res.tmem_ptr + self.tmem.s(stage), tStS.layout)[(None, None), 0, 0]
+        probs_tmem = cute.make_tensor(
+            scores_tmem.iterator + self.tmem.p(stage) - self.tmem.s(stage),
+            cute.composition(scores_tmem.layout, cute.make_layout((ROWS_PER_STAGE, self.tile_n // 2))))
+        load_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(32)), Float32)
+        tiled_load = tcgen05.make_tmem_copy(load_atom, scores_tmem)
+        thr_load = tiled_load.get_slice(row)
+        store_atom = cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(16)), Float32)
+        thr_store = tcgen05.make_tmem_copy(store_atom, probs_tmem).get_slice(row)
+        coords = cute.make_identity_tensor((ROWS_PER_STAGE, self.tile_n))
+        scores = cute.make_rmem_tensor(thr_load.partition_D(coords).shape, Float32)
+        # P goes to TMEM a chunk of P_CHUNK keys at a time, so that the fp32 scores die as their
+        # 16-bit P forms: the whole row of both would not fit the softmax's 192 registers.
+        probs_chunk_f32 = cute.make_rmem_tensor(
+            thr_store.partition_S(cute.make_identity_tensor((ROWS_PER_STAGE, self.tile_n // 2)))[
+                None, None, 0].shape, Float32)
+        row_view = cute.make_layout((1, self.tile_n))
+        return _SoftmaxBlock(
+            thr_load=thr_load, scores_tmem=thr_load.partition_S(scores_tmem), scores=scores,
+            scores_row=cute.make_tensor(scores.iterator, row_view),
+            coords_row=cute.composition(tiled_load.get_slice(0).partition_D(coords), row_view),
+            thr_store=thr_store, probs_tmem=thr_store.partition_D(probs_tmem),
+            probs_chunk_f32=probs_chunk_f32,
+            probs_chunk=cute.make_tensor(cute.recast_ptr(probs_chunk_f32.iterator, dtype=self.dtype),
+                                         cute.make_layout(P_CHUNK)),
+            softmax=OnlineSoftmax.create(self.softmax_config, res.scale_log2, 1, lanes_per_row=1),
+            row_scale=cute.make_rmem_tensor((1,), Float32), row=row, row_stats=res.row_stats,
+            score_prescale=res.score_prescale,
+        )
+
+    @protocol
+    @cute.jit
+    def softmax_block(self, stage: cutlass.Constexpr[int], block, sync: Sync, tile, m_block, s_state, stats_state,
                       n_block, masked: cutlass.Constexpr[bool], first: cutlass.Constexpr[bool] = False):
-        """One key block of softmax i (plan.role_events): wait for S_i, mask (statically), the
-        online softmax step, the row scale to the correction (not for the first block: O_i is
-        still empty), P_i into TMEM, S_i's columns released. Returns the advanced states. With
-        one stage the block's S and P are in the S buffer of this use (the ring's index)."""
+        """One key block of softmax i: wait for S_i, mask (statically), the online softmax step,
+        the row scale to the correction (not for the first block: O_i is still empty), P_i into
+        TMEM, S_i's columns released. Returns the advanced states. With one stage the block's S
+        and P are in the S buffer of this use (the ring's index)."""
+        buffer = self.s_buffer(block, s_state.index)
+        sync.wait(f"S{stage}", s_state)
+        _tcgen05_after_sync()
+        self.softmax_scores(block, buffer, tile, m_block, n_block, masked=masked)
+        if cutlass.const_expr(not first):
+            sync.acquire(f"STATS{stage}", stats_state)
+            self.publish_row_scale(stage, block)
+            sync.commit(f"STATS{stage}", stats_state)
+            stats_state.advance()
+        self.write_probs(block, buffer)
+        sync.release(f"S{stage}", s_state)
+        s_state.advance()
+        return s_state, stats_state
+
+    @action
+    @cute.jit
+    def s_buffer(self, block, index) -> "_SBuffer":
+        """This thread's views of S and P in the S buffer of ring index `index` (with two stages
+        each stage has one: its own)."""
         scores_tmem, probs_tmem = block.scores_tmem, block.probs_tmem
         if cutlass.const_expr(self.config.s_lookahead > 1):
-            columns = s_state.index * self.tile_n
+            columns = index * self.tile_n
             scores_tmem = cute.make_tensor(scores_tmem.iterator + columns, scores_tmem.layout)
             probs_tmem = cute.make_tensor(probs_tmem.iterator + columns, probs_tmem.layout)
-        block.pipe_s.consumer_wait(s_state)
-        _tcgen05_after_sync()
-        cute.copy(block.thr_load, scores_tmem, block.scores)
+        return _SBuffer(scores_tmem, probs_tmem)
+
+    @action
+    @cute.jit
+    def softmax_scores(self, block, buffer, tile, m_block, n_block, masked: cutlass.Constexpr[bool]):
+        """The row of S into registers, softcapped and masked, and the online softmax's step
+        (the row's new maximum, its probabilities in place, the row scale)."""
+        cute.copy(block.thr_load, buffer.scores_tmem, block.scores)
         cute.arch.fence_view_async_tmem_load()
         if cutlass.const_expr(self.has_softcap):
             for c in cutlass.range_constexpr(cute.size(block.scores)):
                 block.scores[c] = cute.math.tanh(block.scores[c] * block.score_prescale, fastmath=True)
         if cutlass.const_expr(masked):
             tile.mask.apply(block.scores_row, block.coords_row, block.row, Int32(0), m_block, n_block,
-                               tile.seqlen_q, tile.seqlen_k)
+                            tile.seqlen_q, tile.seqlen_k)
         block.softmax.step(block.scores_row, block.row_scale)
-        if cutlass.const_expr(not first):
-            block.pipe_stats.producer_acquire(stats_state)
-            block.row_stats[block.row, STAT_SCALE, stage] = block.row_scale[0]
-            block.pipe_stats.producer_commit(stats_state)
-            stats_state.advance()
+
+    @action
+    @cute.jit
+    def publish_row_scale(self, stage: cutlass.Constexpr[int], block):
+        block.row_stats[block.row, STAT_SCALE, stage] = block.row_scale[0]
+
+    @action
+    @cute.jit
+    def publish_row_stats(self, stage: cutlass.Constexpr[int], block):
+        block.row_stats[block.row, STAT_SUM, stage] = block.softmax.row_sum[0]
+        block.row_stats[block.row, STAT_MAX, stage] = block.softmax.row_max[0]
+
+    @action
+    @cute.jit
+    def write_probs(self, block, buffer):
+        """P (16-bit) into the second half of the S buffer's columns, a chunk at a time, and the
+        stores ordered before the release that follows."""
         scores_flat = cute.make_tensor(block.scores.iterator, cute.make_layout(self.tile_n))
         for chunk in cutlass.range_constexpr(self.tile_n // P_CHUNK):
             block.probs_chunk.store(cute.local_tile(scores_flat, (P_CHUNK,), (chunk,)).load().to(self.dtype))
-            cute.copy(block.thr_store, block.probs_chunk_f32, probs_tmem[None, None, chunk])
+            cute.copy(block.thr_store, block.probs_chunk_f32, buffer.probs_tmem[None, None, chunk])
         cute.arch.fence_view_async_tmem_store()
         _tcgen05_before_sync()
-        block.pipe_s.consumer_release(s_state)
-        s_state.advance()
-        return s_state, stats_state
 
     # --- correction warp group ----------------------------------------------------------------
 
+    @protocol
     @cute.jit
-    def correction(self, tiled_mma_pv, tmem_ptr, row_stats, epilogue, pipes, tile_problem, tile_count,
-                   scale_log2):
+    def correction(self, res, sync: Sync, tiles):
         """Per tile, O_i's rescales in TMEM, then O = O_i / ℓ through shared memory and a TMA
         store, and LSE, one row per thread; then Q's buffers back to the load warp once the
         stores have read them. A tile without keys stores zeros (and LSE −inf) the same way, once
         its Q has landed where the zeros go."""
+        regs = self.correction_registers(res)
+        # The stages' pipelines go through the same phases in step: one state each.
+        s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.config.s_lookahead)
+        stats_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        o_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
+        for tile_index in cutlass.range(tiles.count, unroll=1):
+            tile = tiles.problem(tile_index)
+            n_blocks = tile.n_blocks
+            if n_blocks > 0:
+                for i in cutlass.range_constexpr(self.q_stages):
+                    self.release_o(sync, i, s_state)
+                s_state.advance()
+                for block in cutlass.range(1, n_blocks, unroll=1):
+                    for i in cutlass.range_constexpr(self.q_stages):
+                        sync.wait(f"STATS{i}", stats_state)
+                        scale = self.read_row_scale(regs, i)
+                        sync.release(f"STATS{i}", stats_state)
+                        if cutlass.const_expr(self.config.s_lookahead > 1):
+                            # The S GEMM softmax waited for came before the previous P·V: wait
+                            # for that P·V to have added into O.
+                            sync.wait(f"PV{i}", pv_state)
+                        self.rescale_o(regs, i, scale)
+                        if cutlass.const_expr(self.config.s_lookahead > 1):
+                            _tcgen05_before_sync()
+                            sync.release(f"PV{i}", pv_state)
+                        self.release_o(sync, i, s_state)
+                    stats_state.advance()
+                    pv_state.advance()
+                    s_state.advance()
+                for i in cutlass.range_constexpr(self.q_stages):
+                    sync.wait(f"STATS{i}", stats_state)
+                    stats = self.read_row_stats(regs, i)
+                    sync.release(f"STATS{i}", stats_state)
+                    sync.wait(f"O{i}", o_state)
+                    _tcgen05_after_sync()
+                    self.store_final_stage(regs, tile, i, stats)
+                stats_state.advance()
+                # The next tile's first P_i·V overwrites O_i in TMEM only after this warp group's
+                # next release of S_i (`release_o`, fenced after these reads).
+                o_state.advance()
+            else:
+                landed = q_state.clone()
+                for i in cutlass.range_constexpr(self.q_stages):
+                    # The load of Q_i has landed before its zeros go over it.
+                    sync.wait("Q", landed)
+                    landed.advance()
+                    self.store_zero_stage(regs, tile, i)
+            for i in cutlass.range_constexpr(self.q_stages):
+                # Stage i's store (of the q_stages this thread just issued) has read Q_i's buffer.
+                sync.release_after_bulk_store("Q", q_state, self.q_stages - 1 - i, regs.row)
+                q_state.advance()
+
+    @action
+    @cute.jit
+    def correction_registers(self, res) -> "_CorrectionRegisters":
+        """The correction's views: each stage's O in TMEM as 16-column chunks of this thread's
+        row, their copies and registers, and the epilogue's destinations."""
         row = cute.arch.thread_idx()[0] % ROWS_PER_STAGE
         # Either CTA of a pair sees its 128 rows of O in its own TMEM the same way.
-        thr_pv = tiled_mma_pv.get_slice(0)
+        thr_pv = res.tiled_mma_pv.get_slice(0)
         tOtO = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.mma_rows, self.head_dim_v)))
-        outs = [cute.make_tensor(tmem_ptr + self.tmem.o(i), tOtO.layout)[(None, None), 0, 0]
+        outs = [cute.make_tensor(res.tmem_ptr + self.tmem.o(i), tOtO.layout)[(None, None), 0, 0]
                 for i in range(self.q_stages)]
         chunk_layout = cute.make_layout((ROWS_PER_STAGE, O_CHUNK))
         chunk = cute.composition(outs[0], chunk_layout)
@@ -907,84 +1138,63 @@ class FlashAttentionForwardSm100:
         thr_store = tcgen05.make_tmem_copy(store_atom, chunk).get_slice(row)
         chunk_regs = cute.make_rmem_tensor(
             thr_load.partition_D(cute.make_identity_tensor((ROWS_PER_STAGE, O_CHUNK))).shape, Float32)
-        loads = [thr_load.partition_S(cute.composition(outs[i], chunk_layout)) for i in range(self.q_stages)]
-        stores = [thr_store.partition_D(cute.composition(outs[i], chunk_layout)) for i in range(self.q_stages)]
-        # The stages' pipelines go through the same phases in step: one state each.
-        s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.config.s_lookahead)
-        stats_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        pv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        o_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
-        for tile_index in cutlass.range(tile_count, unroll=1):
-            tile = tile_problem(tile_index)
-            n_blocks = tile.n_blocks
-            if n_blocks > 0:
-                for i in cutlass.range_constexpr(self.q_stages):
-                    self.release_o(pipes, i, s_state)
-                s_state.advance()
-                for block in cutlass.range(1, n_blocks, unroll=1):
-                    for i in cutlass.range_constexpr(self.q_stages):
-                        pipes[f"STATS{i}"].consumer_wait(stats_state)
-                        scale = row_stats[row, STAT_SCALE, i]
-                        pipes[f"STATS{i}"].consumer_release(stats_state)
-                        if cutlass.const_expr(self.config.s_lookahead > 1):
-                            # The S GEMM softmax waited for came before the previous P·V: wait
-                            # for that P·V to have added into O.
-                            pipes[f"PV{i}"].consumer_wait(pv_state)
-                        # The warp's 32 rows share its TMEM lanes: rescale them all if any moved.
-                        if cute.arch.vote_any_sync(scale != Float32(1.0)):
-                            _tcgen05_after_sync()
-                            for c in cutlass.range_constexpr(self.head_dim_v // O_CHUNK):
-                                self.o_chunk_copy(thr_load, loads[i], chunk_regs, c, to_registers=True)
-                                for e in cutlass.range_constexpr(cute.size(chunk_regs)):
-                                    chunk_regs[e] = chunk_regs[e] * scale
-                                self.o_chunk_copy(thr_store, stores[i], chunk_regs, c, to_registers=False)
-                            cute.arch.fence_view_async_tmem_store()
-                        if cutlass.const_expr(self.config.s_lookahead > 1):
-                            _tcgen05_before_sync()
-                            pipes[f"PV{i}"].consumer_release(pv_state)
-                        self.release_o(pipes, i, s_state)
-                    stats_state.advance()
-                    pv_state.advance()
-                    s_state.advance()
-                for i in cutlass.range_constexpr(self.q_stages):
-                    pipes[f"STATS{i}"].consumer_wait(stats_state)
-                    stats = OnlineSoftmax.create(self.softmax_config, scale_log2, 1, lanes_per_row=1)
-                    stats.row_sum[0] = row_stats[row, STAT_SUM, i]
-                    stats.row_max[0] = row_stats[row, STAT_MAX, i]
-                    pipes[f"STATS{i}"].consumer_release(stats_state)
-                    pipes[f"O{i}"].consumer_wait(o_state)
-                    _tcgen05_after_sync()
-                    inv_sum = cute.make_rmem_tensor((1,), Float32)
-                    lse = cute.make_rmem_tensor((1,), Float32)
-                    stats.finalize(inv_sum, lse)
-                    self.store_stage(thr_load, loads[i], chunk_regs, epilogue, tile, i, row, inv_sum[0], lse[0])
-                stats_state.advance()
-                # The next tile's first P_i·V overwrites O_i in TMEM only after this warp group's
-                # next release of S_i (`release_o`, fenced after these reads).
-                o_state.advance()
-            else:
-                landed = q_state.clone()
-                for i in cutlass.range_constexpr(self.q_stages):
-                    # The load of Q_i has landed before its zeros go over it.
-                    pipes["Q"].consumer_wait(landed)
-                    landed.advance()
-                    self.store_stage(thr_load, loads[i], chunk_regs, epilogue, tile, i, row, Float32(0.0),
-                                     Float32(-math.inf), from_tmem=False)
-            for i in cutlass.range_constexpr(self.q_stages):
-                if row == 0:
-                    # Stage i's store (of the q_stages this thread just issued) has read Q_i's buffer.
-                    cute.arch.cp_async_bulk_wait_group(self.q_stages - 1 - i, read=True)
-                    # A thread's arrival on this CTA's own barrier (Q's pipeline is the MMA
-                    # warp's, whose release would be a tcgen05.commit).
-                    cute.arch.mbarrier_arrive(pipes["Q"].sync_object_empty.get_barrier(q_state.index))
-                q_state.advance()
+        return _CorrectionRegisters(
+            row=row, thr_load=thr_load, thr_store=thr_store, chunk_regs=chunk_regs,
+            loads=tuple(thr_load.partition_S(cute.composition(outs[i], chunk_layout)) for i in range(self.q_stages)),
+            stores=tuple(thr_store.partition_D(cute.composition(outs[i], chunk_layout)) for i in range(self.q_stages)),
+            row_stats=res.row_stats, epilogue=res.epilogue, scale_log2=res.scale_log2)
 
+    @action
     @cute.jit
-    def release_o(self, pipes, stage: cutlass.Constexpr[int], state):
+    def read_row_scale(self, regs, stage: cutlass.Constexpr[int]):
+        return regs.row_stats[regs.row, STAT_SCALE, stage]
+
+    @action
+    @cute.jit
+    def rescale_o(self, regs, stage: cutlass.Constexpr[int], scale):
+        """O_i's row times `scale` in TMEM, when any row of the warp moved its maximum (the
+        warp's 32 rows share its TMEM lanes: rescale them all if any moved)."""
+        if cute.arch.vote_any_sync(scale != Float32(1.0)):
+            _tcgen05_after_sync()
+            for c in cutlass.range_constexpr(self.head_dim_v // O_CHUNK):
+                self.o_chunk_copy(regs.thr_load, regs.loads[stage], regs.chunk_regs, c, to_registers=True)
+                for e in cutlass.range_constexpr(cute.size(regs.chunk_regs)):
+                    regs.chunk_regs[e] = regs.chunk_regs[e] * scale
+                self.o_chunk_copy(regs.thr_store, regs.stores[stage], regs.chunk_regs, c, to_registers=False)
+            cute.arch.fence_view_async_tmem_store()
+
+    @action
+    @cute.jit
+    def read_row_stats(self, regs, stage: cutlass.Constexpr[int]) -> OnlineSoftmax:
+        """The row's final sum and maximum, as an online softmax's state."""
+        stats = OnlineSoftmax.create(self.softmax_config, regs.scale_log2, 1, lanes_per_row=1)
+        stats.row_sum[0] = regs.row_stats[regs.row, STAT_SUM, stage]
+        stats.row_max[0] = regs.row_stats[regs.row, STAT_MAX, stage]
+        return stats
+
+    @action
+    @cute.jit
+    def store_final_stage(self, regs, tile, stage: cutlass.Constexpr[int], stats):
+        """Stage i's O / ℓ and LSE out (`store_stage`)."""
+        inv_sum = cute.make_rmem_tensor((1,), Float32)
+        lse = cute.make_rmem_tensor((1,), Float32)
+        stats.finalize(inv_sum, lse)
+        self.store_stage(regs.thr_load, regs.loads[stage], regs.chunk_regs, regs.epilogue, tile, stage, regs.row,
+                         inv_sum[0], lse[0])
+
+    @action
+    @cute.jit
+    def store_zero_stage(self, regs, tile, stage: cutlass.Constexpr[int]):
+        """Stage i of a tile without keys: zeros and LSE −inf (`store_stage`)."""
+        self.store_stage(regs.thr_load, regs.loads[stage], regs.chunk_regs, regs.epilogue, tile, stage, regs.row,
+                         Float32(0.0), Float32(-math.inf), from_tmem=False)
+
+    @protocol
+    @cute.jit
+    def release_o(self, sync: Sync, stage: cutlass.Constexpr[int], state):
         """O_i is rescaled for the next P_i·V (arrives on S_i's empty barrier)."""
         _tcgen05_before_sync()
-        pipes[f"S{stage}"].consumer_release(state)
+        sync.release(f"S{stage}", state)
 
     @cute.jit
     def o_chunk_copy(self, thr_copy, tmem_part, regs, chunk: cutlass.Constexpr[int],
