@@ -2,9 +2,10 @@
 in TMEM, softmax and correction warp groups (FA4's structure).
 
 NOT YET RUN ON BLACKWELL HARDWARE. This kernel is compiled, exported and statically checked
-(tests/test_sm100_*.py; docs/blackwell.md), and its protocol is model-checked, but no B200 has
-executed it: on a Blackwell GPU each of its variants is first checked against the reference in
-the process that uses it (fa4_jax.verification), and one that disagrees is not used.
+(tests/test_sm100_*.py; docs/blackwell.md), and its protocol, as these role methods issue it, is
+model-checked, but no B200 has executed it: on a Blackwell GPU each of its variants is first
+checked against the reference in a child process (fa4_jax.verification), and one that
+disagrees, hangs or faults is not used.
 
 Without a mask a CTA is persistent: it computes tile after tile of the scheduler's "lpt" order
 (kernels/common/tile_scheduler.py), every role walking the same tiles with its pipelines running
@@ -12,10 +13,13 @@ on from one tile into the next, so the next tile's K and V load during this one'
 Under a causal or window mask each CTA takes one tile of the same order, heaviest first
 (plan.scheduler_kind says why). A tile is two 128-row query tiles ("stages") of one (head,
 batch), 256 rows, against the same key blocks (one at d256, whose S is double-buffered instead:
-see below); kernels/sm100/plan.py holds the warp-role table,
-the TMEM map, the barriers and the protocol every role follows (role_events, which the tests
-search for deadlock). Per key block, visited from the highest to the lowest (the first carries
-the sequence tail and the diagonal):
+see below); kernels/sm100/plan.py holds the warp-role table, the TMEM map, the barriers and
+the pipelines. Every wait, arrival, commit and TMA issue of a role goes through
+kernels/common/sync.py's `Sync`, and the work between them through methods marked `action`, so
+the tests record the protocol from these role methods themselves and search it
+(tests/test_sm100_protocol.py). A tile with no key blocks is skipped by every role (its zero rows
+are written straight to global memory). Per key block, visited from the highest to the lowest
+(the first carries the sequence tail and the diagonal):
 
 - the load warp TMA-loads K_j and V_j into consecutive stages of one ring (after the tile's
   first K, Q's two tiles);
@@ -197,11 +201,13 @@ class _SBuffer:
 @dataclasses.dataclass(frozen=True)
 class _Epilogue:
     """Where the correction warp group puts a tile's results: O through each stage's shared
-    memory (sO[i], in Q_i's bytes) and a TMA store, LSE from registers."""
+    memory (sO[i], in Q_i's bytes) and a TMA store (its coordinates tma_o), LSE from registers;
+    a tile without keys writes O's zero rows straight into mO."""
 
     tma_atom_o: cute.CopyAtom
-    mO: cute.Tensor
+    tma_o: cute.Tensor
     sO: tuple
+    mO: cute.Tensor
     mLSE: cute.Tensor
 
 
@@ -347,20 +353,12 @@ class FlashAttentionForwardSm100:
         mV = permute_modes(mV, (3, 1, 2, 0))
         mLSE = permute_modes(mLSE, (2, 1, 0))
 
-        cta_group = tcgen05.CtaGroup.TWO if self.config.cta_pair else tcgen05.CtaGroup.ONE
         mma_tiler_qk = (self.mma_rows, self.tile_n, self.head_dim)
         mma_tiler_pv = (self.mma_rows, self.head_dim_v, self.tile_n)
-        tiled_mma_qk = sm100_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, tcgen05.OperandMajorMode.K, tcgen05.OperandMajorMode.K,
-            Float32, cta_group, mma_tiler_qk[:2],
-        )
-        tiled_mma_pv = sm100_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, tcgen05.OperandMajorMode.K, tcgen05.OperandMajorMode.MN,
-            Float32, cta_group, mma_tiler_pv[:2], tcgen05.OperandSource.TMEM,
-        )
+        tiled_mma_qk, tiled_mma_pv = self.tiled_mmas()
         sQ_layout = sm100_utils.make_smem_layout_a(tiled_mma_qk, mma_tiler_qk, self.dtype, self.q_stages)
         sK_layout = sm100_utils.make_smem_layout_b(tiled_mma_qk, mma_tiler_qk, self.dtype, self.kv_stages)
-        tP_layout = sm100_utils.make_smem_layout_a(tiled_mma_pv, mma_tiler_pv, self.dtype, 1)
+        tP_layout = self.probs_layout(tiled_mma_pv)
         sV_layout = sm100_utils.make_smem_layout_b(tiled_mma_pv, mma_tiler_pv, self.dtype, self.kv_stages)
         if cutlass.const_expr(self.head_dim_v != self.head_dim):
             # K and V take turns in one ring: V's stages at K's (wider) stage stride.
@@ -414,11 +412,30 @@ class FlashAttentionForwardSm100:
                                    cute.size(mK.shape[2]), cute.size(mQ.shape[3]))
         self.kernel(
             tiled_mma_qk, tiled_mma_pv, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v,
-            tma_atom_o, tma_o, mLSE, mSeqUsedQ, mSeqUsedK, sQ_layout, sK_layout, tP_layout, sV_layout,
+            tma_atom_o, tma_o, mO, mLSE, mSeqUsedQ, mSeqUsedK, sQ_layout, sK_layout, tP_layout, sV_layout,
             sO_layout,
             score_prescale, scale_log2, window_left, window_right, top_left,
         ).launch(grid=grid, block=[self.roles.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
                  min_blocks_per_mp=1, cluster=[self.ctas, 1, 1] if self.config.cta_pair else None)
+
+    def tiled_mmas(self):
+        """The two MMAs: S = Q·Kᵀ with both operands in shared memory, O += P·V with P from
+        TMEM (tcgen05's TS form); each of a CTA pair's kind for a pair."""
+        cta_group = tcgen05.CtaGroup.TWO if self.config.cta_pair else tcgen05.CtaGroup.ONE
+        tiled_mma_qk = sm100_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, tcgen05.OperandMajorMode.K, tcgen05.OperandMajorMode.K,
+            Float32, cta_group, (self.mma_rows, self.tile_n),
+        )
+        tiled_mma_pv = sm100_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, tcgen05.OperandMajorMode.K, tcgen05.OperandMajorMode.MN,
+            Float32, cta_group, (self.mma_rows, self.head_dim_v), tcgen05.OperandSource.TMEM,
+        )
+        return tiled_mma_qk, tiled_mma_pv
+
+    def probs_layout(self, tiled_mma_pv):
+        """P's layout as P·V's A operand (a 128-row, tile_n-key tile of 16-bit P)."""
+        return sm100_utils.make_smem_layout_a(tiled_mma_pv, (self.mma_rows, self.head_dim_v, self.tile_n),
+                                              self.dtype, 1)
 
     def cluster_layout(self, tiled_mma_qk):
         """The cluster as (CTA in the pair, m, n, k): static, one CTA or two."""
@@ -438,6 +455,7 @@ class FlashAttentionForwardSm100:
         tma_atom_v: cute.CopyAtom,
         mV: cute.Tensor,
         tma_atom_o: cute.CopyAtom,
+        tma_o: cute.Tensor,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
         mSeqUsedQ: cute.Tensor,
@@ -526,7 +544,7 @@ class FlashAttentionForwardSm100:
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
             self.correction(_CorrectionResources(tiled_mma_pv, tmem_ptr, row_stats,
-                                                 _Epilogue(tma_atom_o, mO, sO, mLSE), scale_log2),
+                                                 _Epilogue(tma_atom_o, tma_o, sO, mO, mLSE), scale_log2),
                             sync, _Tiles(tile_problem, tile_count()))
             _tcgen05_before_sync()
             tmem_barrier.arrive()
@@ -631,36 +649,38 @@ class FlashAttentionForwardSm100:
     @cute.jit
     def load(self, res, sync: Sync, tiles):
         """Per tile, Q's tiles and the blocks' K and V through the ring (K of the first
-        s_lookahead blocks, then V_j and K_{j + s_lookahead}: the MMA warp's order); a tile
-        without keys loads Q alone (the correction stages its zeros there). In a pair each CTA
+        s_lookahead blocks, then V_j and K_{j + s_lookahead}: the MMA warp's order). A tile
+        without keys loads nothing: every role skips it (a role that advanced a pipeline for it
+        while another waited could pass a later wait on that phase's parity). In a pair each CTA
         loads its own rows of Q and its half of each K and V block."""
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         for tile_index in cutlass.range(tiles.count, unroll=1):
             tile = tiles.problem(tile_index)
             n_blocks = tile.n_blocks
-            src = self.load_sources(res, tile)
-            last_block = tile.n_block_min + n_blocks - 1
             if n_blocks > 0:
+                src = self.load_sources(res, tile)
+                last_block = tile.n_block_min + n_blocks - 1
                 self.load_block(sync, kv_state, res.tma_atom_k, src.k[None, last_block, 0], src.sk)
                 kv_state.advance()
-            for stage in cutlass.range_constexpr(self.q_stages):
-                sync.acquire("Q", q_state)
-                sync.tma_load("Q", q_state, res.tma_atom_q, src.q[None, tile.m_block * self.q_stages + stage, 0],
-                              src.sq[None, stage])
-                q_state.advance()
-            ahead = self.config.s_lookahead
-            for i in cutlass.range_constexpr(1, ahead):
-                if n_blocks > i:
-                    self.load_block(sync, kv_state, res.tma_atom_k, src.k[None, last_block - i, 0], src.sk)
+                for stage in cutlass.range_constexpr(self.q_stages):
+                    sync.acquire("Q", q_state)
+                    sync.tma_load("Q", q_state, res.tma_atom_q,
+                                  src.q[None, tile.m_block * self.q_stages + stage, 0], src.sq[None, stage])
+                    q_state.advance()
+                ahead = self.config.s_lookahead
+                for i in cutlass.range_constexpr(1, ahead):
+                    if n_blocks > i:
+                        self.load_block(sync, kv_state, res.tma_atom_k, src.k[None, last_block - i, 0], src.sk)
+                        kv_state.advance()
+                for i in cutlass.range(n_blocks, unroll=1):
+                    self.load_block(sync, kv_state, res.tma_atom_v, src.v[None, 0, last_block - i], src.sv,
+                                    res.v_bytes)
                     kv_state.advance()
-            for i in cutlass.range(n_blocks, unroll=1):
-                self.load_block(sync, kv_state, res.tma_atom_v, src.v[None, 0, last_block - i], src.sv,
-                                res.v_bytes)
-                kv_state.advance()
-                if i + ahead < n_blocks:
-                    self.load_block(sync, kv_state, res.tma_atom_k, src.k[None, last_block - i - ahead, 0], src.sk)
-                    kv_state.advance()
+                    if i + ahead < n_blocks:
+                        self.load_block(sync, kv_state, res.tma_atom_k, src.k[None, last_block - i - ahead, 0],
+                                        src.sk)
+                        kv_state.advance()
         sync.tail("KV", kv_state)
 
     @action
@@ -694,9 +714,9 @@ class FlashAttentionForwardSm100:
     @protocol
     @cute.jit
     def mma(self, res, sync: Sync, tiles):
-        """Per tile, S_i = Q_i·Kᵀ and O_i += P_i·V for every stage. An S GEMM waits for nothing
-        on S_i: the P_i·V that last read its columns waited for that use's release, and this
-        thread's MMAs run in order."""
+        """Per tile with keys, S_i = Q_i·Kᵀ and O_i += P_i·V for every stage. An S GEMM waits for
+        nothing on S_i: the P_i·V that last read its columns waited for that use's release, and
+        this thread's MMAs run in order."""
         ops = self.mma_operands(res)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
@@ -715,10 +735,6 @@ class FlashAttentionForwardSm100:
                 else:
                     kv_state, q_state, s_state, o_state = self.mma_tile_two_stages(
                         ops, sync, tile, kv_state, q_state, s_state, o_state)
-            else:
-                # A tile without keys: Q is the correction's (it stages the zeros there).
-                for i in cutlass.range_constexpr(self.q_stages):
-                    q_state.advance()
 
     @action
     @cute.jit
@@ -1063,8 +1079,8 @@ class FlashAttentionForwardSm100:
     def correction(self, res, sync: Sync, tiles):
         """Per tile, O_i's rescales in TMEM, then O = O_i / ℓ through shared memory and a TMA
         store, and LSE, one row per thread; then Q's buffers back to the load warp once the
-        stores have read them. A tile without keys stores zeros (and LSE −inf) the same way, once
-        its Q has landed where the zeros go."""
+        stores have read them. A tile without keys, which no role loads anything for, writes its
+        zero rows and LSE −inf straight to global memory."""
         regs = self.correction_registers(res)
         # The stages' pipelines go through the same phases in step: one state each.
         s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.config.s_lookahead)
@@ -1107,17 +1123,14 @@ class FlashAttentionForwardSm100:
                 # The next tile's first P_i·V overwrites O_i in TMEM only after this warp group's
                 # next release of S_i (`release_o`, fenced after these reads).
                 o_state.advance()
-            else:
-                landed = q_state.clone()
                 for i in cutlass.range_constexpr(self.q_stages):
-                    # The load of Q_i has landed before its zeros go over it.
-                    sync.wait("Q", landed)
-                    landed.advance()
-                    self.store_zero_stage(regs, tile, i)
-            for i in cutlass.range_constexpr(self.q_stages):
-                # Stage i's store (of the q_stages this thread just issued) has read Q_i's buffer.
-                sync.release_after_bulk_store("Q", q_state, self.q_stages - 1 - i, regs.row)
-                q_state.advance()
+                    # Stage i's store (of the q_stages this thread just issued) has read Q_i's
+                    # buffer.
+                    sync.release_after_bulk_store("Q", q_state, self.q_stages - 1 - i, regs.row)
+                    q_state.advance()
+            else:
+                for i in cutlass.range_constexpr(self.q_stages):
+                    self.store_keyless_stage(regs, tile, i)
 
     @action
     @cute.jit
@@ -1184,10 +1197,15 @@ class FlashAttentionForwardSm100:
 
     @action
     @cute.jit
-    def store_zero_stage(self, regs, tile, stage: cutlass.Constexpr[int]):
-        """Stage i of a tile without keys: zeros and LSE −inf (`store_stage`)."""
-        self.store_stage(regs.thr_load, regs.loads[stage], regs.chunk_regs, regs.epilogue, tile, stage, regs.row,
-                         Float32(0.0), Float32(-math.inf), from_tmem=False)
+    def store_keyless_stage(self, regs, tile, stage: cutlass.Constexpr[int]):
+        """Stage i of a tile without keys: this thread's row of O zero and its LSE −inf, by plain
+        stores (Q's buffer, where O is staged otherwise, may hold a later tile's Q by now)."""
+        row = self.row_block(tile, stage) * ROWS_PER_STAGE + regs.row
+        if row < tile.seqlen_q_buf:
+            zeros = cute.make_rmem_tensor((self.head_dim_v,), self.dtype)
+            zeros.fill(0.0)
+            cute.autovec_copy(zeros, regs.epilogue.mO[row, None, tile.head, tile.batch])
+            regs.epilogue.mLSE[row, tile.head, tile.batch] = Float32(-math.inf)
 
     @protocol
     @cute.jit
@@ -1209,10 +1227,10 @@ class FlashAttentionForwardSm100:
 
     @cute.jit
     def store_stage(self, thr_load, tmem_part, chunk_regs, epilogue, tile, stage: cutlass.Constexpr[int],
-                    row_in_stage, inv_sum, lse, from_tmem: cutlass.Constexpr[bool] = True):
-        """Stage i's rows: this thread's O·(1/ℓ) (0 past the entry's rows, or without a block)
-        into sO[i], its LSE (−inf there) to global memory, then, once the warp group's rows are
-        all in, one thread's TMA store of the stage's tile (it stops at the buffer's rows)."""
+                    row_in_stage, inv_sum, lse):
+        """Stage i's rows: this thread's O·(1/ℓ) (0 past the entry's rows) into sO[i], its LSE
+        (−inf there) to global memory, then, once the warp group's rows are all in, one thread's
+        TMA store of the stage's tile (it stops at the buffer's rows)."""
         row = self.row_block(tile, stage) * ROWS_PER_STAGE + row_in_stage
         live = row < tile.seqlen_q
         if not live:
@@ -1221,13 +1239,10 @@ class FlashAttentionForwardSm100:
         sO_row = epilogue.sO[stage][row_in_stage, None]
         out_chunk = cute.make_rmem_tensor((O_CHUNK,), self.dtype)
         for c in cutlass.range_constexpr(self.head_dim_v // O_CHUNK):
-            if cutlass.const_expr(from_tmem):
-                self.o_chunk_copy(thr_load, tmem_part, chunk_regs, c, to_registers=True)
-                for e in cutlass.range_constexpr(O_CHUNK):
-                    out_chunk[e] = (chunk_regs[e] * inv_sum).to(self.dtype)
-                if not live:
-                    out_chunk.fill(0.0)
-            else:
+            self.o_chunk_copy(thr_load, tmem_part, chunk_regs, c, to_registers=True)
+            for e in cutlass.range_constexpr(O_CHUNK):
+                out_chunk[e] = (chunk_regs[e] * inv_sum).to(self.dtype)
+            if not live:
                 out_chunk.fill(0.0)
             cute.autovec_copy(out_chunk, cute.local_tile(sO_row, (O_CHUNK,), (c,)))
         if row < tile.seqlen_q_buf:
@@ -1236,7 +1251,7 @@ class FlashAttentionForwardSm100:
         cute.arch.fence_view_async_shared()
         pipeline.NamedBarrier(barrier_id=int(Barrier.O_STORE), num_threads=self.roles.threads(Role.CORRECTION)).arrive_and_wait()
         if row_in_stage == 0:
-            gO = cute.flat_divide(epilogue.mO[None, None, tile.head, tile.batch], (ROWS_PER_STAGE, self.head_dim_v))
+            gO = cute.flat_divide(epilogue.tma_o[None, None, tile.head, tile.batch], (ROWS_PER_STAGE, self.head_dim_v))
             tOsO, tOgO = cpasync.tma_partition(epilogue.tma_atom_o, 0, cute.make_layout(1),
                                                cute.group_modes(epilogue.sO[stage], 0, 2),
                                                cute.group_modes(gO, 0, 2))

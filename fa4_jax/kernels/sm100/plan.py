@@ -1,10 +1,11 @@
-"""The Blackwell forward's static plan: tile table, warp roles, TMEM map, barriers and the
-pipeline protocol, as plain Python (no DSL).
+"""The Blackwell forward's static plan: tile table, warp roles, TMEM map, barriers and
+pipelines, as plain Python (no DSL).
 
-The kernel (fwd.py) sizes itself from these tables, and tests/test_sm100_plan.py checks them
-without a GPU: the register budgets against the register file, the TMEM map against the 512
-columns, and the protocol (`role_events`) searched exhaustively for deadlock and for a wait or
-arrival that lands in the wrong phase of an mbarrier.
+The kernel (fwd.py) sizes itself from these tables, and the tests check them without a GPU:
+tests/test_sm100_plan.py the register budgets against the CTA's register pool, the TMEM map
+against the 512 columns and the shared memory; tests/test_sm100_protocol.py the protocol, as the
+kernel's own role methods issue it (kernels/common/recording.py), searched exhaustively
+(kernels/common/protocol_model.py) with these pipelines' arrival counts and landings.
 
 A CTA computes tile after tile of the LPT order (kernels/common/tile_scheduler.py; persistent
 without a mask, one tile per CTA under one: `scheduler_kind`), its pipelines running on from one
@@ -23,13 +24,14 @@ one softmax warp group alternates between them: the MMA warp issues the S GEMM t
 (S_{j+2} right after P·V_j), so that the tensor core computes the next block's S while softmax
 reads this one's, and O's rescale waits for the previous P·V on a pipeline of its own (PV0).
 A CTA pair (TileConfig.cta_pair) runs the same protocol in two CTAs with one MMA warp issuing
-for both; `pair_role_events` puts each of its events on the barrier of the CTA it lands on.
+for both; each pipeline says on which CTA's barrier its arrivals land (`Pipeline.full_at`).
 """
 from __future__ import annotations
 
 import dataclasses
 import enum
 
+from fa4_jax.kernels.common import registers
 from fa4_jax.kernels.sm100 import hardware
 
 # Query rows of one tcgen05 MMA (cta_group 1, M = 128): one TMEM lane per row.
@@ -155,8 +157,8 @@ class Role(enum.Enum):
 class RoleAssignment:
     role: Role
     warps: tuple[int, ...]
-    # setmaxnreg budget per thread (a multiple of 8): per warp group, they sum to the register
-    # file (`hardware.REGISTERS_PER_SM`), tests/test_sm100_plan.py checks.
+    # setmaxnreg budget per thread (a multiple of 8): per warp group, they sum to at most the
+    # CTA's register pool (kernels/common/registers.py), which `WarpRoles.check` enforces.
     registers: int
 
 
@@ -188,9 +190,9 @@ class WarpRoles:
 
     @property
     def launch_registers(self) -> int:
-        """Registers per thread at launch (the file shared by the block's threads, in ptxas's
-        steps of 8): a budget above it is a setmaxnreg increase, below it a decrease."""
-        return hardware.REGISTERS_PER_SM // self.num_threads // 8 * 8
+        """Registers per thread at launch, the CTA's pool over its threads: a budget above it is a
+        setmaxnreg increase, below it a decrease."""
+        return registers.launch_registers(self.num_threads)
 
     @property
     def softmax(self) -> tuple[Role, ...]:
@@ -203,18 +205,25 @@ class WarpRoles:
         when done so that the MMA warp, which allocated it, may free it."""
         return (Role.MMA, *self.softmax, Role.CORRECTION)
 
+    def budgets(self) -> tuple[int, ...]:
+        """Each warp group's setmaxnreg budget, in warp-group order."""
+        by_group = {}
+        for r in self.table:
+            for w in r.warps:
+                by_group.setdefault(w // WARPS_PER_GROUP, set()).add(r.registers)
+        mixed = {g: b for g, b in by_group.items() if len(b) != 1}
+        if mixed:
+            raise ValueError(f"warp groups {sorted(mixed)} mix setmaxnreg budgets {mixed}")
+        return tuple(by_group[g].pop() for g in sorted(by_group))
+
     def check(self) -> None:
         """Raises if the table breaks a hardware limit (run at kernel construction)."""
         warps = sorted(w for r in self.table for w in r.warps)
         if warps != list(range(self.num_warps)) or self.num_warps % WARPS_PER_GROUP:
             raise ValueError(f"warp roles must cover whole warp groups once: {warps}")
-        for group in range(self.num_warps // WARPS_PER_GROUP):
-            budgets = {r.registers for r in self.table for w in r.warps if w // WARPS_PER_GROUP == group}
-            if len(budgets) != 1:
-                raise ValueError(f"warp group {group} mixes setmaxnreg budgets {budgets}")
-        total = sum(r.registers * len(r.warps) * THREADS_PER_WARP for r in self.table)
-        if total > hardware.REGISTERS_PER_SM or any(r.registers % 8 or r.registers > 256 for r in self.table):
-            raise ValueError(f"setmaxnreg budgets take {total} registers of {hardware.REGISTERS_PER_SM}")
+        violation = registers.pool_violation(self.budgets(), self.launch_registers)
+        if violation is not None:
+            raise ValueError(violation)
 
 
 # Two stages. Softmax takes the registers: a 128-column row of S in fp32 plus its P; correction
@@ -227,11 +236,12 @@ TWO_STAGE_ROLES = WarpRoles((
     RoleAssignment(Role.LOAD, (13,), 48),
     RoleAssignment(Role.IDLE, (14, 15), 48),
 ))
-# One stage: three warp groups, the second softmax's registers split between the one softmax
-# (the setmaxnreg ceiling) and the correction, so that the budgets still sum to the file.
+# One stage: three warp groups launched at 168 registers, whose pool of 168 x 384 the budgets
+# fill: the one softmax at the setmaxnreg ceiling (a 128-column row of S in fp32 and its P), the
+# correction with the rest above the others' 48 (it streams O's 256 columns 16 at a time).
 ONE_STAGE_ROLES = WarpRoles((
     RoleAssignment(Role.SOFTMAX0, (0, 1, 2, 3), 256),
-    RoleAssignment(Role.CORRECTION, (4, 5, 6, 7), 208),
+    RoleAssignment(Role.CORRECTION, (4, 5, 6, 7), 200),
     RoleAssignment(Role.MMA, (8,), 48),
     RoleAssignment(Role.LOAD, (9,), 48),
     RoleAssignment(Role.IDLE, (10, 11), 48),
@@ -322,9 +332,8 @@ class Pipeline:
 def pipelines(config: TileConfig) -> tuple[Pipeline, ...]:
     """The forward's mbarrier pipelines; the kernel creates one of each."""
     out = [
-        # full: Q_i has landed (the MMA warp waits, and the correction before it stages a
-        # keyless tile's zeros over it); empty: the thread that TMA-stored O_i from Q_i's buffer
-        # has seen the store read it, so the next tile's Q_i may load.
+        # full: Q_i has landed (the MMA warp waits); empty: the thread that TMA-stored O_i from
+        # Q_i's buffer has seen the store read it, so the next tile's Q_i may load.
         Pipeline("Q", config.q_stages, (Role.LOAD,), (Role.CORRECTION,), consumer_threads=1, full_at="leader"),
         Pipeline("KV", config.kv_stages, (Role.LOAD,), (Role.MMA,), full_at="leader", empty_at="both"),
     ]
@@ -344,231 +353,3 @@ def pipelines(config: TileConfig) -> tuple[Pipeline, ...]:
         # full: the last P_i·V is done, O_i is final.
         out.append(Pipeline(f"O{stage}", 1, (Role.MMA,), (Role.CORRECTION,), full_at="both"))
     return tuple(out)
-
-
-# --- The protocol, as each role's sequence of barrier events ------------------------------
-#
-# ("arrive", pipeline, side, stage, round) and ("wait", pipeline, side, stage, round): side is
-# "full" or "empty"; round r of a pipeline stage is its r-th use, i.e. its mbarrier's phase r.
-# A producer's first acquire of a stage waits for nothing (the ring starts empty), so it has no
-# event. Arrivals by the TMA unit and tcgen05.commit are issued by the load and MMA warps and
-# land later, in issue order: they are marked "async" and the model delivers them through a
-# queue per issuing role.
-
-def _ring(stages: int, index: int) -> tuple[int, int]:
-    """(stage, round) of the index-th use of a ring of `stages`."""
-    return index % stages, index // stages
-
-
-def role_events(config: TileConfig, tiles: tuple[int, ...]) -> dict[Role, list[tuple]]:
-    """Each role's barrier events for one persistent CTA that computes `tiles` in order, each
-    entry the key blocks that tile visits (0: a tile whose rows see no key and come out 0)."""
-    kv = config.kv_stages
-    stages = config.q_stages
-    ahead = config.s_lookahead
-    roles = warp_roles(config)
-    events: dict[Role, list[tuple]] = {r.role: [] for r in roles.table if r.role != Role.IDLE}
-
-    def producer_acquire(role, pipe, ring, index):
-        stage, rnd = _ring(ring, index)
-        if rnd > 0:
-            events[role].append(("wait", pipe, "empty", stage, rnd - 1))
-
-    # Load warp, per tile: K of the first `ahead` blocks (Q's stages after the first K), then
-    # per block V_j and K_{j+ahead}: the MMA warp's order. A tile without keys: Q alone, which
-    # the correction waits for before it stages zeros over it. The ring runs on across tiles.
-    load = Role.LOAD
-    kv_uses = 0
-
-    def load_kv():
-        nonlocal kv_uses
-        producer_acquire(load, "KV", kv, kv_uses)
-        events[load].append(("arrive", "KV", "full", *_ring(kv, kv_uses), "async"))
-        kv_uses += 1
-
-    def load_q(tile):
-        for stage in range(stages):
-            producer_acquire(load, "Q", stages, tile * stages + stage)
-            events[load].append(("arrive", "Q", "full", stage, tile, "async"))
-
-    for tile, n_blocks in enumerate(tiles):
-        if n_blocks == 0:
-            load_q(tile)
-            continue
-        load_kv()
-        load_q(tile)
-        for _ in range(1, min(ahead, n_blocks)):
-            load_kv()
-        for block in range(n_blocks):
-            load_kv()
-            if block + ahead < n_blocks:
-                load_kv()
-
-    # MMA warp. S_i's uses run on from tile to tile; an S GEMM waits for nothing on S_i: the
-    # P_i·V that last read its columns (`ahead` uses earlier) waited for that use's release, and
-    # one thread's MMAs run in order. Per block j: P_i·V_j once P_i is in (S_i's empty), then
-    # S_i of block j + ahead; with two stages K_{j+1} is awaited before either stage's P·V
-    # (both S GEMMs read it), with one after P·V_j (which need not wait for it).
-    mma = Role.MMA
-    kv_reads = 0
-
-    def wait_kv():
-        nonlocal kv_reads
-        events[mma].append(("wait", "KV", "full", *_ring(kv, kv_reads)))
-        kv_reads += 1
-        return kv_reads - 1
-
-    def release_kv(index):
-        events[mma].append(("arrive", "KV", "empty", *_ring(kv, index), "async"))
-
-    s_base = o_round = pv_round = 0
-    for tile, n_blocks in enumerate(tiles):
-        if n_blocks == 0:
-            continue
-        for block in range(min(ahead, n_blocks)):
-            k_use = wait_kv()
-            for stage in range(stages):
-                if block == 0:
-                    events[mma].append(("wait", "Q", "full", stage, tile))
-                events[mma].append(("arrive", f"S{stage}", "full", *_ring(ahead, s_base + block), "async"))
-            release_kv(k_use)
-        for block in range(n_blocks):
-            v_use = wait_kv()
-            next_s = block + ahead < n_blocks
-            k_use = wait_kv() if next_s and stages > 1 else None
-            for stage in range(stages):
-                events[mma].append(("wait", f"S{stage}", "empty", *_ring(ahead, s_base + block)))
-                if block == n_blocks - 1:
-                    events[mma].append(("arrive", f"O{stage}", "full", 0, o_round, "async"))
-                elif ahead > 1:
-                    producer_acquire(mma, f"PV{stage}", 1, pv_round)
-                    events[mma].append(("arrive", f"PV{stage}", "full", 0, pv_round, "async"))
-                if next_s and stages > 1:
-                    events[mma].append(("arrive", f"S{stage}", "full", *_ring(ahead, s_base + block + ahead),
-                                        "async"))
-            release_kv(v_use)
-            if next_s and stages == 1:
-                k_use = wait_kv()
-                events[mma].append(("arrive", "S0", "full", *_ring(ahead, s_base + block + ahead), "async"))
-            if k_use is not None:
-                release_kv(k_use)
-            if ahead > 1 and block < n_blocks - 1:
-                pv_round += 1
-        s_base += n_blocks
-        o_round += 1
-
-    # Softmax warp group i: per block, S_i in, row scale out (from the second block on), P_i
-    # in; after a tile's last block, the row sum and maximum.
-    for stage, softmax in enumerate(roles.softmax):
-        s_base = stats = 0
-        for n_blocks in tiles:
-            for block in range(n_blocks):
-                events[softmax].append(("wait", f"S{stage}", "full", *_ring(ahead, s_base + block)))
-                if block > 0:
-                    producer_acquire(softmax, f"STATS{stage}", 1, stats)
-                    events[softmax].append(("arrive", f"STATS{stage}", "full", 0, stats))
-                    stats += 1
-                events[softmax].append(("arrive", f"S{stage}", "empty", *_ring(ahead, s_base + block)))
-            if n_blocks:
-                producer_acquire(softmax, f"STATS{stage}", 1, stats)
-                events[softmax].append(("arrive", f"STATS{stage}", "full", 0, stats))
-                stats += 1
-            s_base += n_blocks
-
-    # Correction warp group, per tile: every stage's rescale per block (with one stage, after
-    # the previous P·V is done), then every stage's epilogue, then the Q_i released once their
-    # stores have read them. A tile without keys: Q_i awaited, zeros staged over it and stored,
-    # Q_i released.
-    correction = Role.CORRECTION
-    s_base = stats = o_round = pv_round = 0
-    for tile, n_blocks in enumerate(tiles):
-        if n_blocks == 0:
-            for stage in range(stages):
-                events[correction].append(("wait", "Q", "full", stage, tile))
-            for stage in range(stages):
-                events[correction].append(("arrive", "Q", "empty", stage, tile))
-            continue
-        for stage in range(stages):
-            events[correction].append(("arrive", f"S{stage}", "empty", *_ring(ahead, s_base)))
-        for block in range(1, n_blocks):
-            for stage in range(stages):
-                events[correction].append(("wait", f"STATS{stage}", "full", 0, stats))
-                events[correction].append(("arrive", f"STATS{stage}", "empty", 0, stats))
-                if ahead > 1:
-                    events[correction].append(("wait", f"PV{stage}", "full", 0, pv_round))
-                    events[correction].append(("arrive", f"PV{stage}", "empty", 0, pv_round))
-                events[correction].append(("arrive", f"S{stage}", "empty", *_ring(ahead, s_base + block)))
-            stats += 1
-            pv_round += 1
-        for stage in range(stages):
-            events[correction].append(("wait", f"STATS{stage}", "full", 0, stats))
-            events[correction].append(("arrive", f"STATS{stage}", "empty", 0, stats))
-            events[correction].append(("wait", f"O{stage}", "full", 0, o_round))
-        for stage in range(stages):
-            events[correction].append(("arrive", "Q", "empty", stage, tile))
-        stats += 1
-        s_base += n_blocks
-        o_round += 1
-    return events
-
-
-PAIR = (0, 1)
-LEADER = 0
-
-
-def _landings(at: str, cta: int) -> tuple[int, ...]:
-    return {"own": (cta,), "leader": (LEADER,), "both": PAIR}[at]
-
-
-def pair_role_events(config: TileConfig, tiles: tuple[int, ...]) -> dict[tuple[Role, int], list[tuple]]:
-    """role_events for a CTA pair, keyed by (role, CTA): both CTAs walk the same tiles; only the
-    leader's MMA warp issues (each MMA covers both CTAs); every event names the mbarrier it
-    touches as "pipeline@cta" (`Pipeline.full_at`/`empty_at`: a multicast commit is one arrival
-    on each CTA's barrier). A pair serves calls without a mask or ragged lengths, whose tiles all
-    have keys."""
-    if not all(tiles):
-        raise ValueError(f"a CTA pair's tiles all have key blocks: {tiles}")
-    by_name = {pipe.name: pipe for pipe in pipelines(config)}
-    single = role_events(config, tiles)
-    out = {}
-    for cta in PAIR:
-        for role, events in single.items():
-            if role == Role.MMA and cta != LEADER:
-                continue
-            mine = out[(role, cta)] = []
-            for kind, pipe, side, *rest in events:
-                if kind == "wait":
-                    mine.append((kind, f"{pipe}@{cta}", side, *rest))
-                    continue
-                at = by_name[pipe].full_at if side == "full" else by_name[pipe].empty_at
-                mine.extend((kind, f"{pipe}@{owner}", side, *rest) for owner in _landings(at, cta))
-    return out
-
-
-def pair_expected_arrivals(config: TileConfig) -> dict[tuple[str, str], int]:
-    """("pipeline@cta", side) -> arrivals that complete a phase of that CTA's barrier in a pair,
-    in roles (the MMA role in the leader only)."""
-    out = {}
-    for pipe in pipelines(config):
-        for side, roles, at in (("full", pipe.producer, pipe.full_at), ("empty", pipe.consumers, pipe.empty_at)):
-            for owner in PAIR:
-                out[(f"{pipe.name}@{owner}", side)] = sum(
-                    1 for cta in PAIR for r in roles if (r != Role.MMA or cta == LEADER)
-                    and owner in _landings(at, cta))
-    return out
-
-
-def pair_filled_by(config: TileConfig) -> dict[str, str]:
-    """"pipeline@cta" -> the barrier whose full phases say that CTA's buffers of that pipeline
-    have landed (the leader's, where both CTAs' loads complete, when full_at is "leader")."""
-    return {f"{pipe.name}@{cta}": f"{pipe.name}@{_landings(pipe.full_at, cta)[0]}"
-            for pipe in pipelines(config) for cta in PAIR}
-
-
-def expected_arrivals(config: TileConfig) -> dict[tuple[str, str], int]:
-    """(pipeline, side) -> arrivals that complete a phase, in roles."""
-    out = {}
-    for pipe in pipelines(config):
-        out[(pipe.name, "full")] = len(pipe.producer)
-        out[(pipe.name, "empty")] = len(pipe.consumers)
-    return out
