@@ -71,10 +71,18 @@ def compare(out, ref, lowp, factor: float = 2, dtype=None) -> Comparison:
     mismatched = int(((infinite != np.isinf(out)) | (infinite & (out != ref))).sum())
     if mismatched:
         return Comparison(np.inf, 0.0, f"{mismatched} entries differ in infinity from the reference")
-    finite = ~infinite
-    error = float(np.abs(out[finite] - ref[finite]).max(initial=0.0))
-    lowp_error = float(np.abs(lowp[finite] - ref[finite]).max(initial=0.0))
-    step = rounding_step(dtype) * float(np.abs(ref[finite]).max(initial=0.0))
+
+    def largest(x):
+        """max |x| over the entries where ref is finite (NaN if x has NaN there); x is a fresh
+        array (no boolean indexing: a copy per call, slow on the probes' largest results)."""
+        x = np.abs(x, out=x)
+        x[infinite] = 0
+        return float(x.max(initial=0.0))
+
+    with np.errstate(invalid="ignore"):  # inf - inf where ref is infinite, zeroed after
+        error = largest(out - ref)
+        lowp_error = largest(lowp - ref)
+    step = rounding_step(dtype) * largest(np.abs(ref))
     # max() would drop a NaN lowp_error whichever side it is on; keep it, so the bound fails.
     bound = lowp_error * factor if np.isnan(lowp_error) else max(factor * lowp_error, step)
     return Comparison(error, bound + SLACK)

@@ -41,15 +41,15 @@ def _status(verdicts) -> str:
     return "pass" if all(v.passed for v in verdicts) else "inconclusive"
 
 
-def run(only: str | None = None, out=sys.stdout, json_path: str | None = None, command=None) -> dict:
+def run(only: str | None = None, out=None, json_path: str | None = None) -> dict:
     """Probes the variants, printing a line as each starts and one with its verdict to `out`
-    (and the report to `json_path` after each); returns the report. command: the probe process
-    (tests)."""
+    (default stdout; and the report to `json_path` after each); returns the report."""
     import jax
 
     import fa4_jax
     from fa4_jax import dispatch, ffi
 
+    out = out or sys.stdout
     report = dict(fa4_jax=fa4_jax.__version__, jax=jax.__version__, python=platform.python_version(),
                   variants=[], status="nothing to check")
     arch, reason = dispatch.device_arch()
@@ -64,7 +64,7 @@ def run(only: str | None = None, out=sys.stdout, json_path: str | None = None, c
         print(f"fa4_jax selftest: nothing to check: {report['reason']}", file=out)
         _write(report, json_path)
         return report
-    device = jax.devices()[0]
+    device = runner.default_gpu()
     timeout = runner.timeout_seconds()
     report.update(gpu=device.device_kind, arch=arch, library=library.path, timeout=timeout)
     print(f"fa4_jax {fa4_jax.__version__} selftest on {device.device_kind} ({arch}), jax {jax.__version__}, "
@@ -80,8 +80,8 @@ def run(only: str | None = None, out=sys.stdout, json_path: str | None = None, c
         print(verdict.line(), file=out, flush=True)
         _write(report, json_path)
 
-    target = runner.Target(library.path, device.local_hardware_id, os.environ.get("CUDA_VISIBLE_DEVICES"))
-    opened, verdicts = runner.run(target, names, timeout, on_start=on_start, on_verdict=on_verdict, command=command)
+    opened, verdicts = runner.run(runner.Target.on(library.path, device), names, timeout, on_start=on_start,
+                                  on_verdict=on_verdict)
     report.update(device=opened, status=_status(verdicts.values()))
     counts = {kind: sum(v.verdict == kind for v in verdicts.values()) for kind in ("pass", "wrong", "hang", "fault",
                                                                                    "load-error", "inconclusive")}

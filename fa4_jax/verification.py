@@ -107,17 +107,18 @@ def _class_verdicts(variant: routing.Variant, library) -> list[Verdict]:
 
 
 def _adopt(library, verdicts) -> None:
-    """Takes `verdicts` as this process's, marking the passes verified in the library."""
+    """Takes `verdicts` as this process's, marking new passes verified in the library."""
     for verdict in verdicts:
+        known = _verdicts.get((library.path, verdict.variant))
         _verdicts[(library.path, verdict.variant)] = verdict
-        if verdict.passed:
+        if verdict.passed and not (known is not None and known.passed):
             ffi.mark_verified(library, verdict.variant)
 
 
 def _probe(library, identity: verdict_store.Identity, names: list[str]) -> dict[str, Verdict]:
     """Probes `names` on the default GPU; keeps each verdict as it comes and takes it as this
     process's (a pass is marked verified at once)."""
-    device = _default_gpu()
+    device = runner.default_gpu()
     timeout = runner.timeout_seconds()
     notices.progress(
         f"fa4_jax: checking {len(names)} kernel(s) not yet run on {identity.gpu} hardware "
@@ -132,18 +133,9 @@ def _probe(library, identity: verdict_store.Identity, names: list[str]) -> dict[
         verdict_store.record(identity, verdict)
         _adopt(library, [verdict])
 
-    target = runner.Target(library.path, device.local_hardware_id, os.environ.get("CUDA_VISIBLE_DEVICES"))
-    _, verdicts = runner.run(target, names, timeout, on_verdict=on_verdict, on_device=opened.update)
+    _, verdicts = runner.run(runner.Target.on(library.path, device), names, timeout, on_verdict=on_verdict,
+                             on_device=opened.update)
     return {name: _verdicts[(library.path, name)] for name in verdicts}
-
-
-def _default_gpu():
-    import jax
-
-    device = jax.devices()[0]
-    if device.platform != "gpu":
-        raise RuntimeError(f"fa4_jax.verification needs a CUDA GPU as the default device, not {device.platform}")
-    return device
 
 
 @functools.cache
@@ -171,7 +163,7 @@ def _driver_version(library) -> str:
 def _identity(library) -> verdict_store.Identity:
     stat = os.stat(library.path)
     return verdict_store.Identity(_file_digest(library.path, stat.st_size, stat.st_mtime_ns),
-                                  _default_gpu().device_kind, _driver_version(library))
+                                  runner.default_gpu().device_kind, _driver_version(library))
 
 
 def push_kept(library) -> None:
@@ -224,7 +216,7 @@ def results() -> dict[str, Verdict]:
 
 
 def _check(library, identity, pattern: str | None) -> int:
-    arch = routing.arch_name(*(int(x) for x in _default_gpu().compute_capability.split(".")))
+    arch = routing.arch_name(*(int(x) for x in runner.default_gpu().compute_capability.split(".")))
     if arch not in unverified_arches(library):
         print(f"{arch}'s kernels are not gated (FA4_JAX_UNVERIFIED_ARCHES adds an arch): nothing to check")
         return 2

@@ -1,5 +1,6 @@
 """A stand-in for `python -m fa4_jax.probe` (tests/probe_stand_ins.py's FAKE_CHILD): reads the
-job, prints the protocol's lines, and does to each variant what its name says:
+job, prints the protocol's lines, and does to each variant what $FAKE_CHILD_PLAN (JSON: name ->
+one of the words below) or else its name says:
 
     ..._hang_...          START, then never finishes
     ..._crash_...         START, then dies of SIGSEGV
@@ -31,15 +32,18 @@ def main() -> int:
             env = {name: os.environ.get(name) for name in ("JAX_PLATFORMS", "CUDA_VISIBLE_DEVICES")}
             log.write(json.dumps({"job": job, "env": env}) + "\n")
     say(DEVICE + json.dumps({"name": os.environ.get("FAKE_CHILD_GPU", "NVIDIA B200"), "sms": 148}))
+    plan = json.loads(os.environ.get("FAKE_CHILD_PLAN", "{}"))
     for name in job["variants"]:
-        if "_stall_" in name:
+        does = plan.get(name) or next((word for word in ("stall", "hang", "crash", "wrong", "fault", "inconclusive",
+                                                         "load-error") if f"_{word}_" in name), "pass")
+        if does == "stall":
             time.sleep(3600)
         say(START + name)
-        if "_hang_" in name:
+        if does == "hang":
             time.sleep(3600)
-        if "_crash_" in name:
+        if does == "crash":
             os.kill(os.getpid(), signal.SIGSEGV)
-        verdict = next((v for v in ("wrong", "fault", "inconclusive", "load-error") if f"_{v}_" in name), "pass")
+        verdict = does
         say(RESULT + Verdict(name, verdict, None if verdict == "pass" else f"fake {verdict}", 0.01).to_json())
         if verdict == "fault":
             return 3

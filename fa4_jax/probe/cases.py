@@ -61,10 +61,10 @@ class ProblemClass:
 
 
 def in_probe_order(variants) -> list[routing.Variant]:
-    """`variants` with each problem class's forward and backward variants together (they share
-    cases), its tunings after its default."""
-    return sorted(variants, key=lambda v: (dataclasses.astuple(ProblemClass.of(v)), v.kind, v.tuning != "default",
-                                           v.tuning))
+    """`variants` with each problem class's variants together (they share cases): its forward
+    ones, the default first, then its backward ones."""
+    return sorted(variants, key=lambda v: (dataclasses.astuple(ProblemClass.of(v)), v.kind != "fwd",
+                                           v.tuning != "default", v.tuning))
 
 
 def segment_ids(seqlen_q: int, seqlen_k: int) -> tuple[np.ndarray, np.ndarray]:

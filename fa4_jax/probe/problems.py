@@ -13,7 +13,7 @@ Forward and backward variants without segment ids get:
 - tiles: an odd-length call over two CTA tiles and three key blocks, or the shape a tuned
   variant's route needs (the d128 tails' last key blocks, a diagonal along 128-key blocks, the
   Blackwell pairs' single-CTA siblings);
-- decode: one query row over 777 keys;
+- decode: one query row over 777 keys (or 1777);
 - many: a batch of many tiles, so that persistent CTAs compute several in a row, and, under a
   causal or window mask (bottom-right: more rows than keys), tiles without any key;
 - ragged: a ragged batch whose padding holds NaN (K and V, and Q and dO: what reaches the kernels
@@ -46,10 +46,13 @@ DOCUMENTS = ((70, 150), (110, 140))
 # blocks short (256, 384) and long (300, 1324), and one Blackwell CTA's tile (<= 128 rows).
 TILES = ((300, 333), (300, 1206), (300, 1100), (300, 1146), (300, 1176), (256, 384), (300, 1324),
          (120, 333))
-DECODE = ((1, 777),)
-# 300 tiles of 256 rows over 148 SMs, two or more per CTA; rows 0-559 see no key under a mask;
-# then past the short routes (1100 rows), and under the Blackwell pairs' min_rows (250, 120).
-MANY = ((50, 600, 40), (16, 1100, 40), (150, 250, 40), (150, 120, 40))
+# decode: then past the short causal routes (max_len 1024), for the defaults behind them.
+DECODE = ((1, 777), (1, 1777))
+# many: 300 tiles of 256 rows (75 entries of 2, 2 heads) over 148 SMs, two or more per CTA, and
+# under a causal or window mask a whole first tile without a key (bottom-right with 40 keys, rows
+# 0-263 see none through the window's right bound of 16); then past the short routes (1100 rows),
+# and under the Blackwell pairs' min_rows (300 one-tile entries).
+MANY = ((75, 320, 40), (16, 1100, 40), (150, 200, 40), (150, 120, 40))
 RAGGED = ((300, 333), (48, 333), (300, 1206))
 SEGMENTS = ((200, 333),)
 # The mask probe, and a call past the short mask route (max_len 1024).

@@ -76,18 +76,21 @@ class _Precision:
         return self.round(np.asarray(x, self.work))
 
     def matmul(self, a, b):
-        """a @ b accumulated in the working precision, the result rounded."""
-        return self.round(np.matmul(a, b))
+        """a @ b accumulated in the working precision, the result rounded. Contiguous operands:
+        numpy's matmul of a transposed view is many times slower."""
+        return self.round(np.matmul(np.ascontiguousarray(a), np.ascontiguousarray(b)))
 
 
 @dataclasses.dataclass
 class Forward:
-    """One forward pass in one precision, grouped by kv head: probabilities [b, hk, g, sq, sk]
-    (`probs` unrounded, `probs_used` as P·V reads them), tanh of the capped scores (or None),
-    out [b, hk, g, sq, dv], lse [b, hk, g, sq], and the zero-padded operands q [b, hk, g, sq, d],
-    k [b, hk, sk, d], v [b, hk, sk, dv] in the working dtype."""
+    """One forward pass in one precision, by kv head with the g = hq / hk query heads of its
+    group stacked as rows: probabilities [b, hk, g·sq, sk] (`probs` unrounded, `probs_used` as
+    P·V reads them), tanh of the capped scores (or None), out [b, hk, g·sq, dv], lse
+    [b, hk, g·sq], and the zero-padded operands q [b, hk, g·sq, d], k [b, hk, sk, d],
+    v [b, hk, sk, dv] in the working dtype."""
 
     precision: _Precision
+    seqlen_q: int
     q: np.ndarray
     k: np.ndarray
     v: np.ndarray
@@ -100,9 +103,8 @@ class Forward:
 
     def results(self) -> tuple[np.ndarray, np.ndarray]:
         """(out [b, sq, hq, dv], lse [b, hq, sq])."""
-        b, hk, g, sq, dv = self.out.shape
-        out = self.out.transpose(0, 3, 1, 2, 4).reshape(b, sq, hk * g, dv)
-        return out, self.lse.reshape(b, hk * g, sq)
+        b, hk, rows, _ = self.out.shape
+        return _heads_last(self.out, self.seqlen_q), self.lse.reshape(b, hk * rows // self.seqlen_q, self.seqlen_q)
 
 
 def _zero_padding(x, lengths, work):
@@ -113,68 +115,76 @@ def _zero_padding(x, lengths, work):
     return np.where(rows, x.astype(work), 0)
 
 
-def _grouped_queries(x, heads_kv):
-    """[b, s, hq, d] -> [b, hk, g, s, d]."""
+def _group_rows(x, heads_kv):
+    """[b, s, hq, d] -> [b, hk, g·s, d]: each kv head's query heads stacked as rows."""
     b, s, hq, d = x.shape
-    return x.reshape(b, s, heads_kv, hq // heads_kv, d).transpose(0, 2, 3, 1, 4)
+    grouped = x.reshape(b, s, heads_kv, hq // heads_kv, d).transpose(0, 2, 3, 1, 4)
+    return np.ascontiguousarray(grouped).reshape(b, heads_kv, -1, d)
+
+
+def _heads_last(x, seqlen):
+    """The inverse of `_group_rows`: [b, hk, g·s, d] -> [b, s, hq, d]."""
+    b, hk, rows, d = x.shape
+    return x.reshape(b, hk, rows // seqlen, seqlen, d).transpose(0, 3, 1, 2, 4).reshape(b, seqlen, -1, d)
 
 
 def _by_kv_head(x):
     """[b, s, hk, d] -> [b, hk, s, d]."""
-    return x.transpose(0, 2, 1, 3)
+    return np.ascontiguousarray(x.transpose(0, 2, 1, 3))
+
+
+def _per_query_head(x, groups, seen):
+    """x [b, hk, g·sq, sk] as [b, hk, g, sq, sk], beside seen [b, sq, sk] as [b, 1, 1, sq, sk]."""
+    b, hk, rows, sk = x.shape
+    return x.reshape(b, hk, groups, rows // groups, sk), seen[:, None, None]
 
 
 def forward(inputs: Inputs, params: AttentionParams, lowp=None) -> Forward:
     """The forward pass, exact (lowp None) or as the JAX reference computes it in `lowp`."""
     p = _Precision(lowp)
+    b, sq, hq, _ = inputs.q.shape
     heads_kv = inputs.k.shape[2]
-    q = _grouped_queries(_zero_padding(inputs.q, inputs.q_len, p.work), heads_kv)
+    q = _group_rows(_zero_padding(inputs.q, inputs.q_len, p.work), heads_kv)
     k = _by_kv_head(_zero_padding(inputs.k, inputs.kv_len, p.work))
     v = _by_kv_head(_zero_padding(inputs.v, inputs.kv_len, p.work))
     scale = p.scalar(params.softmax_scale)
-    scores = p.round(p.matmul(q, k[:, :, None].swapaxes(-1, -2)) * scale)
+    scores = p.round(p.matmul(q, k.swapaxes(-1, -2)) * scale)
     tanh = None
     if params.softcap is not None:
         cap = p.scalar(params.softcap)
         tanh = p.round(np.tanh(p.round(scores / cap)))
         scores = p.round(cap * tanh)
-    seen = visible(inputs, params)[:, None, None]
-    scores = np.where(seen, scores, -np.inf)
+    by_head, seen = _per_query_head(scores, hq // heads_kv, visible(inputs, params))
+    scores = np.where(seen, by_head, -np.inf).reshape(scores.shape)
+    live = np.broadcast_to(seen, by_head.shape).reshape(scores.shape)
     with np.errstate(invalid="ignore", divide="ignore"):
         row_max = scores.max(axis=-1, keepdims=True)
         shift = np.where(np.isfinite(row_max), row_max, 0)
         total = np.exp(scores - shift).sum(axis=-1, keepdims=True)
         lse = np.where(total > 0, shift + np.log(total), -np.inf)
-        probs = np.where(seen & (total > 0), np.exp(scores - lse), 0).astype(p.work)
+        probs = np.where(live & (total > 0), np.exp(scores - lse), 0).astype(p.work)
     probs_used = p.round(probs)
-    out = p.matmul(probs_used, v[:, :, None])
-    return Forward(p, q, k, v, scale, tanh, probs, probs_used, out, lse[..., 0])
-
-
-def _sum_groups(x, p: _Precision):
-    """[b, hk, g, s, d] -> [b, s, hk, d]: the query heads' contributions to their kv head, each
-    rounded, summed (the VJP of the JAX reference's repeat of k and v over the group)."""
-    return p.round(x.sum(axis=2)).transpose(0, 2, 1, 3)
+    out = p.matmul(probs_used, v)
+    return Forward(p, sq, q, k, v, scale, tanh, probs, probs_used, out, lse[..., 0])
 
 
 def gradients(fwd: Forward, inputs: Inputs, params: AttentionParams):
     """(dq, dk, dv) of `fwd`'s pass for the cotangents inputs.d_out (and inputs.d_lse of lse,
-    when not None), in `fwd`'s precision."""
+    when not None), in `fwd`'s precision. The query heads of a group add into their kv head's
+    dk and dv within one matmul, rounded once."""
     p = fwd.precision
     heads_kv = inputs.k.shape[2]
-    d_out = _grouped_queries(_zero_padding(inputs.d_out, inputs.q_len, p.work), heads_kv)
-    dv = _sum_groups(p.matmul(fwd.probs_used.swapaxes(-1, -2), d_out), p)
-    d_probs = p.matmul(d_out, fwd.v[:, :, None].swapaxes(-1, -2))
+    d_out = _group_rows(_zero_padding(inputs.d_out, inputs.q_len, p.work), heads_kv)
+    dv = p.matmul(fwd.probs_used.swapaxes(-1, -2), d_out)
+    d_probs = p.matmul(d_out, fwd.v.swapaxes(-1, -2))
     row = (fwd.probs * d_probs).sum(axis=-1, keepdims=True)
     if inputs.d_lse is not None:
         b, hq, sq = inputs.d_lse.shape
-        row = row - inputs.d_lse.astype(p.work).reshape(b, heads_kv, hq // heads_kv, sq, 1)
+        row = row - inputs.d_lse.astype(p.work).reshape(b, heads_kv, hq // heads_kv * sq, 1)
     d_scores = p.round(fwd.probs * (d_probs - row))
     if fwd.tanh is not None:
         d_scores = p.round(d_scores * p.round(1 - p.round(fwd.tanh * fwd.tanh)))
     d_scores = p.round(d_scores * fwd.scale)
-    dq = p.matmul(d_scores, fwd.k[:, :, None])
-    b, hk, g, sq, d = dq.shape
-    dq = dq.transpose(0, 3, 1, 2, 4).reshape(b, sq, hk * g, d)
-    dk = _sum_groups(p.matmul(d_scores.swapaxes(-1, -2), fwd.q), p)
-    return dq, dk, dv
+    dq = _heads_last(p.matmul(d_scores, fwd.k), fwd.seqlen_q)
+    dk = p.matmul(d_scores.swapaxes(-1, -2), fwd.q)
+    return dq, dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3)

@@ -58,6 +58,17 @@ def probe_command() -> list[str]:
     return [sys.executable, "-m", "fa4_jax.probe"]
 
 
+def default_gpu():
+    """This process's default JAX device, the GPU the dispatch serves calls on; RuntimeError when
+    it is not a CUDA GPU."""
+    import jax
+
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        raise RuntimeError(f"the first-use probes need a CUDA GPU as the default JAX device, not {device.platform}")
+    return device
+
+
 @dataclasses.dataclass(frozen=True)
 class Target:
     """Where to probe: the library, and the caller's GPU (its local hardware id and the caller's
@@ -67,10 +78,19 @@ class Target:
     hardware_id: int
     visible_devices: str | None = None
 
+    @classmethod
+    def on(cls, library: str, device) -> "Target":
+        """The library on `device` (a JAX device of this process)."""
+        return cls(library, device.local_hardware_id, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
     def environment(self) -> dict:
+        """The child's: this fa4_jax first on its path, JAX on the CPU, the caller's GPU alone,
+        and BLAS on one thread (the child computes its references on a pool of threads, one per
+        core; a multi-threaded BLAS under it ran small matmuls up to 100x slower)."""
         package_root = os.path.dirname(os.path.dirname(os.path.abspath(fa4_jax.__file__)))
         python_path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
-        return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=python_path,
+        one_thread = {name: "1" for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+        return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=python_path, **one_thread,
                     CUDA_VISIBLE_DEVICES=child_visible_devices(self.visible_devices, self.hardware_id))
 
 
