@@ -96,13 +96,18 @@ def _class_verdicts(variant: routing.Variant, library) -> list[Verdict]:
     names = names or [variant.name]
     with _lock:
         if any((library.path, name) not in _verdicts for name in names):
-            identity = _identity(library)
-            with verdict_store.probing_lock():
-                kept = verdict_store.load(identity)
-                _adopt(library, kept.values())
-                todo = [name for name in names if name not in kept]
-                if todo:
-                    _probe(library, identity, todo)
+            try:
+                identity = _identity(library)
+                with verdict_store.probing_lock():
+                    kept = verdict_store.load(identity)
+                    _adopt(library, kept.values())
+                    todo = [name for name in names if name not in kept]
+                    if todo:
+                        _probe(library, identity, todo)
+            except Exception as error:  # noqa: BLE001 - the call falls back; it must not fail
+                _adopt(library, [Verdict(name, "inconclusive", f"the probe could not run: {type(error).__name__}: "
+                                                               f"{error}")
+                                 for name in names if (library.path, name) not in _verdicts])
         return [_verdicts[(library.path, name)] for name in names]
 
 
@@ -121,9 +126,10 @@ def _probe(library, identity: verdict_store.Identity, names: list[str]) -> dict[
     device = runner.default_gpu()
     timeout = runner.timeout_seconds()
     notices.progress(
-        f"fa4_jax: checking {len(names)} kernel(s) not yet run on {identity.gpu} hardware "
-        f"({', '.join(names)}) against the reference, in a child process: up to {timeout:g} s each "
-        f"(FA4_JAX_PROBE_TIMEOUT), once per library, GPU and driver")
+        f"fa4_jax: checking {len(names)} kernel(s) that have not run on {identity.gpu} hardware before "
+        f"({', '.join(names)}) against the reference, in a child process on that GPU: seconds if they "
+        f"pass, at most {timeout:g} s each if they hang (FA4_JAX_PROBE_TIMEOUT); once per library, GPU "
+        f"and driver")
     opened = {}
 
     def on_verdict(verdict: Verdict) -> None:

@@ -100,3 +100,19 @@ def test_a_bad_timeout_names_the_variable(monkeypatch, value):
     monkeypatch.setenv("FA4_JAX_PROBE_TIMEOUT", value)
     with pytest.raises(ValueError, match="FA4_JAX_PROBE_TIMEOUT"):
         runner.timeout_seconds()
+
+
+def test_the_real_probe_process_without_a_gpu_judges_nothing():
+    # `python -m fa4_jax.probe` itself, on the built library: it checks its Fa4Args mirror,
+    # finds no GPU to open, and says so for every variant, inconclusive (retried, not kept).
+    from fa4_jax.aot import build
+    from fa4_jax.probe import device
+
+    if not build.LIBRARY.exists():
+        pytest.fail(f"{build.LIBRARY} is not built: run `python -m fa4_jax.aot.build`")
+    if device.open_library(str(build.LIBRARY)).Fa4CudaDriverVersion() > 0:
+        pytest.skip("a CUDA driver is installed: the probe would run (the GPU tier's)")
+    names = ["fwd_sm90a_bf16_d64_dv64", "fwd_sm100f_bf16_d64_dv64"]
+    opened, verdicts = runner.run(runner.Target(str(build.LIBRARY), 0), names, 30.0)
+    assert "error" in opened and list(verdicts) == names
+    assert all(v.verdict == "inconclusive" and "could not open the GPU" in v.reason for v in verdicts.values())

@@ -239,3 +239,10 @@ def test_the_command_shows_forgets_and_checks(blackwell, capsys):
     assert verification.main(["show"]) == 0 and D64_CAUSAL in capsys.readouterr().out
     assert verification.main(["forget"]) == 0 and "forgot 2" in capsys.readouterr().out
     assert verdict_store.load(blackwell.identity) == {}
+
+
+def test_a_probe_that_cannot_even_start_falls_back_and_keeps_nothing(blackwell, monkeypatch):
+    monkeypatch.setattr(runner, "probe_command", lambda: ["/nonexistent/python"])
+    reason = _reason(blackwell)
+    assert "could not run" in reason and "not kept" in reason
+    assert verdict_store.load(blackwell.identity) == {} and blackwell.marked == []

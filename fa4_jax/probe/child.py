@@ -23,6 +23,9 @@ from fa4_jax.probe import cases, judge, problems
 from fa4_jax.probe.protocol import DEVICE, RESULT, START, Verdict
 
 FAULT_STATUS = 3
+# Threads computing the references ahead (and variants prepared ahead): more cost memory (a
+# d256 batch of many tiles holds ~300 MB of reference) for little, the GIL being shared.
+MAX_WORKERS = 8
 
 
 def _say(prefix: str, text: str) -> None:
@@ -43,7 +46,7 @@ def _serves(library: ffi.Library, lib):
 def _prepare(variant: routing.Variant, problem: problems.Problem) -> None:
     """Computes a problem's inputs, operands and reference."""
     case = cases.case(cases.ProblemClass.of(variant), problem)
-    case.operands
+    case.operands  # noqa: B018 - computed now, outside the GPU's timeout
     case.forward() if variant.kind == "fwd" else case.backward()
 
 
@@ -90,7 +93,7 @@ def run(job: dict) -> int:
     _inconclusive_all([name for name in names if name not in variants],
                       f"{job['library']}'s manifest has no variant of that name")
     work = ((variants[name], problems.for_variant(variants[name], serves)) for name in names if name in variants)
-    for variant, chosen in _prepared(work, os.cpu_count() or 1):
+    for variant, chosen in _prepared(work, min(MAX_WORKERS, os.cpu_count() or 1)):
         _say(START, variant.name)
         verdict = judge.judge(variant, chosen, device, settings)
         _say(RESULT, verdict.to_json())

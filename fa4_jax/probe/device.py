@@ -65,6 +65,7 @@ class CudaError(Exception):
 
 _SIGNATURES = {
     "Fa4ArgsLayout": (ctypes.c_char_p, []),
+    "Fa4CudaDriverVersion": (ctypes.c_int, []),
     "Fa4ProbeOpenDevice": (ctypes.c_int, [ctypes.c_int, ctypes.c_char_p, ctypes.c_int]),
     "Fa4ProbeMalloc": (ctypes.c_int, [ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p)]),
     "Fa4ProbeFree": (ctypes.c_int, [ctypes.c_void_p]),

@@ -102,8 +102,11 @@ class _Child:
         self.stderr = tempfile.TemporaryFile()
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         stderr=self.stderr, env=env, start_new_session=True)
-        self.process.stdin.write((json.dumps(job) + "\n").encode())
-        self.process.stdin.close()
+        try:
+            self.process.stdin.write((json.dumps(job) + "\n").encode())
+            self.process.stdin.close()
+        except BrokenPipeError:
+            pass  # it died before reading its job: its end says why
         self.buffer = b""
 
     def next_line(self, deadline: float) -> str | None:
@@ -135,6 +138,9 @@ class _Child:
         return how + (f"; its stderr ends: {tail}" if tail else "")
 
     def close(self) -> None:
+        """Kills it if it still runs (its parent was interrupted), and closes its pipes."""
+        if self.process.poll() is None:
+            self.kill()
         self.process.stdout.close()
         self.stderr.close()
 

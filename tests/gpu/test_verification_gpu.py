@@ -97,8 +97,7 @@ def test_the_handler_refuses_an_unchecked_variant_and_runs_it_once_checked(next_
     with pytest.raises(Exception, match="first-use check"):
         jax.block_until_ready(program.call(q, k, v))
     assert dispatch.unsupported_reason(q, k, v, params, "fwd") is None  # the gate: probed, passed, marked
-    options = dict(window_size=(64, 16), softcap=5.0)
-    (ref, _), (lowp, _) = reference_pair(q, k, v, **options)
+    (ref, _), (lowp, _) = reference_pair(q, k, v, window_left=64, window_right=16, softcap=5.0)
     assert_close_by_rule(program.call(q, k, v), ref, lowp, factor=3, name="out")
 
 
