@@ -167,9 +167,12 @@ def _driver_version(library) -> str:
 
 
 def _identity(library) -> verdict_store.Identity:
+    """What this process's verdicts hold for; RuntimeError without a GPU (before reading the
+    library's 60 MB)."""
+    gpu = runner.default_gpu().device_kind
     stat = os.stat(library.path)
-    return verdict_store.Identity(_file_digest(library.path, stat.st_size, stat.st_mtime_ns),
-                                  runner.default_gpu().device_kind, _driver_version(library))
+    return verdict_store.Identity(_file_digest(library.path, stat.st_size, stat.st_mtime_ns), gpu,
+                                  _driver_version(library))
 
 
 def push_kept(library) -> None:
