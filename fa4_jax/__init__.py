@@ -20,12 +20,14 @@ from fa4_jax.varlen import varlen_attention
 __version__ = "0.2.0"
 
 # Register the installed library's custom call targets now, so that a program that reaches them
-# without calling fa4_jax first (a deserialized `jax.export` artifact) finds them; calls load it
-# themselves when this finds none.
+# without calling fa4_jax first (a deserialized `jax.export` artifact) finds them, and let its
+# handlers run the kernels of unverified archs that passed their first-use check on this GPU
+# (fa4_jax.verification); calls load it themselves when this finds none.
 from fa4_jax import ffi as _ffi  # noqa: E402
+from fa4_jax import verification as _verification  # noqa: E402
 
 try:
-    _ffi.load()
+    _verification.push_when_ready(_ffi.load())
 except _ffi.LibraryUnavailable:
     pass
 

@@ -121,10 +121,7 @@ def unsupported_reason(q, k, v, params, kind: str = "fwd", library: ffi.Library 
                 f"at head dim {default.head_dim} (head dim of v {default.head_dim_v}) or wider is "
                 f"compiled into {library.path}")
     variant = library.choose(dataclasses.replace(call, head_dim=served[0], head_dim_v=served[1]))
-    failed = verification.failure_reason(variant, library)
-    if failed is not None:
-        return f"{variant.name} has not run on {arch} hardware before and failed its first-use check: {failed}"
-    return None
+    return verification.failure_reason(variant, library)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -99,7 +99,8 @@ def library_path() -> str:
     return os.environ.get("FA4_JAX_LIBRARY") or os.path.join(_LIB_DIR, "libfa4_jax.so")
 
 
-def _read_manifest(path: str) -> dict:
+def read_manifest(path: str) -> dict:
+    """The manifest.json beside the library at `path`."""
     with open(os.path.join(os.path.dirname(path), "manifest.json")) as f:
         return json.load(f)
 
@@ -124,7 +125,7 @@ def load(path: str | None = None, tuning_targets: bool = False) -> Library:
         raise LibraryUnavailable(f"the fa4_jax kernel library is not built ({path} is missing)")
     try:
         lib = ctypes.CDLL(path)
-        manifest = _read_manifest(path)
+        library = describe(path, tuning_targets)
         if tuning_targets:
             targets = ((DEV_FWD_TARGET, "Fa4DevFwd"), (DEV_BWD_TARGET, "Fa4DevBwd"))
         else:
@@ -134,11 +135,18 @@ def load(path: str | None = None, tuning_targets: bool = False) -> Library:
         _register(lib, targets)
     except Exception as e:  # noqa: BLE001 - any failure means "not available", with the reason
         raise LibraryUnavailable(f"the fa4_jax kernel library at {path} does not load: {e}") from e
+    return library
+
+
+def describe(path: str, tuning_targets: bool = False) -> Library:
+    """The Library at `path` as its manifest describes it, neither loaded nor registered (the
+    probe process's view: fa4_jax.probe)."""
+    manifest = read_manifest(path)
     routes = tuple((entry.pop("arch"), routing.Route(**entry)) for entry in manifest["routes"])
     return Library(
         path=path,
-        fwd_target=targets[0][0],
-        bwd_target=targets[1][0],
+        fwd_target=DEV_FWD_TARGET if tuning_targets else FWD_TARGET,
+        bwd_target=DEV_BWD_TARGET if tuning_targets else BWD_TARGET,
         compiled=frozenset(v["name"] for v in manifest["variants"]),
         routes=routes,
         dq_copies_max_keys={arch: {int(d): keys for d, keys in rule.items()}
@@ -152,6 +160,25 @@ def load(path: str | None = None, tuning_targets: bool = False) -> Library:
         unverified_arches=frozenset(manifest.get("unverified_arches", ())),
         segments_backward_tile_m=dict(manifest.get("segments_backward_tile_m", {})),
     )
+
+
+def manifest_variants(path: str) -> dict[str, routing.Variant]:
+    """name -> routing.Variant of every variant in the manifest of the library at `path`."""
+    return {entry["name"]: routing.Variant(**{k: v for k, v in entry.items() if k != "name"})
+            for entry in read_manifest(path)["variants"]}
+
+
+def mark_verified(library: Library, variant: str) -> None:
+    """Lets the handlers run `variant` in this process (ffi/gate.h): it passed its first-use check
+    on this GPU (fa4_jax.verification)."""
+    if ctypes.CDLL(library.path).Fa4MarkVerified(variant.encode()) != 0:
+        raise LibraryUnavailable(f"{library.path} has no variant {variant}")
+
+
+def cuda_driver_version(library: Library) -> int:
+    """The CUDA version the installed driver supports (12080 for 12.8), or -1; creates no CUDA
+    context."""
+    return ctypes.CDLL(library.path).Fa4CudaDriverVersion()
 
 
 def _head_dims(variants) -> dict:

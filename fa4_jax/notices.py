@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 
 logger = logging.getLogger("fa4_jax")
@@ -33,3 +34,12 @@ def fallback(backend: str, reason: str, shape: str) -> None:
     _SAID.add(message)
     logger.info(message)
     warnings.warn(message, FallbackWarning, stacklevel=4)
+
+
+def progress(message: str) -> None:
+    """Says, once, what fa4_jax is doing that takes time (a first-use check): through the
+    "fa4_jax" logger where logging shows warnings, else on stderr."""
+    if logger.isEnabledFor(logging.WARNING) and logger.hasHandlers():
+        logger.warning(message)
+    else:
+        print(message, file=sys.stderr, flush=True)

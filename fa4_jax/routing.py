@@ -194,6 +194,18 @@ def choose(call: Call, routes, compiled) -> Variant:
     return call.variant()
 
 
+def class_variants(variant: Variant, routes, compiled) -> tuple[Variant, ...]:
+    """The compiled variants of `variant`'s problem class that calls reach: its default and the
+    tunings its arch's routes (`routes`, in order) send calls of the class to."""
+    tunings = ["default"] + [
+        route.tuning for route in routes
+        if (route.kind, route.mask, route.head_dim, route.mask_array) == (variant.kind, variant.mask, variant.head_dim,
+                                                                          variant.mask_array)
+        and route.softcap in (None, variant.softcap)]
+    found = (dataclasses.replace(variant, tuning=tuning) for tuning in dict.fromkeys(tunings))
+    return tuple(v for v in found if v.name in compiled)
+
+
 def serving_head_dims(head_dim: int, head_dim_v: int, compiled_pairs) -> tuple[int, int] | None:
     """The compiled (head_dim, head_dim_v) that serves a call at these dims, or None: the call's
     own pair when compiled, else the pair of least work per score (D + DV) with D >= head_dim

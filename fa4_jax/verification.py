@@ -1,154 +1,151 @@
-"""First-use checks of kernels that no GPU of their arch has run before users do.
+"""The first-use gate: kernels that no GPU of their arch has run before users do are checked on
+this GPU before a call uses them, in a child process, and never used if they fail.
 
-An arch menu whose VERIFIED is False (kernels/sm100/menu.py: Blackwell's, compiled and
-statically checked here, never executed; the build writes the flag into the library's manifest)
-ships kernels that could be wrong on the hardware in ways no check without it can see. So before the dispatch lets a call run one of them, the
-variant is run in this process on a few small problems (`PROBES`, and for a forward a ragged
-batch whose K and V padding is NaN, `RAGGED_PROBE`; milliseconds) and compared with the
-reference under the numerics rule (`fa4_jax.selftest`'s checks). A variant that
-passes serves every call after it; one that fails is never used in this process: the dispatch
-says why with a `FallbackWarning` and the call runs on cuDNN or the reference. Never a wrong
-answer.
+An arch menu whose VERIFIED is False (kernels/sm100/menu.py: Blackwell's, compiled and statically
+checked, never executed) puts its arch into the library's manifest. When the dispatch would run
+one of its variants (`failure_reason`), that variant and every other not yet judged variant of
+its problem class (its tunings, which one call site reaches through the routes) are probed in a
+child process pinned to this process's default GPU (fa4_jax.probe: small calls at kernel level
+against a numpy reference, a timeout per variant). A hang, a fault or a wrong answer costs the
+child, never this process: the variant gets a verdict, and a call it would have served falls
+back to cuDNN or the reference with a `FallbackWarning` saying why. A variant that passes is
+marked verified in the library (`ffi.mark_verified`): the C++ handler refuses unverified variants
+of those archs (ffi/gate.h), so a `jax.export`ed program runs only checked kernels.
 
-    FA4_JAX_TRUST_UNVERIFIED=1        skip the checks (you have run `python -m fa4_jax.selftest`
-                                      on this GPU and it passed)
+Verdicts are kept per library (its bytes), GPU name and driver version (fa4_jax.verdict_store,
+in FA4_JAX_CACHE_DIR): pass, wrong, hang, fault and load-error; an inconclusive probe (no device,
+out of memory, exclusive compute mode) is not kept: that process falls back, the next one tries
+again. One process per node probes at a time; others wait for it and read its verdicts. As soon as
+JAX has started its GPU backend in a process that imported fa4_jax, the kept passes are marked
+verified (`push_when_ready`), before any program runs.
+
+    FA4_JAX_TRUST_UNVERIFIED=1        no check: the dispatch and the handler run the kernels
+    FA4_JAX_DISABLE_ARCHES=sm_100f    never run these archs' kernels (comma-separated): the
+                                      dispatch falls back, the handler refuses
+    FA4_JAX_UNVERIFIED_ARCHES=sm_90a  also gate these archs (how the GPU tier tests the gate on
+                                      a Hopper GPU)
+    FA4_JAX_PROBE_TIMEOUT=20          seconds each variant's probe may take
     FA4_JAX_CACHE_DIR=DIR             where verdicts are kept (default ~/.cache/fa4_jax)
-    FA4_JAX_UNVERIFIED_ARCHES=sm_90a  also check the kernels of these archs (comma-separated;
-                                      how the GPU tier exercises this on a Hopper GPU)
 
-Verdicts are kept on disk (`verified.json` in the cache directory), keyed by the library's
-bytes, the GPU's name and the driver's version, so a process pays for a variant's check only
-the first time that library meets that GPU and driver.
+    python -m fa4_jax.verification show            this library's verdicts on this GPU and driver
+    python -m fa4_jax.verification forget          delete them
+    python -m fa4_jax.verification check [REGEX]   probe now the unjudged variants of this GPU's
+                                                   arch (whose names match)
 
-`python -m fa4_jax.selftest` runs the full check on any GPU and prints a report to paste into
-an issue.
+`python -m fa4_jax.selftest` runs the same probes over every variant and reports on the kernels.
 """
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
+import argparse
 import functools
 import hashlib
-import json
 import os
-import tempfile
+import re
+import sys
 import threading
-from pathlib import Path
 
-from fa4_jax import notices, routing
+from fa4_jax import ffi, notices, routing, verdict_store
+from fa4_jax.probe import cases, runner
+from fa4_jax.probe.protocol import Verdict
 
-# (seqlen_q, seqlen_k, batch) of each check: odd lengths over two 256-row CTA tiles and three
-# key blocks (tails on both sides, a diagonal that crosses blocks), one decode row, and a batch
-# whose 480 tiles give each CTA of a persistent grid (148 on a B200) several in a row, and under
-# a causal or window mask tiles without any key (more rows than keys, bottom-right).
-PROBES = ((300, 333, 1), (1, 777, 1), (600, 100, 40))
-# A forward variant's ragged check: buffers of (300, 333) rows and keys, each batch entry's
-# valid (query rows, keys). The second entry ends inside a key block whose padding holds NaN:
-# a kernel that let it reach P·V (instead of zeroing those V rows) returns NaN.
-RAGGED_PROBE = ((300, 333), ((300, 333), (150, 200)))
-
-_results: dict[str, str | None] = {}
-# Variants whose check is running, and the threads that run checks (whose own calls the
-# variants under check serve).
-_pending: dict[str, threading.Event] = {}
-_checker_threads: set[int] = set()
+# (library path, variant name) -> this process's verdict (inconclusive ones included).
+_verdicts: dict[tuple[str, str], Verdict] = {}
 _lock = threading.Lock()
 
 
+def _listed(variable: str) -> frozenset[str]:
+    return frozenset(a.strip() for a in os.environ.get(variable, "").split(",") if a.strip())
+
+
 def unverified_arches(library) -> frozenset[str]:
-    """The archs whose kernels are checked on first use: those the library's manifest marks
-    unverified (an arch menu's VERIFIED = False), and FA4_JAX_UNVERIFIED_ARCHES."""
-    marked = set(library.unverified_arches)
-    extra = {a.strip() for a in os.environ.get("FA4_JAX_UNVERIFIED_ARCHES", "").split(",") if a.strip()}
-    return frozenset(marked | extra)
-
-
-_bypass_depth = 0
+    """The archs whose kernels are gated: those the library's manifest marks unverified (an arch
+    menu's VERIFIED = False), and FA4_JAX_UNVERIFIED_ARCHES."""
+    return frozenset(library.unverified_arches) | _listed("FA4_JAX_UNVERIFIED_ARCHES")
 
 
 def trusted() -> bool:
-    return _bypass_depth > 0 or os.environ.get("FA4_JAX_TRUST_UNVERIFIED", "") not in ("", "0")
-
-
-@contextlib.contextmanager
-def bypassed():
-    """Lets every kernel serve calls, checked or not, while inside (`fa4_jax.selftest`, which
-    reports on the kernels themselves)."""
-    global _bypass_depth
-    _bypass_depth += 1
-    try:
-        yield
-    finally:
-        _bypass_depth -= 1
+    return os.environ.get("FA4_JAX_TRUST_UNVERIFIED", "") not in ("", "0")
 
 
 def failure_reason(variant: routing.Variant, library) -> str | None:
-    """None when `variant` (of `library`, an `fa4_jax.ffi.Library`) may serve calls on this GPU:
-    its arch is verified, the check is turned off, or the variant passed its first-use check in
-    this process; else why not. The first caller runs the check; others wait for its verdict."""
+    """None when `variant` (of `library`, an `fa4_jax.ffi.Library`) may serve calls on this
+    process's default GPU; else why not. A gated variant serves calls only when every variant of
+    its problem class passed its first-use check: which tuning a call runs is picked by its
+    final shapes (after GQA packing and split-KV, ragged or not), which the call's first
+    decision does not see. Probes the class first if it has no verdicts for this library, GPU
+    and driver yet; other threads and processes wait for that."""
+    if variant.arch in _listed("FA4_JAX_DISABLE_ARCHES"):
+        return (f"{variant.name} is switched off: its arch {variant.arch} is listed in "
+                f"FA4_JAX_DISABLE_ARCHES (remove it from that variable to run it)")
     if variant.arch not in unverified_arches(library) or trusted():
         return None
-    name = variant.name
+    failed = [verdict for verdict in _class_verdicts(variant, library) if not verdict.passed]
+    if not failed:
+        return None
+    return (f"{variant.name} has not run on {variant.arch} hardware before, and its problem class "
+            f"failed its first-use check: " + "; ".join(
+                f"{v.variant} {v.verdict}"
+                + (" (not kept: the next process checks it again)" if v.verdict == "inconclusive" else "")
+                + f": {v.reason}" for v in failed))
+
+
+def _class_verdicts(variant: routing.Variant, library) -> list[Verdict]:
+    """This process's verdicts of every variant of `variant`'s problem class: kept ones, or new
+    ones from a probe of those without."""
+    names = [v.name for v in routing.class_variants(variant, library.routes_for(variant.arch), library.compiled)]
+    names = names or [variant.name]
     with _lock:
-        if name in _results:
-            return _results[name]
-        if threading.get_ident() in _checker_threads:
-            return None
-        done = _pending.get(name)
-        if done is None:
-            done = _pending[name] = threading.Event()
-            owner = True
-        else:
-            owner = False
-    if not owner:
-        done.wait()
-        return _results[name]
-    reason = "its first-use check did not finish"
-    try:
-        key = _disk_key(library, name)
-        saved = _load_verdicts()
-        if key in saved:
-            reason = saved[key]
-        else:
-            reason = _check_on_a_fresh_thread(variant)
-            _save_verdict(key, reason)
-    finally:
-        # Waiting callers get a verdict even if this one was interrupted.
-        with _lock:
-            _results[name] = reason
-            del _pending[name]
-        done.set()
-    if reason is not None:
-        notices.logger.warning("fa4_jax: %s failed its first-use check: %s", name, reason)
-    return reason
+        if any((library.path, name) not in _verdicts for name in names):
+            try:
+                identity = _identity(library)
+                with verdict_store.probing_lock():
+                    kept = verdict_store.load(identity)
+                    _adopt(library, kept.values())
+                    todo = [name for name in names if name not in kept]
+                    if todo:
+                        _probe(library, identity, todo)
+            except Exception as error:  # noqa: BLE001 - the call falls back; it must not fail
+                _adopt(library, [Verdict(name, "inconclusive", f"the probe could not run: {type(error).__name__}: "
+                                                               f"{error}")
+                                 for name in names if (library.path, name) not in _verdicts])
+        return [_verdicts[(library.path, name)] for name in names]
 
 
-def _check_on_a_fresh_thread(variant: routing.Variant) -> str | None:
-    """Runs `_check` on a thread of its own: the caller is usually tracing a jit (the dispatch
-    decides at trace time), and JAX's trace state is per thread, so there the check's calls run
-    as plain eager calls on concrete arrays."""
-    def work():
-        ident = threading.get_ident()
-        with _lock:
-            _checker_threads.add(ident)
-        try:
-            return _check(variant)
-        except Exception as error:  # a kernel that cannot even run is not used either
-            return f"its first-use check raised {type(error).__name__}: {error}"
-        finally:
-            with _lock:
-                _checker_threads.discard(ident)
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(work).result()
+def _adopt(library, verdicts) -> None:
+    """Takes `verdicts` as this process's, marking new passes verified in the library."""
+    for verdict in verdicts:
+        known = _verdicts.get((library.path, verdict.variant))
+        _verdicts[(library.path, verdict.variant)] = verdict
+        if verdict.passed and not (known is not None and known.passed):
+            ffi.mark_verified(library, verdict.variant)
 
 
-def _verdicts_path() -> Path:
-    return Path(os.environ.get("FA4_JAX_CACHE_DIR") or Path.home() / ".cache" / "fa4_jax") / "verified.json"
+def _probe(library, identity: verdict_store.Identity, names: list[str]) -> dict[str, Verdict]:
+    """Probes `names` on the default GPU; keeps each verdict as it comes and takes it as this
+    process's (a pass is marked verified at once)."""
+    device = runner.default_gpu()
+    timeout = runner.timeout_seconds()
+    notices.progress(
+        f"fa4_jax: checking {len(names)} kernel(s) that have not run on {identity.gpu} hardware before "
+        f"({', '.join(names)}) against the reference, in a child process on that GPU: seconds if they "
+        f"pass, at most {timeout:g} s each if they hang (FA4_JAX_PROBE_TIMEOUT); once per library, GPU "
+        f"and driver")
+    opened = {}
+
+    def on_verdict(verdict: Verdict) -> None:
+        if opened.get("name") not in (None, identity.gpu):  # pinned to another GPU: no verdict
+            verdict = Verdict(verdict.variant, "inconclusive",
+                              f"the probe opened a {opened['name']}, not this process's {identity.gpu}")
+        verdict_store.record(identity, verdict)
+        _adopt(library, [verdict])
+
+    _, verdicts = runner.run(runner.Target.on(library.path, device), names, timeout, on_verdict=on_verdict,
+                             on_device=opened.update)
+    return {name: _verdicts[(library.path, name)] for name in verdicts}
 
 
 @functools.cache
-def _library_digest(path: str) -> str:
+def _file_digest(path: str, size: int, mtime_ns: int) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -156,114 +153,117 @@ def _library_digest(path: str) -> str:
     return digest.hexdigest()
 
 
-def _disk_key(library, name: str) -> str:
-    """What a verdict holds for: this library's bytes, this GPU and driver, this variant."""
-    import jax
-
-    device = jax.devices()[0]
-    library_id = _library_digest(library.path) if os.path.exists(library.path) else library.path
-    return "|".join([library_id, device.device_kind, device.client.platform_version, name])
-
-
-def _load_verdicts() -> dict:
+def _driver_version(library) -> str:
+    """The NVIDIA driver's version (its kernel module's, when /proc says) and the CUDA version it
+    supports."""
+    cuda = f"cuda {ffi.cuda_driver_version(library)}"
     try:
-        return json.loads(_verdicts_path().read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _save_verdict(key: str, reason: str | None) -> None:
-    """Adds one verdict to the file (a whole-file replace, so a reader never sees half of it);
-    a cache that cannot be written only costs the next process a check."""
-    path = _verdicts_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        verdicts = {**_load_verdicts(), key: reason}
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-            json.dump(verdicts, f, indent=1)
-        os.replace(f.name, path)
+        with open("/proc/driver/nvidia/version") as f:
+            words = f.readline().split()
     except OSError:
-        pass
+        return cuda
+    versions = [w for w in words if re.fullmatch(r"\d+\.\d+(\.\d+)?", w)]
+    return f"{versions[0]}, {cuda}" if versions else cuda
 
 
-def results() -> dict[str, str | None]:
-    """variant name -> None (passed) or why it failed, for the variants checked so far."""
+def _identity(library) -> verdict_store.Identity:
+    """What this process's verdicts hold for; RuntimeError without a GPU (before reading the
+    library's 60 MB)."""
+    gpu = runner.default_gpu().device_kind
+    stat = os.stat(library.path)
+    return verdict_store.Identity(_file_digest(library.path, stat.st_size, stat.st_mtime_ns), gpu,
+                                  _driver_version(library))
+
+
+def push_kept(library) -> None:
+    """Marks the kept passes of `library` on this process's default GPU and driver verified."""
+    try:
+        identity = _identity(library)
+    except (OSError, RuntimeError):
+        return  # no library file, or no GPU: nothing the handler could run
     with _lock:
-        return dict(_results)
+        _adopt(library, [v for v in verdict_store.load(identity).values() if v.passed])
+
+
+def push_when_ready(library) -> None:
+    """`push_kept` now if JAX's backends have started, else at the first JAX event after they
+    have (a compile: before any program, an exported one included, runs). Never starts them: an
+    import must not (a later jax.config or CUDA_VISIBLE_DEVICES would be ignored)."""
+    if _backends_started():
+        push_kept(library)
+        return
+    import jax.monitoring
+
+    pushed = threading.Event()
+
+    def on_event(event: str, duration: float, **kwargs) -> None:
+        if not pushed.is_set() and _backends_started():
+            pushed.set()
+            push_kept(library)
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+
+
+def _backends_started() -> bool:
+    try:
+        from jax._src import xla_bridge
+    except ImportError:
+        return False
+    return getattr(xla_bridge, "backends_are_initialized", lambda: False)()
 
 
 def forget() -> None:
-    """Drops the checks' results (tests)."""
+    """Drops this process's verdicts (tests); kept ones stay on disk."""
     with _lock:
-        _results.clear()
+        _verdicts.clear()
 
 
-def _check(variant: routing.Variant) -> str | None:
-    """Runs PROBES through the public API and compares what `variant` computes with the
-    reference: out and lse for a forward variant (and RAGGED_PROBE's), the gradients for a
-    backward one."""
-    import jax.numpy as jnp
-
-    from fa4_jax import selftest
-
-    dtype = {"bf16": jnp.bfloat16, "fp16": jnp.float16}[variant.dtype]
-    options = dict(selftest.MASK_OPTIONS[variant.mask], **({"softcap": selftest.SOFTCAP} if variant.softcap else {}))
-    judged = ("out", "lse") if variant.kind == "fwd" else ("dq", "dk", "dv")
-    failures = []
-    for seed, (seqlen_q, seqlen_k, batch) in enumerate(PROBES):
-        # implementation=None: a forward-only arch's backward runs on the reference.
-        check = selftest._check_call(variant.name, dtype, variant.head_dim, variant.head_dim_v, options,
-                                     seqlen_q, seqlen_k, seed, implementation=None, batch=batch)
-        wrong = {name: check.errors[name] for name in judged if check.errors[name][0] > check.errors[name][1]}
-        if wrong:
-            failures.append(f"{variant.name} sq={seqlen_q} sk={seqlen_k}: " + ", ".join(
-                f"{name} error {error:.3g} > {bound:.3g}" for name, (error, bound) in wrong.items()))
-    if variant.kind == "fwd":
-        failures += _ragged_failures(variant, dtype, options)
-    return None if not failures else "; ".join(failures)
+def results() -> dict[str, Verdict]:
+    """variant name -> this process's verdict, for the variants judged so far."""
+    with _lock:
+        return {name: verdict for (_, name), verdict in _verdicts.items()}
 
 
-def _ragged_failures(variant: routing.Variant, dtype, options) -> list[str]:
-    """RAGGED_PROBE through the public API with NaN in K's and V's padding: each entry's valid
-    rows against the reference on that entry alone, rows past it 0 with lse −inf."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
+def _check(library, identity, pattern: str | None) -> int:
+    arch = routing.arch_name(*(int(x) for x in runner.default_gpu().compute_capability.split(".")))
+    if arch not in unverified_arches(library):
+        print(f"{arch}'s kernels are not gated (FA4_JAX_UNVERIFIED_ARCHES adds an arch): nothing to check")
+        return 2
+    kept = verdict_store.load(identity)
+    names = [v.name for v in cases.in_probe_order(ffi.manifest_variants(library.path).values())
+             if v.arch == arch and (pattern is None or re.search(pattern, v.name)) and v.name not in kept]
+    if not names:
+        print("nothing to check: every matching variant has a verdict (`forget` deletes them)")
+        return 2
+    with verdict_store.probing_lock():
+        verdicts = _probe(library, identity, names)
+    for name in names:
+        print(verdicts[name].line())
+    return 0 if all(v.passed for v in verdicts.values()) else 1
 
-    import fa4_jax
-    from fa4_jax import selftest
-    from fa4_jax.reference import dense_attention
 
-    (seqlen_q, seqlen_k), lengths = RAGGED_PROBE
-    q_len, kv_len = (jnp.array(side, jnp.int32) for side in zip(*lengths))
-    keys = jax.random.split(jax.random.key(len(PROBES)), 3)
-    batch = len(lengths)
-    q = jax.random.normal(keys[0], (batch, seqlen_q, selftest.HEADS_Q, variant.head_dim), dtype)
-    k, v = (jax.random.normal(key, (batch, seqlen_k, selftest.HEADS_KV, dim), dtype)
-            for key, dim in ((keys[1], variant.head_dim), (keys[2], variant.head_dim_v)))
-    padding = jnp.arange(seqlen_k)[None, :, None, None] >= kv_len[:, None, None, None]
-    k, v = (jnp.where(padding, jnp.nan, x).astype(dtype) for x in (k, v))
-    out, lse = jax.jit(lambda q, k, v: fa4_jax.attention(
-        q, k, v, return_lse=True, query_seq_lengths=q_len, key_value_seq_lengths=kv_len, **options))(q, k, v)
-    window_left, window_right = options.get("window_size", (None, None))
-    failures = []
-    for b, (rows, keys_b) in enumerate(lengths):
-        entry = (q[b:b + 1, :rows], k[b:b + 1, :keys_b], v[b:b + 1, :keys_b])
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fa4_jax.verification", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=("show", "forget", "check"))
+    parser.add_argument("pattern", nargs="?", metavar="REGEX", help="check: only the variants whose names match")
+    args = parser.parse_args(argv)
+    try:
+        library = ffi.load()
+        identity = _identity(library)
+    except (ffi.LibraryUnavailable, RuntimeError, OSError) as error:
+        print(f"fa4_jax.verification: {error}", file=sys.stderr)
+        return 2
+    print(f"library {library.path} (sha256 {identity.library[:12]}), {identity.gpu}, driver {identity.driver}")
+    if args.command == "show":
+        for verdict in sorted(verdict_store.load(identity).values(), key=lambda v: v.variant):
+            print(verdict.line())
+        return 0
+    if args.command == "forget":
+        print(f"forgot {verdict_store.forget(identity)} verdict(s)")
+        return 0
+    return _check(library, identity, args.pattern)
 
-        def reference(compute_dtype):
-            return dense_attention(*entry, compute_dtype=compute_dtype, causal=options.get("causal", False),
-                                   window_left=window_left, window_right=window_right,
-                                   softcap=options.get("softcap"))
 
-        (ref_out, ref_lse), (low_out, low_lse) = reference(jnp.float32), reference(dtype)
-        factor = 3 if options.get("softcap") else 2
-        for name, ours, ref, low in (("out", out[b:b + 1, :rows], ref_out, low_out),
-                                     ("lse", lse[b:b + 1, :, :rows], ref_lse, low_lse)):
-            error, bound = selftest._bound_by_rule(ours, ref, low, factor, dtype)
-            if error > bound:
-                failures.append(f"{variant.name} ragged entry {b}: {name} error {error:.3g} > {bound:.3g}")
-        past_out = np.asarray(out[b, rows:], np.float32)
-        past_lse = np.asarray(lse[b, :, rows:])
-        if past_out.size and not ((past_out == 0).all() and np.isneginf(past_lse).all()):
-            failures.append(f"{variant.name} ragged entry {b}: rows past its length are not 0 with lse -inf")
-    return failures
+if __name__ == "__main__":
+    sys.exit(main())

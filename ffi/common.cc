@@ -1,5 +1,7 @@
 #include "common.h"
 
+#include "gate.h"
+
 #include <algorithm>
 #include <cstring>
 #include <limits>
@@ -12,6 +14,10 @@ ffi::Error Errors::Invalid(const std::string& msg) const {
 
 ffi::Error Errors::Internal(const std::string& msg) const {
   return ffi::Error::Internal(std::string(target_) + ": " + msg);
+}
+
+ffi::Error Errors::Refused(const std::string& msg) const {
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition, std::string(target_) + ": " + msg);
 }
 
 ffi::Error Errors::Cuda(cudaError_t e) const { return Internal(cudaGetErrorString(e)); }
@@ -142,7 +148,7 @@ ffi::Error LoadCandidates(const Errors& err, Fa4Kind kind, bool segments, bool m
   for (int i = 0; i < kFa4VariantCount; ++i) {
     const Fa4Variant& v = kFa4Variants[i];
     if (v.kind == kind && arch == v.arch && std::strcmp(mask, v.mask) == 0 && v.softcap == softcap &&
-        v.segments == segments && v.mask_array == mask_array)
+        v.segments == segments && v.mask_array == mask_array && Refusal(v).empty())
       if (ffi::Error failed = Load(err, v); failed.failure()) return failed;
   }
   return ffi::Error::Success();
@@ -154,7 +160,9 @@ ffi::Error FindLoaded(const Errors& err, const Problem& p, std::string_view tuni
   if (*variant == nullptr)
     return err.Invalid("no compiled variant " + VariantName(p, tuning) +
                        " (see fa4_jax/_lib/manifest.json for the menu)");
-  // A no-op after instantiate loaded it (always, unless the visible devices mix archs).
+  if (const std::string refusal = Refusal(**variant); !refusal.empty()) return err.Refused(refusal);
+  // A no-op after instantiate loaded it: always, unless the visible devices mix archs or the
+  // variant was verified after instantiate.
   return Load(err, **variant);
 }
 
@@ -282,7 +290,7 @@ ffi::Error Launch(const Errors& err, const Fa4Variant& variant, const Fa4Args& a
 
 // For tests and tools on any machine (no GPU needed): the name of the variant a call would run,
 // or "" when none is compiled. kind 0 = fwd, 1 = bwd; dtype 0 = bf16, 1 = fp16.
-extern "C" __attribute__((visibility("default"))) const char* Fa4ChooseVariant(
+FA4_EXPORT const char* Fa4ChooseVariant(
     int kind, const char* arch, int dtype, int head_dim, int head_dim_v, const char* mask,
     int softcap, int64_t seqlen_q, int64_t seqlen_k, int ragged, int top_left, int segments,
     int mask_array) {

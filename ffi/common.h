@@ -47,6 +47,8 @@ class Errors {
   explicit Errors(const char* target) : target_(target) {}
   ffi::Error Invalid(const std::string& msg) const;
   ffi::Error Internal(const std::string& msg) const;
+  // A variant the first-use gate refuses (gate.h): the call is valid, this process may not run it.
+  ffi::Error Refused(const std::string& msg) const;
   ffi::Error Cuda(cudaError_t e) const;
 
  private:
@@ -82,15 +84,17 @@ const Fa4Variant* Choose(const Problem& p, std::string_view tuning = {});
 std::string VariantName(const Problem& p, std::string_view tuning);
 
 // Loads every variant of `kind` (with segment ids or without, with mask bits or without) this
-// call site can select (its dtype, head dims and shapes are not known at instantiate time). Does
-// nothing when the visible devices mix archs; execute loads then.
+// call site can select (its dtype, head dims and shapes are not known at instantiate time) and
+// the first-use gate lets run (gate.h): one it refuses may be unchecked, and loading is its first
+// touch of the GPU. Does nothing when the visible devices mix archs; execute loads then.
 ffi::Error LoadCandidates(const Errors& err, Fa4Kind kind, bool segments, bool mask_array,
                           const Attrs& a);
 
 // The arch of `device`, as the variants name it ("sm_90a").
 ffi::Error DeviceArch(const Errors& err, int ordinal, std::string* arch);
 
-// The variant serving a call, loaded; an error naming the missing variant otherwise.
+// The variant serving a call, loaded; an error naming the missing variant, or the first-use
+// gate's refusal (gate.h), otherwise.
 ffi::Error FindLoaded(const Errors& err, const Problem& p, std::string_view tuning,
                       const Fa4Variant** variant);
 

@@ -6,6 +6,10 @@
 
 #include <cuda_runtime.h>
 
+// The library's C entry points for Python (ctypes) and tools; the static archives' symbols stay
+// hidden (the link's --exclude-libs).
+#define FA4_EXPORT extern "C" __attribute__((visibility("default")))
+
 enum class Fa4Kind { kFwd, kBwd };
 enum class Fa4Dtype { kBF16, kF16 };
 
@@ -99,3 +103,7 @@ extern const int kFa4BwdSemaphoreRows;
 extern const int kFa4BwdMaxDqCopies;
 // Positions per entry of the segment span tables (fa4_jax/segment_layout.py).
 extern const int kFa4SpanChunk;
+// The archs whose kernels no GPU of the arch had run when the library was built (the manifest's
+// unverified_arches): the handlers run them only once verified (gate.h).
+extern const char* const kFa4UnverifiedArches[];
+extern const int kFa4UnverifiedArchCount;

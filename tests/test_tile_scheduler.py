@@ -134,20 +134,26 @@ def test_unknown_scheduler_is_refused():
 @pytest.mark.parametrize("mask, tuning", [("none", "default"), ("none", "cta_pair"), ("causal", "default"),
                                           ("local", "default")])
 def test_the_blackwell_first_use_batch_covers_the_schedulers_cases(mask, tuning):
-    # fa4_jax.verification's multi-tile probe must run, on a Blackwell GPU, the sm100 kernel's
-    # tile-to-tile hand-overs on every CTA of its persistent grid (no mask), and tiles without
-    # any key (under a mask, more rows than keys: one tile per CTA in LPT order there).
+    # The first-use probes' batch of many tiles (fa4_jax.probe.problems, "many", as routed to
+    # the variant) must run, on a Blackwell GPU, the sm100 kernel's tile-to-tile hand-overs on
+    # every CTA of its persistent grid (no mask), and tiles without any key (under a mask, more
+    # rows than keys: one tile per CTA in LPT order there).
     import cutlass
 
-    from fa4_jax import selftest, verification
+    from fa4_jax.aot import menu
     from fa4_jax.kernels.sm100 import menu as sm100
     from fa4_jax.kernels.sm100 import plan
     from fa4_jax.kernels.sm100.fwd import FlashAttentionForwardSm100
+    from fa4_jax.probe import problems
+    from fa4_jax.routing import Variant
 
     sched = FlashAttentionForwardSm100(cutlass.BFloat16, 128, 128, mask, False, **sm100.TUNINGS[tuning]).scheduler
     assert sched.kind == plan.scheduler_kind(mask)
-    sq, sk, batch = max(verification.PROBES, key=lambda probe: probe[2])
-    h, hk = selftest.HEADS_Q, selftest.HEADS_KV
+    variant = Variant(sm100.ARCH, "bf16", 128, 128, mask, False, tuning=tuning)
+    serves = problems.routing_rule(menu.routes(), {v.name for v in menu.MENU})
+    many = next(p for p in problems.for_variant(variant, serves) if p.kind == "many")
+    sq, sk, batch = many.seqlen_q, many.seqlen_k, many.batch
+    h, hk = problems.HEADS_Q, problems.HEADS_KV
     num_m = -(-sq // sched.tile_m)
     if mask == "none":
         assert sched.persistent and sched.num_sms == 148
@@ -159,6 +165,6 @@ def test_the_blackwell_first_use_batch_covers_the_schedulers_cases(mask, tuning)
     else:
         assert sched.kind == "lpt_grid" and sched.reverse_m
         # Bottom-right alignment: row i sees keys up to i + (sk - sq) + right (right = 0 causal).
-        right = selftest.MASK_OPTIONS[mask].get("window_size", (None, 0))[1]
+        right = problems.WINDOW[1] if mask == "local" else 0
         last_rows = [min((m + 1) * sched.tile_m, sq) - 1 for m in range(num_m)]
         assert any(row + sk - sq + right < 0 for row in last_rows), "no tile of the probe is keyless"

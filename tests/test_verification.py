@@ -1,13 +1,16 @@
-"""CPU tier: kernels of an unverified arch (Blackwell's) are checked on first use and never
-serve a call after failing (fa4_jax.verification).
+"""CPU tier: the first-use gate (fa4_jax.verification) on a fake Blackwell GPU.
 
-The GPU side is replaced: the device reports sm_100f, the kernel call is a stand-in, and the
-check's verdict is set by the test. What runs is the dispatch's real decision and the public
-API's fallback around it, so a variant that failed its check but still served a call (a
-poisoned result), or a check that ran twice, fails here.
+The device reports sm_100f, its forward kernel is a stand-in that returns NaN (so a call it
+served shows), and the probe process is tests/fake_child.py, told per variant to pass, fail,
+hang, fault or crash. What runs is the dispatch's real decision, the public API's fallback
+around it, the real parent side of the probes, the verdicts kept on disk and the lock: a variant
+that failed but still served a call (a poisoned result), a probe that ran twice, a verdict that
+was not kept (or an inconclusive one that was) fails here.
 """
-import dataclasses
-import warnings
+import json
+import subprocess
+import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -15,45 +18,63 @@ import numpy as np
 import pytest
 
 import fa4_jax
-from fa4_jax import dispatch, ffi, verification
+from fa4_jax import dispatch, ffi, verdict_store, verification
+from fa4_jax.aot import build
 from fa4_jax.backends import _reference_fp32
 from fa4_jax.kernels.sm100 import menu as sm100
 from fa4_jax.kernels.sm90 import menu as sm90
+from fa4_jax.probe import runner
+from fa4_jax.probe.protocol import Verdict
+from tests.probe_stand_ins import FAKE_CHILD
 
-_REAL_CHECK = verification._check
-_LIBRARY = ffi.Library(
-    path="(none)", fwd_target="fa4_jax_fwd_v2", bwd_target="fa4_jax_bwd_v2",
-    compiled=frozenset(v.name for v in sm100.MENU), routes=(), dq_copies_max_keys={},
-    tuning_targets=False, head_dims={sm100.ARCH: frozenset(sm100.HEAD_DIMS)},
-    unverified_arches=frozenset({sm100.ARCH}))
+D64, D64_CAUSAL = "fwd_sm100f_bf16_d64_dv64", "fwd_sm100f_bf16_d64_dv64_causal"
+D128, D128_PAIR = "fwd_sm100f_bf16_d128_dv128", "fwd_sm100f_bf16_d128_dv128_tcta_pair"
 
 
 @pytest.fixture
 def blackwell(monkeypatch, tmp_path):
-    """A fake sm_100f device whose forward kernel returns NaN (so a call it served shows), and
-    a first-use check whose verdict the test sets; returns the variants checked, in order."""
-    checked = []
-    verdict = {"reason": None}
-
-    def fake_check(variant):
-        checked.append(variant.name)
-        return verdict["reason"]
+    """A fake B200 with a poisoned forward kernel; returns a namespace: library, plan (name ->
+    what the fake probe does), starts() (the probe processes' jobs), marked (variants marked
+    verified in the library), identity."""
+    library_file = tmp_path / "libfa4_jax.so"
+    library_file.write_bytes(b"a library")
+    (tmp_path / "manifest.json").write_text(json.dumps(build.manifest(build.shipping_menu([sm100.ARCH]))))
+    library = ffi.Library(
+        path=str(library_file), fwd_target="fa4_jax_fwd_v2", bwd_target="fa4_jax_bwd_v2",
+        compiled=frozenset(v.name for v in sm100.MENU), routes=tuple((sm100.ARCH, r) for r in sm100.ROUTES),
+        dq_copies_max_keys={}, tuning_targets=False, head_dims={sm100.ARCH: frozenset(sm100.HEAD_DIMS)},
+        unverified_arches=frozenset({sm100.ARCH}))
+    state = types.SimpleNamespace(library=library, plan={}, marked=[])
+    log = tmp_path / "starts.jsonl"
+    state.starts = lambda: [json.loads(line)["job"]["variants"] for line in log.read_text().splitlines()] \
+        if log.exists() else []
 
     def poisoned_kernel(library, q, k, v, lengths, attrs, tuning=None, segments=None):
         out = jnp.full(q.shape[:-1] + v.shape[-1:], jnp.nan, q.dtype)
         return out, jnp.full((q.shape[0], q.shape[2], q.shape[1]), jnp.nan, jnp.float32)
 
+    gpu = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA B200", local_hardware_id=0,
+                                compute_capability="10.0")
     monkeypatch.setattr(dispatch, "device_arch", lambda: (sm100.ARCH, None))
     monkeypatch.setattr(dispatch, "sm_count", lambda: 148)
-    monkeypatch.setattr(ffi, "load", lambda *args, **kwargs: _LIBRARY)
+    monkeypatch.setattr(ffi, "load", lambda *args, **kwargs: library)
     monkeypatch.setattr(ffi, "forward_call", poisoned_kernel)
-    monkeypatch.setattr(verification, "_check", fake_check)
-    monkeypatch.delenv("FA4_JAX_TRUST_UNVERIFIED", raising=False)
-    monkeypatch.setenv("FA4_JAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(ffi, "mark_verified", lambda library, name: state.marked.append(name))
+    monkeypatch.setattr(ffi, "cuda_driver_version", lambda library: 12080)
+    monkeypatch.setattr(runner, "default_gpu", lambda: gpu)
+    monkeypatch.setattr(runner, "probe_command", lambda: FAKE_CHILD)
+    monkeypatch.setattr(verification.notices, "progress", lambda message: None)
+    monkeypatch.setenv("FAKE_CHILD_LOG", str(log))
+    monkeypatch.setenv("FA4_JAX_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("FA4_JAX_PROBE_TIMEOUT", "3")
+    for variable in ("FA4_JAX_TRUST_UNVERIFIED", "FA4_JAX_DISABLE_ARCHES", "FA4_JAX_UNVERIFIED_ARCHES"):
+        monkeypatch.delenv(variable, raising=False)
+    state.set_plan = lambda plan: (state.plan.update(plan), monkeypatch.setenv("FAKE_CHILD_PLAN", json.dumps(state.plan)))
     verification.forget()
+    state.identity = verification._identity(library)
     # Traces of the same shapes from earlier tests would hold another stand-in kernel.
     jax.clear_caches()
-    yield checked, verdict
+    yield state
     verification.forget()
 
 
@@ -62,30 +83,40 @@ def _inputs(seed=0, shape=(1, 96, 2, 64)):
     return tuple(jax.random.normal(k, shape, jnp.bfloat16) for k in keys)
 
 
-def test_blackwell_is_unverified_and_hopper_is_not(monkeypatch):
-    from fa4_jax.aot import build
+def _params(q, k, v, **options):
+    from fa4_jax.api import attention_params
 
-    monkeypatch.delenv("FA4_JAX_UNVERIFIED_ARCHES", raising=False)
+    return attention_params(q, k, v, implementation="reference", **options)
+
+
+def _reason(state, name=D64, **options):
+    q, k, v = _inputs(shape=(1, 96, 2, int(name.split("_d")[1].split("_")[0])))
+    return dispatch.unsupported_reason(q, k, v, _params(q, k, v, **options), "fwd")
+
+
+def test_blackwell_is_unverified_and_hopper_is_not(monkeypatch, blackwell):
     # The shipping library's manifest says so (what ffi.load reads at run time).
     assert build.manifest(build.shipping_menu())["unverified_arches"] == [sm100.ARCH]
-    assert verification.unverified_arches(_LIBRARY) == {sm100.ARCH}
+    assert verification.unverified_arches(blackwell.library) == {sm100.ARCH}
     monkeypatch.setenv("FA4_JAX_UNVERIFIED_ARCHES", "sm_90a, sm_120a")
-    assert verification.unverified_arches(_LIBRARY) == {sm100.ARCH, sm90.ARCH, "sm_120a"}
+    assert verification.unverified_arches(blackwell.library) == {sm100.ARCH, sm90.ARCH, "sm_120a"}
 
 
-def test_a_variant_that_passes_serves_calls_and_is_checked_once(blackwell):
-    checked, _ = blackwell
+def test_a_class_that_passes_serves_calls_is_probed_once_and_marked_verified(blackwell):
     q, k, v = _inputs()
     for causal in (False, True, False):
         out = fa4_jax.attention(q, k, v, causal=causal, implementation="cute")
-        # The (poisoned) kernel ran: the check let it.
-        assert np.isnan(np.asarray(out, np.float32)).all()
-    assert checked == ["fwd_sm100f_bf16_d64_dv64", "fwd_sm100f_bf16_d64_dv64_causal"]
+        assert np.isnan(np.asarray(out, np.float32)).all()  # the (poisoned) kernel ran: the gate let it
+    assert blackwell.starts() == [[D64], [D64_CAUSAL]] and blackwell.marked == [D64, D64_CAUSAL]
+    # Every tuning of a class in one probe process, as one call site may reach any of them.
+    assert _reason(blackwell, D128) is None and blackwell.starts()[-1] == [D128, D128_PAIR]
+    kept = verdict_store.load(blackwell.identity)
+    assert sorted(kept) == sorted([D64, D64_CAUSAL, D128, D128_PAIR]) and all(v.passed for v in kept.values())
 
 
-def test_a_variant_that_fails_never_serves_a_call(blackwell):
-    checked, verdict = blackwell
-    verdict["reason"] = "FAIL out 0.5 > 0.01"
+@pytest.mark.parametrize("does", ["wrong", "hang", "fault", "crash", "load-error"])
+def test_a_variant_that_fails_never_serves_a_call(blackwell, does):
+    blackwell.set_plan({D64: does})
     q, k, v = _inputs(1)
     with pytest.warns(fa4_jax.FallbackWarning, match="first-use check"):
         out = fa4_jax.attention(q, k, v)
@@ -93,107 +124,125 @@ def test_a_variant_that_fails_never_serves_a_call(blackwell):
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(reference, np.float32), atol=2e-2)
     with pytest.raises(ValueError, match="first-use check"):
         fa4_jax.attention(q, k, v, implementation="cute")
-    assert checked == ["fwd_sm100f_bf16_d64_dv64"]
+    verdict = verdict_store.load(blackwell.identity)[D64].verdict
+    assert verdict == ("fault" if does == "crash" else does) and blackwell.marked == []
+    assert blackwell.starts() == [[D64]]  # once, kept: never again for this library, GPU and driver
+    verification.forget()
+    assert "first-use check" in _reason(blackwell) and len(blackwell.starts()) == 1
 
 
-def test_trusting_the_arch_skips_the_check(blackwell, monkeypatch):
-    checked, verdict = blackwell
-    verdict["reason"] = "would fail"
+def test_a_failing_tuning_keeps_its_whole_class_off_the_kernels(blackwell):
+    # Which tuning a call runs is decided by its final shapes (GQA packing, split-KV, ragged),
+    # after the dispatch's decision: so a class serves calls only when all of its tunings passed.
+    blackwell.set_plan({D128_PAIR: "wrong"})
+    reason = _reason(blackwell, D128)
+    assert D128_PAIR in reason and "wrong" in reason
+    assert blackwell.marked == [D128]  # the handler may still run the default (an exported program)
+
+
+def test_an_inconclusive_probe_falls_back_and_is_not_kept(blackwell):
+    blackwell.set_plan({D64: "inconclusive"})
+    assert "not kept" in _reason(blackwell) and verdict_store.load(blackwell.identity) == {}
+    assert "not kept" in _reason(blackwell) and len(blackwell.starts()) == 1  # this process: fallback
+    verification.forget()  # the next process tries again
+    blackwell.set_plan({D64: "pass"})
+    assert _reason(blackwell) is None and len(blackwell.starts()) == 2
+
+
+def test_a_probe_that_opened_another_gpu_judges_nothing(blackwell, monkeypatch):
+    monkeypatch.setenv("FAKE_CHILD_GPU", "NVIDIA B300")
+    reason = _reason(blackwell)
+    assert "NVIDIA B300" in reason and verdict_store.load(blackwell.identity) == {} and blackwell.marked == []
+
+
+def test_kept_verdicts_are_per_library_gpu_and_driver(blackwell, monkeypatch):
+    blackwell.set_plan({D64: "wrong"})
+    assert _reason(blackwell) is not None
+    verification.forget()
+    monkeypatch.setattr(ffi, "cuda_driver_version", lambda library: 12090)  # a new driver: checked anew
+    blackwell.set_plan({D64: "pass"})
+    assert _reason(blackwell) is None and len(blackwell.starts()) == 2
+
+
+def test_trusting_the_arch_skips_the_probe(blackwell, monkeypatch):
+    blackwell.set_plan({D64: "wrong"})
     monkeypatch.setenv("FA4_JAX_TRUST_UNVERIFIED", "1")
     q, k, v = _inputs(2)
     out = fa4_jax.attention(q, k, v, implementation="cute")
-    assert np.isnan(np.asarray(out, np.float32)).all() and checked == []
+    assert np.isnan(np.asarray(out, np.float32)).all() and blackwell.starts() == []
 
 
-def test_a_check_that_raises_counts_as_a_failure(blackwell, monkeypatch):
-    def broken(variant):
-        raise RuntimeError("CUDA_ERROR_ILLEGAL_INSTRUCTION")
-
-    monkeypatch.setattr(verification, "_check", broken)
-    q, k, v = _inputs(3)
-    reason = dispatch.unsupported_reason(q, k, v, _params(q, k, v), "fwd")
-    assert "ILLEGAL_INSTRUCTION" in reason and "first-use check" in reason
+def test_the_kill_switch_turns_an_arch_off_whatever_else_says(blackwell, monkeypatch):
+    monkeypatch.setenv("FA4_JAX_TRUST_UNVERIFIED", "1")
+    monkeypatch.setenv("FA4_JAX_DISABLE_ARCHES", "sm_90a,sm_100f")
+    assert "FA4_JAX_DISABLE_ARCHES" in _reason(blackwell)
+    hopper = next(v for v in sm90.MENU if v.tuning == "default")
+    assert "FA4_JAX_DISABLE_ARCHES" in verification.failure_reason(hopper, blackwell.library)
+    assert blackwell.starts() == []
 
 
 def test_head_dims_run_padded_are_checked_as_the_kernel_that_serves_them(blackwell):
-    checked, _ = blackwell
     q, k, v = _inputs(4, shape=(1, 64, 2, 80))
     assert dispatch.unsupported_reason(q, k, v, _params(q, k, v), "fwd") is None
-    assert checked == ["fwd_sm100f_bf16_d96_dv96"]
+    assert blackwell.starts() == [["fwd_sm100f_bf16_d96_dv96"]]
 
 
-def _params(q, k, v):
-    from fa4_jax.api import attention_params
-
-    return attention_params(q, k, v, implementation="reference")
-
-
-def test_the_hopper_kernels_are_not_checked(monkeypatch):
-    monkeypatch.delenv("FA4_JAX_UNVERIFIED_ARCHES", raising=False)
-    calls = []
-    monkeypatch.setattr(verification, "_check", lambda variant: calls.append(variant) or "no")
-    variant = dataclasses.replace(sm90.MENU[0])
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert verification.failure_reason(variant, _LIBRARY) is None and calls == []
+def test_the_hopper_kernels_are_not_gated(blackwell):
+    hopper = next(v for v in sm90.MENU if v.tuning == "default")
+    assert verification.failure_reason(hopper, blackwell.library) is None and blackwell.starts() == []
 
 
-def test_the_real_check_runs_inside_a_jit_trace_and_catches_a_wrong_kernel(blackwell, monkeypatch):
-    # The check itself, not a stand-in: it runs on a thread of its own while the caller traces,
-    # its probes reach the (poisoned) kernel through the dispatch, and their NaNs fail it.
-    checked, _ = blackwell
-    monkeypatch.setattr(verification, "_check", _REAL_CHECK)
-    q, k, v = _inputs(5)
-    with pytest.warns(fa4_jax.FallbackWarning, match="first-use check"):
-        out = jax.jit(lambda q, k, v: fa4_jax.attention(q, k, v, causal=True))(q, k, v)
-    reference, _ = _reference_fp32(q, k, v, dataclasses.replace(_params(q, k, v), causal=True), None)
-    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(reference, np.float32), atol=2e-2)
-    reason = verification.results()["fwd_sm100f_bf16_d64_dv64_causal"]
-    assert "out error inf" in reason and "sq=300 sk=333" in reason
+_HOLD_THE_LOCK = """
+import sys, time
+from fa4_jax import verdict_store
+from fa4_jax.probe.protocol import Verdict
+identity = verdict_store.Identity(*sys.argv[1:4])
+with verdict_store.probing_lock():
+    print("holding", flush=True)
+    time.sleep(2)
+    verdict_store.record(identity, Verdict(sys.argv[4], "pass", None, 0.5))
+"""
 
 
-def _stand_in_kernel(respect_key_lengths: bool):
-    """A forward 'kernel' computed by the fp32 reference from the custom call's attributes: a
-    correct one, or one that ignores the entries' key lengths (and so lets the NaN padding of
-    the ragged probe's K and V into its rows, as a kernel that forgot to zero V's would)."""
-    from fa4_jax.params import AttentionParams
-
-    def kernel(library, q, k, v, lengths, attrs, tuning=None, segments=None):
-        window = tuple(None if w < 0 else int(w) for w in (attrs["window_left"], attrs["window_right"]))
-        params = AttentionParams(softmax_scale=float(attrs["softmax_scale"]), causal=bool(attrs["causal"]),
-                                 window_left=window[0], window_right=window[1],
-                                 softcap=float(attrs["softcap"]) or None, top_left=bool(attrs["top_left"]))
-        ragged = lengths[0].shape[0] > 0
-        if ragged and not respect_key_lengths:
-            lengths = (lengths[0], jnp.full_like(lengths[1], k.shape[1]))
-        return _reference_fp32(q, k, v, params, lengths if ragged else None)
-
-    return kernel
+def test_another_process_probing_is_waited_for_and_its_verdicts_read(blackwell):
+    identity = blackwell.identity
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_THE_LOCK, identity.library, identity.gpu, identity.driver,
+                               D64], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "holding"
+    assert _reason(blackwell) is None  # waited, then read the other process's pass
+    assert holder.wait() == 0 and blackwell.starts() == [] and blackwell.marked == [D64]
 
 
-@pytest.mark.parametrize("respect_key_lengths", [True, False])
-def test_the_ragged_probe_passes_a_correct_kernel_and_catches_one_that_reads_the_padding(
-        blackwell, monkeypatch, respect_key_lengths):
-    monkeypatch.setattr(verification, "_check", _REAL_CHECK)
-    monkeypatch.setattr(ffi, "forward_call", _stand_in_kernel(respect_key_lengths))
-    variant = next(v for v in sm100.MENU if v.name == "fwd_sm100f_bf16_d64_dv64_local")
-    reason = verification.failure_reason(variant, _LIBRARY)
-    if respect_key_lengths:
-        assert reason is None
-    else:
-        assert reason is not None and "ragged entry 1" in reason and "sq=300" not in reason
+def test_kept_passes_are_marked_verified_once_jax_has_started(blackwell, monkeypatch):
+    verdict_store.record(blackwell.identity, Verdict(D64, "pass"))
+    verdict_store.record(blackwell.identity, Verdict(D64_CAUSAL, "wrong", "off"))
+    started = {"backends": False}
+    monkeypatch.setattr(verification, "_backends_started", lambda: started["backends"])
+    verification.push_when_ready(blackwell.library)
+    jax.monitoring.record_event_duration_secs("/fa4_jax/test", 0.0)
+    assert blackwell.marked == []  # never starts JAX's backends itself
+    started["backends"] = True
+    jax.monitoring.record_event_duration_secs("/fa4_jax/test", 0.0)  # e.g. a compile, before it runs
+    jax.monitoring.record_event_duration_secs("/fa4_jax/test", 0.0)
+    assert blackwell.marked == [D64]
+    verification.forget()  # a new process, whose JAX has started already: at once
+    verification.push_when_ready(blackwell.library)
+    assert blackwell.marked == [D64, D64]
 
 
-def test_verdicts_are_kept_on_disk_for_the_same_library_gpu_and_driver(blackwell, monkeypatch):
-    checked, verdict = blackwell
-    verdict["reason"] = "FAIL out"
-    variant = sm100.MENU[0]
-    assert verification.failure_reason(variant, _LIBRARY) == "FAIL out"
-    # A new process (the in-memory verdicts forgotten) reads the disk's and checks nothing.
-    verification.forget()
-    assert verification.failure_reason(variant, _LIBRARY) == "FAIL out" and len(checked) == 1
-    # Another library build is checked anew.
-    rebuilt = dataclasses.replace(_LIBRARY, path="(another build)")
-    verification.forget()
-    verdict["reason"] = None
-    assert verification.failure_reason(variant, rebuilt) is None and len(checked) == 2
+def test_the_command_shows_forgets_and_checks(blackwell, capsys):
+    blackwell.set_plan({D64_CAUSAL: "wrong"})
+    assert verification.main(["check", r"^fwd_sm100f_bf16_d64_dv64(_causal)?$"]) == 1
+    out = capsys.readouterr().out
+    assert f"PASS         {D64}" in out and f"FAIL         {D64_CAUSAL}" in out
+    assert verification.main(["check", r"^fwd_sm100f_bf16_d64_dv64(_causal)?$"]) == 2  # judged already
+    assert verification.main(["show"]) == 0 and D64_CAUSAL in capsys.readouterr().out
+    assert verification.main(["forget"]) == 0 and "forgot 2" in capsys.readouterr().out
+    assert verdict_store.load(blackwell.identity) == {}
+
+
+def test_a_probe_that_cannot_even_start_falls_back_and_keeps_nothing(blackwell, monkeypatch):
+    monkeypatch.setattr(runner, "probe_command", lambda: ["/nonexistent/python"])
+    reason = _reason(blackwell)
+    assert "could not run" in reason and "not kept" in reason
+    assert verdict_store.load(blackwell.identity) == {} and blackwell.marked == []

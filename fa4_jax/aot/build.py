@@ -65,8 +65,9 @@ class Menu:
     tuning_kwargs: Callable[[Variant], dict] = menu.tuning_kwargs
     routes: tuple[tuple[str, Route], ...] = ()
     dq_copies_max_keys: dict = dataclasses.field(default_factory=dict)
-    # Archs whose kernels no GPU of the arch has run (an arch menu's VERIFIED = False): the
-    # dispatch checks each of their variants on first use (fa4_jax.verification).
+    # Archs whose kernels no GPU of the arch has run (an arch menu's VERIFIED = False): each of
+    # their variants is checked on first use (fa4_jax.verification), and the handlers run it only
+    # once checked (ffi/gate.h).
     unverified_arches: tuple[str, ...] = ()
     # The development library also registers targets that take a tuning name (ffi/handlers.h).
     tuning_targets: bool = False
@@ -252,7 +253,7 @@ def _link_inputs(built: Menu, found: dict[str, Path], work: Path) -> tuple[list[
         headers[v.name] = header.read_text()
         shutil.copyfile(header, include / header.name)
     dispatch = work / "dispatch.cc"
-    dispatch.write_text(codegen.dispatch_source(built.variants, headers, built.routes))
+    dispatch.write_text(codegen.dispatch_source(built.variants, headers, built.routes, built.unverified_arches))
     sources = sorted(str(p) for p in (ROOT / "ffi").glob("*.cc")) + [str(dispatch)]
     objects = [str(found[v.name] / f"{v.name}.o") for v in built.variants]
     return sources, objects
@@ -319,7 +320,7 @@ def export_sources(built: Menu, out_dir: Path, jobs: int | None = None, log=prin
     with tempfile.TemporaryDirectory(prefix="fa4_jax-export-") as work:
         found = compile_variants(built, jobs or os.cpu_count() or 1, log=log, work=Path(work))
     headers = {v.name: (found[v.name] / f"{v.name}.h").read_text() for v in built.variants}
-    source = codegen.dispatch_source(built.variants, headers, built.routes)
+    source = codegen.dispatch_source(built.variants, headers, built.routes, built.unverified_arches)
     for name, header in headers.items():  # #pragma once is a warning outside a header
         source = source.replace(f'#include "{name}.h"\n', header.replace("#pragma once\n", "") + "\n", 1)
     (out_dir / "dispatch.cc").write_text(source)
