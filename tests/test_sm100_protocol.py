@@ -53,9 +53,10 @@ def test_every_role_the_kernel_runs_is_recorded():
         assert all(any(e[0] == "wait" for e in events[role]) for role in roles), variant.name
 
 
-# Two stages (d <= 192): runs of one persistent CTA, keyless tiles among keyed ones (ragged
-# and split-KV calls: tiles past an entry's rows or keys), at every shipped ring depth.
-TWO_STAGE_RUNS = [(1,), (2,), (3,), (1, 1), (2, 1), (0, 1), (1, 0, 1), (0, 0, 2)]
+# Two stages (d <= 192): runs of one persistent CTA, at every shipped ring depth. A tile whose
+# rows see no key (past a ragged entry's rows or keys, a split-KV chunk past them) is one block,
+# fully masked: one-block tiles among longer ones.
+TWO_STAGE_RUNS = [(1,), (2,), (3,), (1, 1), (2, 1), (1, 3), (1, 2, 1), (3, 1, 1)]
 
 
 @pytest.mark.parametrize("kv_stages", sorted({c.kv_stages for c in plan.TILE_CONFIGS.values() if c.q_stages == 2}))
@@ -66,7 +67,7 @@ def test_two_stages(kv_stages, tiles):
 
 # One stage (d256): S double-buffered and issued two blocks ahead, O's rescale after PV0; runs
 # long enough that each S buffer is reused and the ring wraps.
-ONE_STAGE_RUNS = [(1,), (2,), (3,), (4,), (1, 1), (3, 1), (0, 1), (2, 0, 1), (1, 0, 0, 2)]
+ONE_STAGE_RUNS = [(1,), (2,), (3,), (4,), (1, 1), (3, 1), (1, 3), (2, 1, 1), (1, 1, 1, 2)]
 
 
 @pytest.mark.parametrize("kv_stages", [2, 3, 4])
@@ -79,7 +80,7 @@ def test_one_stage(kv_stages, tiles):
 def test_the_masked_softmax_loops(mask):
     # The first block, the right-masked, unmasked and (window) left-masked loops each run.
     kernel = make_kernel(mask=mask, kv_stages=2)
-    for tiles in ((4,), (0, 4)):
+    for tiles in ((4,), (1, 4)):
         search(kernel, tiles)
 
 
@@ -136,7 +137,7 @@ def s_overwrites_unread_p(mma_events, q_stages):
 @pytest.mark.parametrize("tuning", [{"kv_stages": 2}, {"kv_stages": 2, "q_stages": 1}], ids=["two stages", "one stage"])
 def test_the_gemms_read_only_what_the_mma_warp_holds(tuning):
     kernel = make_kernel(head_dim=128, **tuning)
-    events = record(kernel, (3, 0, 1, 2))[Role.MMA]
+    events = record(kernel, (3, 1, 1, 2))[Role.MMA]
     assert not kv_reads_outside_their_stage(events)
     assert not s_overwrites_unread_p(events, kernel.q_stages)
     # The checks can fail: without the P·V GEMMs every later S GEMM overwrites unread P, and
@@ -156,10 +157,15 @@ def test_the_gemms_read_only_what_the_mma_warp_holds(tuning):
 # --- Mutations of the kernel's own code --------------------------------------------------------
 
 def mutant(*edits):
-    """fwd.py with each (old, new) text edit applied once (it must match exactly once, so an edit
-    that no longer applies fails loudly), as the kernel class of a module of its own."""
+    """fwd.py with each edit applied, as the kernel class of a module of its own: an (old, new)
+    text replacement (old must match exactly once, so an edit that no longer applies fails
+    loudly), or a function of the source (`guard`)."""
     source = inspect.getsource(fwd)
-    for old, new in edits:
+    for edit in edits:
+        if callable(edit):
+            source = edit(source)
+            continue
+        old, new = edit
         assert source.count(old) == 1, f"the mutation no longer applies: {old!r}"
         source = source.replace(old, new)
     name = f"fa4_jax.kernels.sm100._mutant_{abs(hash(edits))}"
@@ -175,36 +181,48 @@ def search_mutant(edits, tiles, **tuning):
     return search(make_kernel(mutant(*edits), **tuning), tiles)
 
 
-# The keyless-tile defect as first shipped, written back into the kernel: the load warp loaded
-# Q for a tile without keys, the MMA warp advanced its Q state for it without waiting, and the
-# correction waited for that Q, staged the tile's zeros over it and gave it back.
-LOAD_Q_FOR_KEYLESS_TILES = ('''                        kv_state.advance()
-        sync.tail("KV", kv_state)''', '''                        kv_state.advance()
-            else:
-                src = self.load_sources(res, tile)
-                for stage in cutlass.range_constexpr(self.q_stages):
-                    sync.acquire("Q", q_state)
-                    sync.tma_load("Q", q_state, res.tma_atom_q, src.q[None, 0, 0], src.sq[None, stage])
-                    q_state.advance()
-        sync.tail("KV", kv_state)''')
-MMA_SKIPS_THE_KEYLESS_Q = ('''                        ops, sync, tile, kv_state, q_state, s_state, o_state)
-''', '''                        ops, sync, tile, kv_state, q_state, s_state, o_state)
-            else:
-                for i in cutlass.range_constexpr(self.q_stages):
-                    q_state.advance()
-''')
-CORRECTION_STAGES_KEYLESS_ZEROS_IN_Q = ('''            else:
-                for i in cutlass.range_constexpr(self.q_stages):
-                    self.store_keyless_stage(regs, tile, i)''', '''            else:
-                landed = q_state.clone()
-                for i in cutlass.range_constexpr(self.q_stages):
-                    sync.wait("Q", landed)
-                    landed.advance()
-                    self.store_keyless_stage(regs, tile, i)
-                for i in cutlass.range_constexpr(self.q_stages):
-                    sync.release_after_bulk_store("Q", q_state, self.q_stages - 1 - i, regs.row)
-                    q_state.advance()''')
-ORIGINAL_KEYLESS_DEFECT = (LOAD_Q_FOR_KEYLESS_TILES, MMA_SKIPS_THE_KEYLESS_Q, CORRECTION_STAGES_KEYLESS_ZEROS_IN_Q)
+def guard(start: str, end: str, condition: str, orelse: str = ""):
+    """An edit that puts the lines of fwd.py from the one beginning `start` up to the one
+    beginning `end` (each once in the file) under `if condition:`, with `orelse` (an else branch,
+    indented like the if) after them."""
+    def edit(source):
+        assert source.count(start) == 1 and source.count(end) == 1, (start, end)
+        i, j = source.index(start), source.index(end)
+        block = source[i:j]
+        indent = block[:len(block) - len(block.lstrip(" "))]
+        body = "".join("    " + line if line.strip() else line for line in block.splitlines(True))
+        return source[:i] + f"{indent}if {condition}:\n" + body + orelse + source[j:]
+    return edit
+
+
+# The keyless-tile defect as first shipped, written back into the kernel: a tile without keys
+# (n_blocks = 0) skipped by the softmax, its Q loaded by the load warp, skipped by the MMA warp
+# with its Q state advanced and no wait, and waited for by the correction, which staged the
+# tile's zeros in Q's buffer and gave it back. (The kernel now runs such a tile as one fully
+# masked block, tile_problem, so every role does the same work for it.)
+ORIGINAL_KEYLESS_DEFECT = (
+    guard("            self.load_block(sync, kv_state, res.tma_atom_k, src.k[None, last_block, 0], src.sk)",
+          "            for stage in cutlass.range_constexpr(self.q_stages):\n                sync.acquire(\"Q\"",
+          "n_blocks > 0"),
+    guard("            if cutlass.const_expr(self.q_stages == 1):\n                kv_state, q_state, s_state, p_state",
+          "\n    @action\n    @cute.jit\n    def mma_operands",
+          "tile.n_blocks > 0",
+          "            else:\n"
+          "                for i in cutlass.range_constexpr(self.q_stages):\n"
+          "                    q_state.advance()\n"),
+    guard("        block = self.softmax_registers(stage, res)",
+          "        return s_state, stats_state\n\n    @action\n    @cute.jit\n    def softmax_registers",
+          "n_blocks > 0"),
+    guard("            for i in cutlass.range_constexpr(self.q_stages):\n                self.release_o(sync, i, s_state)",
+          "            for i in cutlass.range_constexpr(self.q_stages):\n                # Stage i's store",
+          "n_blocks > 0",
+          "            else:\n"
+          "                landed = q_state.clone()\n"
+          "                for i in cutlass.range_constexpr(self.q_stages):\n"
+          "                    sync.wait(\"Q\", landed)\n"
+          "                    landed.advance()\n"
+          "                    self.store_final_stage(regs, tile, i, None)\n"),
+)
 
 
 @pytest.mark.parametrize("tuning", [{"kv_stages": 2}, {"kv_stages": 4}, {"kv_stages": 2, "q_stages": 1}],
@@ -212,11 +230,6 @@ ORIGINAL_KEYLESS_DEFECT = (LOAD_Q_FOR_KEYLESS_TILES, MMA_SKIPS_THE_KEYLESS_Q, CO
 def test_the_keyless_tile_defect_written_back_into_the_kernel_is_caught(tuning):
     with pytest.raises(ProtocolError, match=r"\(<Role.MMA: 'mma'>, 0\), \('wait', 'Q@0', 'full'.*passes with the barrier in phase"):
         search_mutant(ORIGINAL_KEYLESS_DEFECT, (0, 1), head_dim=128, **tuning)
-    # Each role's half of it alone is caught too.
-    with pytest.raises(ProtocolError):
-        search_mutant((MMA_SKIPS_THE_KEYLESS_Q,), (0, 1), head_dim=128, **tuning)
-    with pytest.raises(ProtocolError):
-        search_mutant((LOAD_Q_FOR_KEYLESS_TILES,), (1, 0, 1), head_dim=128, **tuning)
 
 
 def test_the_original_defect_passes_only_if_async_arrivals_keep_issue_order():
@@ -231,14 +244,23 @@ def test_the_original_defect_passes_only_if_async_arrivals_keep_issue_order():
         search(kernel, (0, 1), events)
 
 
+@pytest.mark.parametrize("q_stages", [2, 1])
+def test_every_tile_needs_a_key_block(q_stages):
+    # The roles walk at least one block per tile (tile_problem runs a tile whose rows see no key
+    # as one fully masked block): a tile of none would leave the MMA warp waiting for a V block
+    # the load warp never loads.
+    with pytest.raises(ProtocolError, match="deadlock"):
+        search(make_kernel(head_dim=128, kv_stages=2, q_stages=q_stages), (1, 0, 1))
+
+
 @pytest.mark.parametrize("edit, tiles, match", [
     # The MMA warp's wait for Q dropped: its S GEMM reads Q before it lands.
     (('''            sync.wait("Q", q_state)
             self.s_gemm(ops, i, i, k_state.index)''', '''            self.s_gemm(ops, i, i, k_state.index)'''), (1,), "before its data|phase|deadlock"),
     # The correction's release of O (S's empty side) dropped: the MMA warp waits forever.
-    (('''                    self.release_o(sync, i, s_state)
-                s_state.advance()''', '''                    pass
-                s_state.advance()'''), (2,), "deadlock"),
+    (('''                self.release_o(sync, i, s_state)
+            s_state.advance()''', '''                pass
+            s_state.advance()'''), (2,), "deadlock"),
     # The K/V ring released before the S GEMM that reads it.
     (('''        s_state.advance()
         sync.release("KV", k_state)
@@ -262,7 +284,7 @@ def test_the_one_stage_softmax_overrunning_its_row_scale_is_caught():
 
 def test_the_one_stage_pv_wait_dropped_is_caught():
     # The correction rescaling O without waiting for the previous P·V to be done.
-    edit = ('''                            sync.wait(f"PV{i}", pv_state)''', '''                            pass''')
+    edit = ('''                        sync.wait(f"PV{i}", pv_state)''', '''                        pass''')
     with pytest.raises(ProtocolError, match="before its data has arrived"):
         search_mutant((edit,), (3,), head_dim=128, kv_stages=2, q_stages=1)
 

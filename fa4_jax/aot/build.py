@@ -109,7 +109,9 @@ def _kernel_sources(kernel: str) -> list[Path]:
 def _sources_digest(kernel: str) -> str:
     h = hashlib.sha256(toolchain.dsl_version().encode())
     for path in sorted({*_ALWAYS_HASHED, *_kernel_sources(kernel)}):
-        h.update(str(path.relative_to(PACKAGE)).encode())
+        # Named from the package (the shipped kernels), or from the repository for a kernel
+        # outside it (the GPU tier's broken ones, tests/gpu/faults/).
+        h.update(str(path.relative_to(PACKAGE if path.is_relative_to(PACKAGE) else ROOT)).encode())
         h.update(path.read_bytes())
     return h.hexdigest()
 

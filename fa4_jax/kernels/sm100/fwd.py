@@ -17,9 +17,10 @@ see below); kernels/sm100/plan.py holds the warp-role table, the TMEM map, the b
 the pipelines. Every wait, arrival, commit and TMA issue of a role goes through
 kernels/common/sync.py's `Sync`, and the work between them through methods marked `action`, so
 the tests record the protocol from these role methods themselves and search it
-(tests/test_sm100_protocol.py). A tile with no key blocks is skipped by every role (its zero rows
-are written straight to global memory). Per key block, visited from the highest to the lowest
-(the first carries the sequence tail and the diagonal):
+(tests/test_sm100_protocol.py). Every tile visits at least one key block (`tile_problem`: one
+whose rows see no key runs a fully masked one), so every role does the same for every tile.
+Per key block, visited from the highest to the lowest (the first carries the sequence tail and
+the diagonal):
 
 - the load warp TMA-loads K_j and V_j into consecutive stages of one ring (after the tile's
   first K, Q's two tiles);
@@ -88,8 +89,9 @@ NUM_STATS = 3
 @dataclasses.dataclass(frozen=True)
 class _Tile:
     """One tile of a CTA's work: two stages' query rows of (head, batch) against key blocks
-    [n_block_min, n_block_min + n_blocks), visited from the highest. n_blocks = 0: none (a
-    window or causal band that leaves the rows no key, or an entry without keys)."""
+    [n_block_min, n_block_min + n_blocks), visited from the highest. n_blocks >= 1: a tile
+    whose rows see no key (a window or causal band that leaves them none, rows past an entry's,
+    an entry without keys) runs one block, every key of which its mask hides."""
 
     m_block: Int32
     # The CTA's place in its pair (0 without one): its rows of each stage come after the leader's.
@@ -201,13 +203,11 @@ class _SBuffer:
 @dataclasses.dataclass(frozen=True)
 class _Epilogue:
     """Where the correction warp group puts a tile's results: O through each stage's shared
-    memory (sO[i], in Q_i's bytes) and a TMA store (its coordinates tma_o), LSE from registers;
-    a tile without keys writes O's zero rows straight into mO."""
+    memory (sO[i], in Q_i's bytes) and a TMA store, LSE from registers."""
 
     tma_atom_o: cute.CopyAtom
-    tma_o: cute.Tensor
-    sO: tuple
     mO: cute.Tensor
+    sO: tuple
     mLSE: cute.Tensor
 
 
@@ -311,6 +311,7 @@ class FlashAttentionForwardSm100:
                                             exp2_poly_share=config.exp2_poly_share, packed_pairs=True)
         # CTAs per MMA, and the query rows one MMA covers (one stage of each CTA of a pair).
         self.ctas = config.ctas
+        self.cta_group = tcgen05.CtaGroup.TWO if config.cta_pair else tcgen05.CtaGroup.ONE
         self.mma_rows = ROWS_PER_STAGE * self.ctas
         # A tile: every stage of every CTA of the pair.
         self.cta_m = self.q_stages * self.mma_rows
@@ -367,7 +368,7 @@ class FlashAttentionForwardSm100:
                 cute.make_layout(self.kv_stages, stride=cute.cosize(cute.select(sK_layout, mode=[0, 1, 2]))))
 
         cluster = self.cluster_layout(tiled_mma_qk)
-        load_op = cpasync.CopyBulkTensorTileG2SOp(cta_group)
+        load_op = cpasync.CopyBulkTensorTileG2SOp(self.cta_group)
         tma_atom_q, tma_q = cute.nvgpu.make_tiled_tma_atom_A(
             load_op, mQ, cute.select(sQ_layout, mode=[0, 1, 2]), mma_tiler_qk, tiled_mma_qk, cluster.shape)
         tma_atom_k, tma_k = cute.nvgpu.make_tiled_tma_atom_B(
@@ -412,7 +413,7 @@ class FlashAttentionForwardSm100:
                                    cute.size(mK.shape[2]), cute.size(mQ.shape[3]))
         self.kernel(
             tiled_mma_qk, tiled_mma_pv, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v,
-            tma_atom_o, tma_o, mO, mLSE, mSeqUsedQ, mSeqUsedK, sQ_layout, sK_layout, tP_layout, sV_layout,
+            tma_atom_o, tma_o, mLSE, mSeqUsedQ, mSeqUsedK, sQ_layout, sK_layout, tP_layout, sV_layout,
             sO_layout,
             score_prescale, scale_log2, window_left, window_right, top_left,
         ).launch(grid=grid, block=[self.roles.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
@@ -421,14 +422,13 @@ class FlashAttentionForwardSm100:
     def tiled_mmas(self):
         """The two MMAs: S = Q·Kᵀ with both operands in shared memory, O += P·V with P from
         TMEM (tcgen05's TS form); each of a CTA pair's kind for a pair."""
-        cta_group = tcgen05.CtaGroup.TWO if self.config.cta_pair else tcgen05.CtaGroup.ONE
         tiled_mma_qk = sm100_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, tcgen05.OperandMajorMode.K, tcgen05.OperandMajorMode.K,
-            Float32, cta_group, (self.mma_rows, self.tile_n),
+            Float32, self.cta_group, (self.mma_rows, self.tile_n),
         )
         tiled_mma_pv = sm100_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, tcgen05.OperandMajorMode.K, tcgen05.OperandMajorMode.MN,
-            Float32, cta_group, (self.mma_rows, self.head_dim_v), tcgen05.OperandSource.TMEM,
+            Float32, self.cta_group, (self.mma_rows, self.head_dim_v), tcgen05.OperandSource.TMEM,
         )
         return tiled_mma_qk, tiled_mma_pv
 
@@ -455,7 +455,6 @@ class FlashAttentionForwardSm100:
         tma_atom_v: cute.CopyAtom,
         mV: cute.Tensor,
         tma_atom_o: cute.CopyAtom,
-        tma_o: cute.Tensor,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
         mSeqUsedQ: cute.Tensor,
@@ -544,7 +543,7 @@ class FlashAttentionForwardSm100:
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
             self.correction(_CorrectionResources(tiled_mma_pv, tmem_ptr, row_stats,
-                                                 _Epilogue(tma_atom_o, tma_o, sO, mO, mLSE), scale_log2),
+                                                 _Epilogue(tma_atom_o, mO, sO, mLSE), scale_log2),
                             sync, _Tiles(tile_problem, tile_count()))
             _tcgen05_before_sync()
             tmem_barrier.arrive()
@@ -628,7 +627,9 @@ class FlashAttentionForwardSm100:
         bounds = MaskBounds(window_left, window_right, top_left)
         block_info = BlockInfo(self.cta_m, self.tile_n, self.causal, self.local, bounds)
         n_block_min, n_block_max = block_info.n_block_range(m_block, seqlen_q, seqlen_k)
-        n_blocks = n_block_max - n_block_min
+        # A tile whose rows see no key still runs one key block, fully masked (its rows come out
+        # 0 with LSE −inf), so that every role does the same for every tile.
+        n_blocks = cutlass.max(n_block_max - n_block_min, 1)
         mask = AttentionMask(ROWS_PER_STAGE, self.tile_n, self.causal, self.local, bounds)
         stage_blocks = BlockInfo(ROWS_PER_STAGE, self.tile_n, self.causal, self.local, bounds)
         head_kv = head // (num_heads // num_heads_kv)
@@ -649,38 +650,35 @@ class FlashAttentionForwardSm100:
     @cute.jit
     def load(self, res, sync: Sync, tiles):
         """Per tile, Q's tiles and the blocks' K and V through the ring (K of the first
-        s_lookahead blocks, then V_j and K_{j + s_lookahead}: the MMA warp's order). A tile
-        without keys loads nothing: every role skips it (a role that advanced a pipeline for it
-        while another waited could pass a later wait on that phase's parity). In a pair each CTA
-        loads its own rows of Q and its half of each K and V block."""
+        s_lookahead blocks, then V_j and K_{j + s_lookahead}: the MMA warp's order). In a pair
+        each CTA loads its own rows of Q and its half of each K and V block."""
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         for tile_index in cutlass.range(tiles.count, unroll=1):
             tile = tiles.problem(tile_index)
             n_blocks = tile.n_blocks
-            if n_blocks > 0:
-                src = self.load_sources(res, tile)
-                last_block = tile.n_block_min + n_blocks - 1
-                self.load_block(sync, kv_state, res.tma_atom_k, src.k[None, last_block, 0], src.sk)
-                kv_state.advance()
-                for stage in cutlass.range_constexpr(self.q_stages):
-                    sync.acquire("Q", q_state)
-                    sync.tma_load("Q", q_state, res.tma_atom_q,
-                                  src.q[None, tile.m_block * self.q_stages + stage, 0], src.sq[None, stage])
-                    q_state.advance()
-                ahead = self.config.s_lookahead
-                for i in cutlass.range_constexpr(1, ahead):
-                    if n_blocks > i:
-                        self.load_block(sync, kv_state, res.tma_atom_k, src.k[None, last_block - i, 0], src.sk)
-                        kv_state.advance()
-                for i in cutlass.range(n_blocks, unroll=1):
-                    self.load_block(sync, kv_state, res.tma_atom_v, src.v[None, 0, last_block - i], src.sv,
-                                    res.v_bytes)
+            src = self.load_sources(res, tile)
+            last_block = tile.n_block_min + n_blocks - 1
+            self.load_block(sync, kv_state, res.tma_atom_k, src.k[None, last_block, 0], src.sk)
+            kv_state.advance()
+            for stage in cutlass.range_constexpr(self.q_stages):
+                sync.acquire("Q", q_state)
+                sync.tma_load("Q", q_state, res.tma_atom_q,
+                              src.q[None, tile.m_block * self.q_stages + stage, 0], src.sq[None, stage])
+                q_state.advance()
+            ahead = self.config.s_lookahead
+            for i in cutlass.range_constexpr(1, ahead):
+                if n_blocks > i:
+                    self.load_block(sync, kv_state, res.tma_atom_k, src.k[None, last_block - i, 0], src.sk)
                     kv_state.advance()
-                    if i + ahead < n_blocks:
-                        self.load_block(sync, kv_state, res.tma_atom_k, src.k[None, last_block - i - ahead, 0],
-                                        src.sk)
-                        kv_state.advance()
+            for i in cutlass.range(n_blocks, unroll=1):
+                self.load_block(sync, kv_state, res.tma_atom_v, src.v[None, 0, last_block - i], src.sv,
+                                res.v_bytes)
+                kv_state.advance()
+                if i + ahead < n_blocks:
+                    self.load_block(sync, kv_state, res.tma_atom_k, src.k[None, last_block - i - ahead, 0],
+                                    src.sk)
+                    kv_state.advance()
         sync.tail("KV", kv_state)
 
     @action
@@ -714,9 +712,9 @@ class FlashAttentionForwardSm100:
     @protocol
     @cute.jit
     def mma(self, res, sync: Sync, tiles):
-        """Per tile with keys, S_i = Q_i·Kᵀ and O_i += P_i·V for every stage. An S GEMM waits for
-        nothing on S_i: the P_i·V that last read its columns waited for that use's release, and
-        this thread's MMAs run in order."""
+        """Per tile, S_i = Q_i·Kᵀ and O_i += P_i·V for every stage. An S GEMM waits for nothing
+        on S_i: the P_i·V that last read its columns waited for that use's release, and this
+        thread's MMAs run in order."""
         ops = self.mma_operands(res)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
@@ -728,13 +726,12 @@ class FlashAttentionForwardSm100:
         o_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         for tile_index in cutlass.range(tiles.count, unroll=1):
             tile = tiles.problem(tile_index)
-            if tile.n_blocks > 0:
-                if cutlass.const_expr(self.q_stages == 1):
-                    kv_state, q_state, s_state, p_state, pv_state, o_state = self.mma_tile_one_stage(
-                        ops, sync, tile, kv_state, q_state, s_state, p_state, pv_state, o_state)
-                else:
-                    kv_state, q_state, s_state, o_state = self.mma_tile_two_stages(
-                        ops, sync, tile, kv_state, q_state, s_state, o_state)
+            if cutlass.const_expr(self.q_stages == 1):
+                kv_state, q_state, s_state, p_state, pv_state, o_state = self.mma_tile_one_stage(
+                    ops, sync, tile, kv_state, q_state, s_state, p_state, pv_state, o_state)
+            else:
+                kv_state, q_state, s_state, o_state = self.mma_tile_two_stages(
+                    ops, sync, tile, kv_state, q_state, s_state, o_state)
 
     @action
     @cute.jit
@@ -932,33 +929,32 @@ class FlashAttentionForwardSm100:
         """Softmax i over one tile's key blocks, with a fresh row maximum and sum. Returns the
         advanced pipeline states."""
         n_blocks = tile.n_blocks
-        if n_blocks > 0:
-            block = self.softmax_registers(stage, res)
-            m_block = self.row_block(tile, stage)
-            n_block_min = tile.n_block_min
-            stage_blocks = tile.stage_blocks
-            n_block = n_block_min + n_blocks - 1
-            step = functools.partial(self.softmax_block, stage, block, sync, tile, m_block)
-            s_state, stats_state = step(s_state, stats_state, n_block, masked=True, first=True)
-            n_block -= 1
-            if cutlass.const_expr(self.causal or self.local):
-                right_masked = stage_blocks.n_block_min_right_masked(m_block, n_block_min, tile.seqlen_q,
-                                                                     tile.seqlen_k)
-                for _ in cutlass.range(n_block + 1 - right_masked, unroll=1):
-                    s_state, stats_state = step(s_state, stats_state, n_block, masked=True)
-                    n_block -= 1
-            unmasked = stage_blocks.n_block_min_unmasked(m_block, n_block_min, tile.seqlen_q, tile.seqlen_k)
-            for _ in cutlass.range(n_block + 1 - unmasked, unroll=1):
-                s_state, stats_state = step(s_state, stats_state, n_block, masked=False)
+        block = self.softmax_registers(stage, res)
+        m_block = self.row_block(tile, stage)
+        n_block_min = tile.n_block_min
+        stage_blocks = tile.stage_blocks
+        n_block = n_block_min + n_blocks - 1
+        step = functools.partial(self.softmax_block, stage, block, sync, tile, m_block)
+        s_state, stats_state = step(s_state, stats_state, n_block, masked=True, first=True)
+        n_block -= 1
+        if cutlass.const_expr(self.causal or self.local):
+            right_masked = stage_blocks.n_block_min_right_masked(m_block, n_block_min, tile.seqlen_q,
+                                                                 tile.seqlen_k)
+            for _ in cutlass.range(n_block + 1 - right_masked, unroll=1):
+                s_state, stats_state = step(s_state, stats_state, n_block, masked=True)
                 n_block -= 1
-            if cutlass.const_expr(self.local):
-                for _ in cutlass.range(n_block + 1 - n_block_min, unroll=1):
-                    s_state, stats_state = step(s_state, stats_state, n_block, masked=True)
-                    n_block -= 1
-            sync.acquire(f"STATS{stage}", stats_state)
-            self.publish_row_stats(stage, block)
-            sync.commit(f"STATS{stage}", stats_state)
-            stats_state.advance()
+        unmasked = stage_blocks.n_block_min_unmasked(m_block, n_block_min, tile.seqlen_q, tile.seqlen_k)
+        for _ in cutlass.range(n_block + 1 - unmasked, unroll=1):
+            s_state, stats_state = step(s_state, stats_state, n_block, masked=False)
+            n_block -= 1
+        if cutlass.const_expr(self.local):
+            for _ in cutlass.range(n_block + 1 - n_block_min, unroll=1):
+                s_state, stats_state = step(s_state, stats_state, n_block, masked=True)
+                n_block -= 1
+        sync.acquire(f"STATS{stage}", stats_state)
+        self.publish_row_stats(stage, block)
+        sync.commit(f"STATS{stage}", stats_state)
+        stats_state.advance()
         return s_state, stats_state
 
     @action
@@ -1079,8 +1075,7 @@ class FlashAttentionForwardSm100:
     def correction(self, res, sync: Sync, tiles):
         """Per tile, O_i's rescales in TMEM, then O = O_i / ℓ through shared memory and a TMA
         store, and LSE, one row per thread; then Q's buffers back to the load warp once the
-        stores have read them. A tile without keys, which no role loads anything for, writes its
-        zero rows and LSE −inf straight to global memory."""
+        stores have read them."""
         regs = self.correction_registers(res)
         # The stages' pipelines go through the same phases in step: one state each.
         s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.config.s_lookahead)
@@ -1091,46 +1086,42 @@ class FlashAttentionForwardSm100:
         for tile_index in cutlass.range(tiles.count, unroll=1):
             tile = tiles.problem(tile_index)
             n_blocks = tile.n_blocks
-            if n_blocks > 0:
-                for i in cutlass.range_constexpr(self.q_stages):
-                    self.release_o(sync, i, s_state)
-                s_state.advance()
-                for block in cutlass.range(1, n_blocks, unroll=1):
-                    for i in cutlass.range_constexpr(self.q_stages):
-                        sync.wait(f"STATS{i}", stats_state)
-                        scale = self.read_row_scale(regs, i)
-                        sync.release(f"STATS{i}", stats_state)
-                        if cutlass.const_expr(self.config.s_lookahead > 1):
-                            # The S GEMM softmax waited for came before the previous P·V: wait
-                            # for that P·V to have added into O.
-                            sync.wait(f"PV{i}", pv_state)
-                        self.rescale_o(regs, i, scale)
-                        if cutlass.const_expr(self.config.s_lookahead > 1):
-                            _tcgen05_before_sync()
-                            sync.release(f"PV{i}", pv_state)
-                        self.release_o(sync, i, s_state)
-                    stats_state.advance()
-                    pv_state.advance()
-                    s_state.advance()
+            for i in cutlass.range_constexpr(self.q_stages):
+                self.release_o(sync, i, s_state)
+            s_state.advance()
+            for block in cutlass.range(1, n_blocks, unroll=1):
                 for i in cutlass.range_constexpr(self.q_stages):
                     sync.wait(f"STATS{i}", stats_state)
-                    stats = self.read_row_stats(regs, i)
+                    scale = self.read_row_scale(regs, i)
                     sync.release(f"STATS{i}", stats_state)
-                    sync.wait(f"O{i}", o_state)
-                    _tcgen05_after_sync()
-                    self.store_final_stage(regs, tile, i, stats)
+                    if cutlass.const_expr(self.config.s_lookahead > 1):
+                        # The S GEMM softmax waited for came before the previous P·V: wait
+                        # for that P·V to have added into O.
+                        sync.wait(f"PV{i}", pv_state)
+                    self.rescale_o(regs, i, scale)
+                    if cutlass.const_expr(self.config.s_lookahead > 1):
+                        _tcgen05_before_sync()
+                        sync.release(f"PV{i}", pv_state)
+                    self.release_o(sync, i, s_state)
                 stats_state.advance()
-                # The next tile's first P_i·V overwrites O_i in TMEM only after this warp group's
-                # next release of S_i (`release_o`, fenced after these reads).
-                o_state.advance()
-                for i in cutlass.range_constexpr(self.q_stages):
-                    # Stage i's store (of the q_stages this thread just issued) has read Q_i's
-                    # buffer.
-                    sync.release_after_bulk_store("Q", q_state, self.q_stages - 1 - i, regs.row)
-                    q_state.advance()
-            else:
-                for i in cutlass.range_constexpr(self.q_stages):
-                    self.store_keyless_stage(regs, tile, i)
+                pv_state.advance()
+                s_state.advance()
+            for i in cutlass.range_constexpr(self.q_stages):
+                sync.wait(f"STATS{i}", stats_state)
+                stats = self.read_row_stats(regs, i)
+                sync.release(f"STATS{i}", stats_state)
+                sync.wait(f"O{i}", o_state)
+                _tcgen05_after_sync()
+                self.store_final_stage(regs, tile, i, stats)
+            stats_state.advance()
+            # The next tile's first P_i·V overwrites O_i in TMEM only after this warp group's
+            # next release of S_i (`release_o`, fenced after these reads).
+            o_state.advance()
+            for i in cutlass.range_constexpr(self.q_stages):
+                # Stage i's store (of the q_stages this thread just issued) has read Q_i's
+                # buffer.
+                sync.release_after_bulk_store("Q", q_state, self.q_stages - 1 - i, regs.row)
+                q_state.advance()
 
     @action
     @cute.jit
@@ -1195,18 +1186,6 @@ class FlashAttentionForwardSm100:
         self.store_stage(regs.thr_load, regs.loads[stage], regs.chunk_regs, regs.epilogue, tile, stage, regs.row,
                          inv_sum[0], lse[0])
 
-    @action
-    @cute.jit
-    def store_keyless_stage(self, regs, tile, stage: cutlass.Constexpr[int]):
-        """Stage i of a tile without keys: this thread's row of O zero and its LSE −inf, by plain
-        stores (Q's buffer, where O is staged otherwise, may hold a later tile's Q by now)."""
-        row = self.row_block(tile, stage) * ROWS_PER_STAGE + regs.row
-        if row < tile.seqlen_q_buf:
-            zeros = cute.make_rmem_tensor((self.head_dim_v,), self.dtype)
-            zeros.fill(0.0)
-            cute.autovec_copy(zeros, regs.epilogue.mO[row, None, tile.head, tile.batch])
-            regs.epilogue.mLSE[row, tile.head, tile.batch] = Float32(-math.inf)
-
     @protocol
     @cute.jit
     def release_o(self, sync: Sync, stage: cutlass.Constexpr[int], state):
@@ -1251,7 +1230,7 @@ class FlashAttentionForwardSm100:
         cute.arch.fence_view_async_shared()
         pipeline.NamedBarrier(barrier_id=int(Barrier.O_STORE), num_threads=self.roles.threads(Role.CORRECTION)).arrive_and_wait()
         if row_in_stage == 0:
-            gO = cute.flat_divide(epilogue.tma_o[None, None, tile.head, tile.batch], (ROWS_PER_STAGE, self.head_dim_v))
+            gO = cute.flat_divide(epilogue.mO[None, None, tile.head, tile.batch], (ROWS_PER_STAGE, self.head_dim_v))
             tOsO, tOgO = cpasync.tma_partition(epilogue.tma_atom_o, 0, cute.make_layout(1),
                                                cute.group_modes(epilogue.sO[stage], 0, 2),
                                                cute.group_modes(gO, 0, 2))

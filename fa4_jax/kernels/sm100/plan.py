@@ -226,15 +226,18 @@ class WarpRoles:
             raise ValueError(violation)
 
 
-# Two stages. Softmax takes the registers: a 128-column row of S in fp32 plus its P; correction
-# streams O through 16 columns at a time.
+# Two stages, 512 threads launched at 128 registers. Softmax takes the registers: a 128-column
+# row of S in fp32 plus its P, about 190 live in its unmasked loop; at 192 an unrelated change
+# elsewhere in the kernel tipped ptxas into spilling there, so it has 200, taken from the MMA,
+# load and idle warps (their loops hold a few pipeline states and addresses: 32, as in FA4
+# upstream's d256 kernel). The correction streams O through 16 columns at a time.
 TWO_STAGE_ROLES = WarpRoles((
-    RoleAssignment(Role.SOFTMAX0, (0, 1, 2, 3), 192),
-    RoleAssignment(Role.SOFTMAX1, (4, 5, 6, 7), 192),
+    RoleAssignment(Role.SOFTMAX0, (0, 1, 2, 3), 200),
+    RoleAssignment(Role.SOFTMAX1, (4, 5, 6, 7), 200),
     RoleAssignment(Role.CORRECTION, (8, 9, 10, 11), 80),
-    RoleAssignment(Role.MMA, (12,), 48),
-    RoleAssignment(Role.LOAD, (13,), 48),
-    RoleAssignment(Role.IDLE, (14, 15), 48),
+    RoleAssignment(Role.MMA, (12,), 32),
+    RoleAssignment(Role.LOAD, (13,), 32),
+    RoleAssignment(Role.IDLE, (14, 15), 32),
 ))
 # One stage: three warp groups launched at 168 registers, whose pool of 168 x 384 the budgets
 # fill: the one softmax at the setmaxnreg ceiling (a 128-column row of S in fp32 and its P), the
@@ -293,6 +296,11 @@ class TmemMap:
         for stage in range(self.q_stages):
             out[f"O{stage}"] = (self.o(stage), self.o(stage) + self.head_dim_v)
         return out
+
+
+# A CTA pair's leader: rank 0 of its cluster, whose MMA warp issues the pair's MMAs and on whose
+# barriers "leader" arrivals land (Pipeline.full_at / empty_at).
+LEADER = 0
 
 
 class Barrier(enum.IntEnum):
