@@ -27,21 +27,16 @@ verified (`push_when_ready`), before any program runs.
     FA4_JAX_PROBE_TIMEOUT=20          seconds each variant's probe may take
     FA4_JAX_CACHE_DIR=DIR             where verdicts are kept (default ~/.cache/fa4_jax)
 
-    python -m fa4_jax.verification show            this library's verdicts on this GPU and driver
-    python -m fa4_jax.verification forget          delete them
-    python -m fa4_jax.verification check [REGEX]   probe now the unjudged variants of this GPU's
-                                                   arch (whose names match)
+`python -m fa4_jax.verdicts` shows, forgets and checks them (show | forget | check [REGEX]).
 
 `python -m fa4_jax.selftest` runs the same probes over every variant and reports on the kernels.
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import hashlib
 import os
 import re
-import sys
 import threading
 
 from fa4_jax import ffi, notices, routing, verdict_store
@@ -97,13 +92,13 @@ def _class_verdicts(variant: routing.Variant, library) -> list[Verdict]:
     with _lock:
         if any((library.path, name) not in _verdicts for name in names):
             try:
-                identity = _identity(library)
+                identity = library_identity(library)
                 with verdict_store.probing_lock():
                     kept = verdict_store.load(identity)
                     _adopt(library, kept.values())
                     todo = [name for name in names if name not in kept]
                     if todo:
-                        _probe(library, identity, todo)
+                        probe(library, identity, todo)
             except Exception as error:  # noqa: BLE001 - the call falls back; it must not fail
                 _adopt(library, [Verdict(name, "inconclusive", f"the probe could not run: {type(error).__name__}: "
                                                                f"{error}")
@@ -120,16 +115,16 @@ def _adopt(library, verdicts) -> None:
             ffi.mark_verified(library, verdict.variant)
 
 
-def _probe(library, identity: verdict_store.Identity, names: list[str]) -> dict[str, Verdict]:
+def probe(library, identity: verdict_store.Identity, names: list[str]) -> dict[str, Verdict]:
     """Probes `names` on the default GPU; keeps each verdict as it comes and takes it as this
     process's (a pass is marked verified at once)."""
     device = runner.default_gpu()
     timeout = runner.timeout_seconds()
+    listed = ", ".join(names[:3]) + (f", ... ({len(names)} in all)" if len(names) > 3 else "")
     notices.progress(
         f"fa4_jax: checking {len(names)} kernel(s) that have not run on {identity.gpu} hardware before "
-        f"({', '.join(names)}) against the reference, in a child process on that GPU: seconds if they "
-        f"pass, at most {timeout:g} s each if they hang (FA4_JAX_PROBE_TIMEOUT); once per library, GPU "
-        f"and driver")
+        f"({listed}) against the reference, in a child process on that GPU: seconds if they pass, at "
+        f"most {timeout:g} s each if they hang (FA4_JAX_PROBE_TIMEOUT); once per library, GPU and driver")
     opened = {}
 
     def on_verdict(verdict: Verdict) -> None:
@@ -166,7 +161,7 @@ def _driver_version(library) -> str:
     return f"{versions[0]}, {cuda}" if versions else cuda
 
 
-def _identity(library) -> verdict_store.Identity:
+def library_identity(library) -> verdict_store.Identity:
     """What this process's verdicts hold for; RuntimeError without a GPU (before reading the
     library's 60 MB)."""
     gpu = runner.default_gpu().device_kind
@@ -178,7 +173,7 @@ def _identity(library) -> verdict_store.Identity:
 def push_kept(library) -> None:
     """Marks the kept passes of `library` on this process's default GPU and driver verified."""
     try:
-        identity = _identity(library)
+        identity = library_identity(library)
     except (OSError, RuntimeError):
         return  # no library file, or no GPU: nothing the handler could run
     with _lock:
@@ -222,48 +217,3 @@ def results() -> dict[str, Verdict]:
     """variant name -> this process's verdict, for the variants judged so far."""
     with _lock:
         return {name: verdict for (_, name), verdict in _verdicts.items()}
-
-
-def _check(library, identity, pattern: str | None) -> int:
-    arch = routing.arch_name(*(int(x) for x in runner.default_gpu().compute_capability.split(".")))
-    if arch not in unverified_arches(library):
-        print(f"{arch}'s kernels are not gated (FA4_JAX_UNVERIFIED_ARCHES adds an arch): nothing to check")
-        return 2
-    kept = verdict_store.load(identity)
-    names = [v.name for v in cases.in_probe_order(ffi.manifest_variants(library.path).values())
-             if v.arch == arch and (pattern is None or re.search(pattern, v.name)) and v.name not in kept]
-    if not names:
-        print("nothing to check: every matching variant has a verdict (`forget` deletes them)")
-        return 2
-    with verdict_store.probing_lock():
-        verdicts = _probe(library, identity, names)
-    for name in names:
-        print(verdicts[name].line())
-    return 0 if all(v.passed for v in verdicts.values()) else 1
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fa4_jax.verification", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=("show", "forget", "check"))
-    parser.add_argument("pattern", nargs="?", metavar="REGEX", help="check: only the variants whose names match")
-    args = parser.parse_args(argv)
-    try:
-        library = ffi.load()
-        identity = _identity(library)
-    except (ffi.LibraryUnavailable, RuntimeError, OSError) as error:
-        print(f"fa4_jax.verification: {error}", file=sys.stderr)
-        return 2
-    print(f"library {library.path} (sha256 {identity.library[:12]}), {identity.gpu}, driver {identity.driver}")
-    if args.command == "show":
-        for verdict in sorted(verdict_store.load(identity).values(), key=lambda v: v.variant):
-            print(verdict.line())
-        return 0
-    if args.command == "forget":
-        print(f"forgot {verdict_store.forget(identity)} verdict(s)")
-        return 0
-    return _check(library, identity, args.pattern)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

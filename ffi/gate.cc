@@ -64,7 +64,7 @@ std::string Refusal(const Fa4Variant& v) {
   return name + " has not run on " + arch +
          " hardware before and has not passed its first-use check in this process. A process "
          "that imports fa4_jax runs it once it has passed: make a fa4_jax call that uses it, or "
-         "run `python -m fa4_jax.verification check '^" + name +
+         "run `python -m fa4_jax.verdicts check '^" + name +
          "$'` (the verdict is kept for this library, GPU and driver), then run this program "
          "again after `import fa4_jax`; or set FA4_JAX_TRUST_UNVERIFIED=1 to run it unchecked";
 }

@@ -325,7 +325,7 @@ def gate(library, monkeypatch):
 def test_the_handler_refuses_an_unverified_variant_until_it_is_marked_verified(gate, monkeypatch):
     refusal, mark = gate
     blackwell, hopper = "fwd_sm100f_fp16_d96_dv96_local", "bwd_sm90a_fp16_d96_dv96_local_segments"
-    assert "FA4_JAX_TRUST_UNVERIFIED" in refusal(blackwell) and "verification check" in refusal(blackwell)
+    assert "FA4_JAX_TRUST_UNVERIFIED" in refusal(blackwell) and "verdicts check" in refusal(blackwell)
     assert refusal(hopper) == ""
     monkeypatch.setenv("FA4_JAX_UNVERIFIED_ARCHES", "sm_120a, sm_90a")  # read at run time
     assert hopper in refusal(hopper)

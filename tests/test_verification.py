@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import fa4_jax
-from fa4_jax import dispatch, ffi, verdict_store, verification
+from fa4_jax import dispatch, ffi, verdict_store, verdicts, verification
 from fa4_jax.aot import build
 from fa4_jax.backends import _reference_fp32
 from fa4_jax.kernels.sm100 import menu as sm100
@@ -71,7 +71,7 @@ def blackwell(monkeypatch, tmp_path):
         monkeypatch.delenv(variable, raising=False)
     state.set_plan = lambda plan: (state.plan.update(plan), monkeypatch.setenv("FAKE_CHILD_PLAN", json.dumps(state.plan)))
     verification.forget()
-    state.identity = verification._identity(library)
+    state.identity = verification.library_identity(library)
     # Traces of the same shapes from earlier tests would hold another stand-in kernel.
     jax.clear_caches()
     yield state
@@ -232,12 +232,12 @@ def test_kept_passes_are_marked_verified_once_jax_has_started(blackwell, monkeyp
 
 def test_the_command_shows_forgets_and_checks(blackwell, capsys):
     blackwell.set_plan({D64_CAUSAL: "wrong"})
-    assert verification.main(["check", r"^fwd_sm100f_bf16_d64_dv64(_causal)?$"]) == 1
+    assert verdicts.main(["check", r"^fwd_sm100f_bf16_d64_dv64(_causal)?$"]) == 1
     out = capsys.readouterr().out
     assert f"PASS         {D64}" in out and f"FAIL         {D64_CAUSAL}" in out
-    assert verification.main(["check", r"^fwd_sm100f_bf16_d64_dv64(_causal)?$"]) == 2  # judged already
-    assert verification.main(["show"]) == 0 and D64_CAUSAL in capsys.readouterr().out
-    assert verification.main(["forget"]) == 0 and "forgot 2" in capsys.readouterr().out
+    assert verdicts.main(["check", r"^fwd_sm100f_bf16_d64_dv64(_causal)?$"]) == 2  # judged already
+    assert verdicts.main(["show"]) == 0 and D64_CAUSAL in capsys.readouterr().out
+    assert verdicts.main(["forget"]) == 0 and "forgot 2" in capsys.readouterr().out
     assert verdict_store.load(blackwell.identity) == {}
 
 

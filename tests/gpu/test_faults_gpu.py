@@ -43,6 +43,13 @@ USER = textwrap.dedent('''
     from fa4_jax import ffi, numerics_rule, verification
     from tests.numerics import reference_pair
 
+    def reference_options(opts):
+        """The call's options as the reference takes them (a window as its two bounds)."""
+        opts = dict(opts)
+        if "window_size" in opts:
+            opts["window_left"], opts["window_right"] = opts.pop("window_size")
+        return opts
+
     def close(out, ref, lowp, factor=2):
         comparison = numerics_rule.compare(out, ref, lowp, factor)
         return {"passed": comparison.passed, "text": comparison.describe("out")}
@@ -57,7 +64,7 @@ USER = textwrap.dedent('''
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             out = jax.jit(lambda q, k, v: fa4_jax.attention(q, k, v, **opts))(q, k, v).block_until_ready()
-        (ref, _), (lowp, _) = reference_pair(q, k, v, **opts)
+        (ref, _), (lowp, _) = reference_pair(q, k, v, **reference_options(opts))
         warned = [str(w.message) for w in caught if issubclass(w.category, fa4_jax.FallbackWarning)]
         verdict = verification.results().get(name)
         report["calls"][name] = {"seconds": time.monotonic() - start, "warnings": warned,

@@ -78,7 +78,7 @@ def test_the_gate_probes_a_class_inside_a_trace_and_its_kernels_then_serve_it(ne
     assert len(causal) > 1  # its tunings, probed with it
     results = verification.results()
     assert all(results[name].passed for name in causal), {n: results.get(n) for n in causal}
-    kept = verdict_store.load(verification._identity(hopper_unverified))
+    kept = verdict_store.load(verification.library_identity(hopper_unverified))
     assert all(kept[name].passed for name in causal)
 
 
@@ -103,7 +103,7 @@ def test_the_handler_refuses_an_unchecked_variant_and_runs_it_once_checked(next_
 
 def test_a_kept_failure_routes_the_class_to_the_fallback(next_key, hopper_unverified):
     library = hopper_unverified
-    identity = verification._identity(library)
+    identity = verification.library_identity(library)
     for variant in routing.class_variants(routing.Variant("sm_90a", "bf16", 128, 128, "none", False),
                                           library.routes_for("sm_90a"), library.compiled):
         verdict_store.record(identity, Verdict(variant.name, "wrong", "told so by the test"))
