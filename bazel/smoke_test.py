@@ -1,12 +1,13 @@
 """The Bazel-built package: its library needs only libc, loads and registers the custom calls,
-its manifest is the shipping menu, and its router picks what fa4_jax.routing picks."""
+its manifest is the shipping menu, and its router picks what fa4_jax.abi.routing picks."""
 import ctypes
 import itertools
 import os
 import subprocess
 
 import fa4_jax
-from fa4_jax import ffi, routing
+from fa4_jax.runtime import ffi
+from fa4_jax.abi import routing
 from fa4_jax.aot import menu
 
 
@@ -39,7 +40,7 @@ def main() -> None:
         assert handler == library.choose(call).name, call
         calls += 1
     print(f"fa4_jax {fa4_jax.__version__}: {library.path} holds {len(library.compiled)} variants; "
-          f"{calls} calls routed as fa4_jax.routing routes them")
+          f"{calls} calls routed as fa4_jax.abi.routing routes them")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ library of their own (never the wheel's).
     python -m benchmarks.ablations build [--only REGEX] [--jobs N]
 
 compiles `MENU` into build/ablations/libfa4_jax_ablations.so (the shipping build's cache serves
-what it shares), whose FFI targets take a `tuning` attribute (fa4_jax.ffi's DEV_*_TARGET).
+what it shares), whose FFI targets take a `tuning` attribute (fa4_jax.runtime.ffi's DEV_*_TARGET).
 benchmarks/bench_attention.py's "fa4_jax:NAME" and "fa4_jax_bwd:NAME" rows call them through
 `library()`; "default" names each ablated problem class's shipped kernel through the same path,
 the like-for-like baseline.
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from fa4_jax.aot import build
 from fa4_jax.kernels.sm90 import menu as sm90
-from fa4_jax.routing import Variant
+from fa4_jax.abi.routing import Variant
 
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = ROOT / "build" / "ablations" / "libfa4_jax_ablations.so"
@@ -120,11 +120,11 @@ MENU = tuple(dict.fromkeys(_variants()))
 
 
 def narrowing_mismatch(tuning: str, call) -> str | None:
-    """Why `call` (a fa4_jax.routing.Call) may not run `tuning`, one whose kernel computes only
+    """Why `call` (a fa4_jax.abi.routing.Call) may not run `tuning`, one whose kernel computes only
     part of a key block (the router's conditions for the shipped ones, kernels/sm90/menu.py),
     or None: the development library's targets run the tuning they are given, whatever the
     shapes."""
-    from fa4_jax import routing
+    from fa4_jax.abi import routing
 
     settings = TUNINGS[tuning]
     if settings.get("first_group_diagonal") and call.mask == "causal":
@@ -150,7 +150,7 @@ def ablation_menu(only: str | None = None) -> build.Menu:
 @functools.cache
 def library():
     """The development library, loaded (build it first: `python -m benchmarks.ablations build`)."""
-    from fa4_jax import ffi
+    from fa4_jax.runtime import ffi
 
     return ffi.load(str(os.environ.get("FA4_JAX_ABLATIONS_LIBRARY") or LIBRARY), tuning_targets=True)
 

@@ -198,7 +198,7 @@ def fa4_jax_tuning_candidates(tuning: str):
     through the development library's tuning targets."""
     def candidates(case: Case, settings: Settings) -> list[Candidate]:
         _fa4_jax()
-        from fa4_jax import dispatch
+        from fa4_jax.runtime import dispatch
 
         if case.mode != "fwd":
             raise Skip("tunings are forward ablations")
@@ -216,8 +216,9 @@ def _require_ablation(case: Case, settings: Settings, kind: str, tuning: str, de
     """(the development library, the call's params), or a skip (not a failure) naming why the
     row cannot run: no library, no such variant (ablations are compiled at some head dims
     only), or a narrowed tuning that would cut this call's keys short."""
-    from fa4_jax import dispatch, ffi, routing
-    from fa4_jax.api import attention_params
+    from fa4_jax.runtime import dispatch, ffi
+    from fa4_jax.abi import routing
+    from fa4_jax.api.attention import attention_params
 
     from benchmarks import ablations
 
@@ -251,7 +252,7 @@ def fa4_jax_bwd_tuning_candidates(tuning: str, deterministic: bool):
     development library's tuning targets ("default" is the like-for-like baseline)."""
     def candidates(case: Case, settings: Settings) -> list[Candidate]:
         _fa4_jax()
-        from fa4_jax import dispatch
+        from fa4_jax.runtime import dispatch
 
         if case.mode != "fwd_bwd":
             raise Skip("backward tunings are timed forward+backward")

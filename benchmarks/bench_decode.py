@@ -3,8 +3,8 @@
 Each case is one attention call of a decoder at generation time: q [b, 1, heads_q, d] against a
 KV cache k, v [b, seqlen_k, heads_kv, d]. Peers, in one process, on the same inputs:
 
-- fa4_jax: `fa4_jax.attention` (GQA-packed and split-KV where fa4_jax/pack_gqa.py and
-  fa4_jax/split_kv.py say so);
+- fa4_jax: `fa4_jax.attention` (GQA-packed and split-KV where fa4_jax/runtime/pack_gqa.py and
+  fa4_jax/runtime/split_kv.py say so);
 - fa4_jax_fulltile: the same, with the full-height tiles of longer calls instead of the
   64-row "decode" tiles (the development library's "linear" tuning, compiled at d64/d128/d256
   in bf16: `python -m benchmarks.ablations build`);
@@ -84,8 +84,8 @@ def attend_fn(peer: str, implementation: str):
     settings = FA4_SETTINGS[peer]
     if settings is None or implementation != "cute":
         return lambda q, k, v: fa4_jax.attention(q, k, v, implementation=implementation)
-    from fa4_jax import dispatch
-    from fa4_jax.api import attention_params
+    from fa4_jax.runtime import dispatch
+    from fa4_jax.api.attention import attention_params
 
     if "tuning" in settings:
         from benchmarks import ablations

@@ -1,7 +1,7 @@
 """Head dims without a kernel of their own: the padded call against the dim that serves it and cuDNN.
 
 A call at head dim d (not in the menu) runs zero-padded on the narrowest wider compiled pair D
-(`fa4_jax.routing.serving_head_dims`). Per case, in one process, on inputs of the same
+(`fa4_jax.abi.routing.serving_head_dims`). Per case, in one process, on inputs of the same
 batch, sequence length and heads:
 
 - fa4_jax: `fa4_jax.attention` at d (padded inside);
@@ -30,7 +30,7 @@ import fa4_jax
 from benchmarks.bench_attention import (DTYPES, MODES, Case, Settings, make_input_sets, make_step,
                                         time_step)
 from fa4_jax.kernels.sm90 import menu as sm90
-from fa4_jax.routing import serving_head_dims
+from fa4_jax.abi.routing import serving_head_dims
 
 HEAD_DIMS = {"gpu": (32, 40, 80, 112, 160), "dry_run": (24,)}
 SEQLENS = {"gpu": (4096, 16384), "dry_run": (128,)}

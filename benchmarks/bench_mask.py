@@ -7,7 +7,7 @@ through the drop-in `dot_product_attention`:
 - fa4_jax_mask: `mask=` a causal [1, 1, T, T] bool array (the mask_array kernels: the mask's
   span tables skip the blocks above the diagonal, run those below unmasked, and read bits on the
   diagonal; the bits and tables are made in every step, from the mask passed to it);
-- mask_operands (forward only): that preparation alone (`fa4_jax.mask_bits.operands`);
+- mask_operands (forward only): that preparation alone (`fa4_jax.runtime.mask_bits.operands`);
 - cudnn_is_causal / cudnn_mask: `jax.nn.dot_product_attention(implementation="cudnn")` with the
   flag and with the same array;
 - fa4_jax_padding_mask / cudnn_padding_mask: a key padding mask [B, 1, 1, T] instead (each
@@ -42,9 +42,9 @@ def peers(implementation: str):
     drop_in = functools.partial(fa4_jax.dot_product_attention, implementation=implementation)
 
     def operands(q, k, v, mask):
-        from fa4_jax import mask_bits
-        from fa4_jax.api import _folded_mask_params
-        from fa4_jax.params import AttentionParams
+        from fa4_jax.runtime import mask_bits
+        from fa4_jax.api.attention import _folded_mask_params
+        from fa4_jax.core.params import AttentionParams
 
         params = _folded_mask_params(AttentionParams(softmax_scale=1.0))
         return mask_bits.operands(mask[:, 0], params, None, q.shape[1], k.shape[1], q.shape[0])

@@ -23,7 +23,7 @@ forward+backward, on the same documents:
   assume one packing): the documents gathered into rows of total_q + total_k positions that
   align each document's diagonal with the row's (the padded ragged batch this replaced is in
   docs/perf-log.md, "Segment ids in the kernels");
-- span_tables (forward only): the segment ids' span tables alone (fa4_jax.segments), the part
+- span_tables (forward only): the segment ids' span tables alone (fa4_jax.runtime.segments), the part
   of a segments call that is not the kernel;
 - cudnn_mask: `jax.nn.dot_product_attention(implementation="cudnn")` with the block-diagonal
   causal mask as a bool array (skipped past --max-mask-gib: the mask is a [b, 1, T, T] array);
@@ -168,7 +168,7 @@ def peers(case: PackedCase, implementation: str, max_mask_gib: float):
         return attend
 
     def span_tables(q, k, v, q_ids, kv_ids):
-        from fa4_jax import segments as tables
+        from fa4_jax.runtime import segments as tables
 
         return tables.operands((q_ids, kv_ids))
 

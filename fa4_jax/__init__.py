@@ -10,21 +10,21 @@ reason of a call, without running it) and `which_backend` (its backend and reaso
 `export_disabled_checks` (what `jax.export` needs to serialize a program that
 calls the kernels).
 """
-from fa4_jax.api import Explanation, attention, dot_product_attention, explain, which_backend
-from fa4_jax.ffi import export_disabled_checks
-from fa4_jax.context_parallel import from_zigzag_layout, ring_attention, to_zigzag_layout
-from fa4_jax.notices import FallbackWarning
-from fa4_jax.sharding import ReshardWarning
-from fa4_jax.varlen import varlen_attention
+from fa4_jax.api.attention import Explanation, attention, dot_product_attention, explain, which_backend
+from fa4_jax.runtime.ffi import export_disabled_checks
+from fa4_jax.api.ring import from_zigzag_layout, ring_attention, to_zigzag_layout
+from fa4_jax.core.notices import FallbackWarning
+from fa4_jax.ops.sharding import ReshardWarning
+from fa4_jax.api.varlen import varlen_attention
 
 __version__ = "0.2.0"
 
 # Register the installed library's custom call targets now, so that a program that reaches them
 # without calling fa4_jax first (a deserialized `jax.export` artifact) finds them, and let its
 # handlers run the kernels of unverified archs that passed their first-use check on this GPU
-# (fa4_jax.verification); calls load it themselves when this finds none.
-from fa4_jax import ffi as _ffi  # noqa: E402
-from fa4_jax import verification as _verification  # noqa: E402
+# (fa4_jax.runtime.gate); calls load it themselves when this finds none.
+from fa4_jax.runtime import ffi as _ffi  # noqa: E402
+from fa4_jax.runtime import gate as _verification  # noqa: E402
 
 try:
     _verification.push_when_ready(_ffi.load())

@@ -19,7 +19,7 @@ Masks: Flax describes masking with a dense boolean array `[batch..., heads, q_le
 take both with Flax's semantics (a row its mask hides entirely gets the mean of the values, as
 Flax's uniform softmax over the dtype's minimum gives it). A mask shared by the heads (what
 `nn.make_causal_mask` and `nn.make_attention_mask` build) runs on the kernels, packed to bits
-(`fa4_jax.mask_bits`), and so does a per-head mask (each batch entry and head run as an entry of
+(`fa4_jax.runtime.mask_bits`), and so does a per-head mask (each batch entry and head run as an entry of
 its own); a bias runs on the pure-JAX reference, chunked, with a FallbackWarning. A mask is packed on every call, so where the pattern is known when the function
 is made, `make_attention_fn(causal=True)` or `make_attention_fn(window_size=(left, right))` costs
 less than the same mask as an array. The adapters refuse
@@ -38,7 +38,7 @@ from typing import Callable
 
 import jax.numpy as jnp
 
-from fa4_jax.api import _attention, _score_arrays, _keyless_rows_see_every_key
+from fa4_jax.api.attention import _attention, _score_arrays, _keyless_rows_see_every_key
 
 
 def make_attention_fn(

@@ -43,7 +43,7 @@ ffi::Error DeviceArch(const Errors& err, int ordinal, std::string* arch) {
   if (e == cudaSuccess)
     e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, ordinal);
   if (e != cudaSuccess) return err.Cuda(e);
-  // fa4_jax.routing.arch_name's rule: Blackwell's 10.x (B200, B300) share the sm_100f family's
+  // fa4_jax.abi.routing.arch_name's rule: Blackwell's 10.x (B200, B300) share the sm_100f family's
   // cubins; other archs name their arch-specific target.
   *arch = major == 10 ? std::string("sm_100f")
                       : "sm_" + std::to_string(major) + std::to_string(minor) + (major >= 9 ? "a" : "");
@@ -84,7 +84,7 @@ const Fa4Variant* Lookup(const Problem& p, std::string_view tuning) {
   return nullptr;
 }
 
-// fa4_jax.routing.Route.fits.
+// fa4_jax.abi.routing.Route.fits.
 bool Fits(const Fa4Route& r, const Problem& p) {
   if (r.kind != p.kind || p.arch != r.arch || std::strcmp(r.mask, p.mask) != 0 ||
       r.head_dim != p.head_dim)
@@ -95,7 +95,7 @@ bool Fits(const Fa4Route& r, const Problem& p) {
   if (r.max_rows && p.seqlen_q > r.max_rows) return false;
   if (r.max_len && std::max(p.seqlen_q, p.seqlen_k) > r.max_len) return false;
   if (r.dense && p.ragged) return false;
-  if (r.diagonal_block) {  // fa4_jax.routing.diagonal_on_blocks
+  if (r.diagonal_block) {  // fa4_jax.abi.routing.diagonal_on_blocks
     const int64_t offset = p.top_left ? 0 : p.seqlen_k - p.seqlen_q, block = r.diagonal_block;
     if (offset % block != 0) return false;
     const int64_t q_blocks = (p.seqlen_q + block - 1) / block, k_blocks = (p.seqlen_k + block - 1) / block;

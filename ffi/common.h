@@ -57,10 +57,10 @@ class Errors {
 
 ffi::Error CheckAttrs(const Errors& err, const Attrs& a);
 
-// Mirrors fa4_jax.routing.mask_kind: a window bound on either side makes the call "local".
+// Mirrors fa4_jax.abi.routing.mask_kind: a window bound on either side makes the call "local".
 const char* SelectMask(const Attrs& a);
 
-// A call's problem class and shapes, as fa4_jax.routing.Call.
+// A call's problem class and shapes, as fa4_jax.abi.routing.Call.
 struct Problem {
   Fa4Kind kind;
   std::string arch;
@@ -76,11 +76,11 @@ struct Problem {
 };
 
 // The variant serving `p`: the one of `tuning` when given (the development library's targets),
-// else the first route that fits and is compiled, else the default (fa4_jax.routing.choose).
+// else the first route that fits and is compiled, else the default (fa4_jax.abi.routing.choose).
 // nullptr when none is compiled.
 const Fa4Variant* Choose(const Problem& p, std::string_view tuning = {});
 
-// Mirrors fa4_jax.routing.Variant.name, to name a variant missing from the menu.
+// Mirrors fa4_jax.abi.routing.Variant.name, to name a variant missing from the menu.
 std::string VariantName(const Problem& p, std::string_view tuning);
 
 // Loads every variant of `kind` (with segment ids or without, with mask bits or without) this
@@ -120,8 +120,8 @@ ffi::Error CheckSeqUsed(const Errors& err, ffi::Buffer<ffi::S32> seq_used_q,
 void KernelWindow(const Attrs& a, Fa4Args* args);
 
 // The segment operands of the segments targets: ids int32 [b, sq] and [b, sk], span tables
-// int32 [b, ceil(sq / 64), 4] and [b, ceil(sk / 64), 4] (fa4_jax/segment_layout.py); and the
-// masked targets' mask bits, int32 [b, sq, ceil(sk / 32)] (fa4_jax/mask_bits.py), or nullptr.
+// int32 [b, ceil(sq / 64), 4] and [b, ceil(sk / 64), 4] (fa4_jax/abi/segment_layout.py); and the
+// masked targets' mask bits, int32 [b, sq, ceil(sk / 32)] (fa4_jax/runtime/mask_bits.py), or nullptr.
 struct SegmentBuffers {
   ffi::Buffer<ffi::S32> q_ids, kv_ids, row_spans, key_spans;
   const ffi::Buffer<ffi::S32>* mask_bits = nullptr;

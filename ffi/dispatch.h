@@ -28,13 +28,13 @@ struct Fa4Args {
   void* seq_used_q = nullptr;
   void* seq_used_k = nullptr;
   // int32: segment ids [b_segments, seqlen_q] and [b_segments, seqlen_k], and their span tables
-  // [b_segments, q_chunks, 4] and [b_segments, k_chunks, 4] (fa4_jax/segment_layout.py); read by
+  // [b_segments, q_chunks, 4] and [b_segments, k_chunks, 4] (fa4_jax/abi/segment_layout.py); read by
   // the segments variants, b_segments = 0 (nothing) for the others
   void* q_segment_ids = nullptr;
   void* kv_segment_ids = nullptr;
   void* row_spans = nullptr;
   void* key_spans = nullptr;
-  // int32 [b_mask, seqlen_q, k_words]: a boolean mask, 32 keys to a word (fa4_jax/mask_bits.py);
+  // int32 [b_mask, seqlen_q, k_words]: a boolean mask, 32 keys to a word (fa4_jax/runtime/mask_bits.py);
   // read by the mask_array variants, b_mask = 0 (nothing) for the others
   void* mask_bits = nullptr;
   // backward only
@@ -61,7 +61,7 @@ struct Fa4Args {
 };
 
 struct Fa4Variant {
-  const char* name;  // = fa4_jax.routing.Variant.name
+  const char* name;  // = fa4_jax.abi.routing.Variant.name
   Fa4Kind kind;
   const char* arch;  // "sm_90a", "sm_100f"
   Fa4Dtype dtype;
@@ -77,7 +77,7 @@ struct Fa4Variant {
   int32_t (*launch)(const Fa4Args& args, cudaStream_t stream);
 };
 
-// fa4_jax.routing.Route: calls of (kind, arch, mask, head_dim) meeting every condition run the
+// fa4_jax.abi.routing.Route: calls of (kind, arch, mask, head_dim) meeting every condition run the
 // `tuning` variant of their problem class, if compiled. 0 means no condition; softcap is -1
 // (either), 0 or 1; mask_array: calls with a boolean mask's bits, or calls without.
 struct Fa4Route {
@@ -101,7 +101,7 @@ extern const int kFa4RouteCount;
 extern const int kFa4BwdSeqPad;
 extern const int kFa4BwdSemaphoreRows;
 extern const int kFa4BwdMaxDqCopies;
-// Positions per entry of the segment span tables (fa4_jax/segment_layout.py).
+// Positions per entry of the segment span tables (fa4_jax/abi/segment_layout.py).
 extern const int kFa4SpanChunk;
 // The archs whose kernels no GPU of the arch had run when the library was built (the manifest's
 // unverified_arches): the handlers run them only once verified (gate.h).

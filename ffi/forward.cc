@@ -17,9 +17,9 @@
 // `fa4_jax_fwd_segments_v1` is the same call with four more inputs after seq_used_k: segment
 // ids q_segment_ids s32 [b, sq] and kv_segment_ids s32 [b, sk] (a row sees only keys of its own
 // id) and their span tables row_spans s32 [b, ceil(sq / 64), 4], key_spans s32
-// [b, ceil(sk / 64), 4] (fa4_jax/segment_layout.py); it runs the segments variants.
+// [b, ceil(sk / 64), 4] (fa4_jax/abi/segment_layout.py); it runs the segments variants.
 // `fa4_jax_fwd_masked_v1` adds a boolean mask after those four, mask_bits s32
-// [b, sq, ceil(sk / 32)] (bit k % 32 of word k // 32 of row q: q sees k; fa4_jax/mask_bits.py),
+// [b, sq, ceil(sk / 32)] (bit k % 32 of word k // 32 of row q: q sees k; fa4_jax/runtime/mask_bits.py),
 // whose span tables they are; it runs the mask_array variants.
 //
 // Built with FA4_JAX_TUNING_TARGETS (the benchmarks' development library), it also defines

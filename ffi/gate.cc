@@ -64,14 +64,14 @@ std::string Refusal(const Fa4Variant& v) {
   return name + " has not run on " + arch +
          " hardware before and has not passed its first-use check in this process. A process "
          "that imports fa4_jax runs it once it has passed: make a fa4_jax call that uses it, or "
-         "run `python -m fa4_jax.verdicts check '^" + name +
+         "run `python -m fa4_jax verdicts check '^" + name +
          "$'` (the verdict is kept for this library, GPU and driver), then run this program "
          "again after `import fa4_jax`; or set FA4_JAX_TRUST_UNVERIFIED=1 to run it unchecked";
 }
 
 }  // namespace fa4
 
-// Marks `variant` verified in this process (fa4_jax.verification, after its probe passed):
+// Marks `variant` verified in this process (fa4_jax.runtime.gate, after its probe passed):
 // 0, or 1 when the library has no variant of that name.
 FA4_EXPORT int Fa4MarkVerified(const char* variant) {
   const Fa4Variant* v = fa4::Named(variant);

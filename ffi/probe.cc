@@ -1,4 +1,4 @@
-// The C API of the probe process (`python -m fa4_jax.probe`, fa4_jax/probe/): it runs variants
+// The C API of the probe process (`python -m fa4_jax.runtime.probe`, fa4_jax/runtime/probe/): it runs variants
 // on a GPU without JAX, through this library's own CUDA runtime (linked statically, its symbols
 // hidden, so the process cannot reach it otherwise) and its variant table.
 //
@@ -43,7 +43,7 @@ constexpr const char* Kind(float*) { return "float32"; }
 }  // namespace
 
 // Fa4Args' byte layout as JSON, {"size": N, "fields": [[name, offset, size, type], ...]} in
-// declaration order: fa4_jax.probe.device checks its ctypes mirror against it on load.
+// declaration order: fa4_jax.runtime.probe.device checks its ctypes mirror against it on load.
 FA4_EXPORT const char* Fa4ArgsLayout() {
   static const std::string layout = [] {
     std::string fields;

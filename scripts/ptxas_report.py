@@ -44,7 +44,7 @@ from fa4_jax.aot import menu, toolchain  # noqa: E402
 _CHILD = """
 import json, sys
 from fa4_jax.aot import compile as aot_compile
-from fa4_jax.routing import Variant
+from fa4_jax.abi.routing import Variant
 job = json.loads(sys.argv[1])
 aot_compile.compile_variant(Variant(**job["variant"]), job["kernel"], job["tuning"], job["out_dir"])
 """

@@ -1,4 +1,4 @@
-"""A stand-in for `python -m fa4_jax.probe` (tests/probe_stand_ins.py's FAKE_CHILD): reads the
+"""A stand-in for `python -m fa4_jax.runtime.probe` (tests/probe_stand_ins.py's FAKE_CHILD): reads the
 job, prints the protocol's lines, and does to each variant what $FAKE_CHILD_PLAN (JSON: name ->
 one of the words below) or else its name says:
 
@@ -18,7 +18,7 @@ import signal
 import sys
 import time
 
-from fa4_jax.probe.protocol import DEVICE, RESULT, START, Verdict
+from fa4_jax.runtime.probe.protocol import DEVICE, RESULT, START, Verdict
 
 
 def say(line: str) -> None:

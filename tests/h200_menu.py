@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import functools
 
-from fa4_jax import dispatch, ffi
+from fa4_jax.runtime import dispatch, ffi
 from fa4_jax.aot import menu
 from fa4_jax.kernels.sm90 import menu as sm90
 

@@ -5,19 +5,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fa4_jax import numerics_rule
-from fa4_jax.reference import attention_reference, dense_attention  # noqa: F401 (the tests' oracle)
+from fa4_jax.core import numerics
+from fa4_jax.fallbacks.reference import attention_reference, dense_attention  # noqa: F401 (the tests' oracle)
 
 
 def assert_close_by_rule(out, ref, ref_lowp, factor=2, name="out"):
-    """docs/design.md's rule (fa4_jax.numerics_rule, the one the selftest and the first-use
+    """docs/design.md's rule (fa4_jax.core.numerics, the one the selftest and the first-use
     probes judge by): max|out - ref| <= factor * max|ref_lowp - ref|, at least one rounding
     step of out's dtype at the largest magnitude, + 1e-5.
 
     NaN in `out` never passes. Infinite entries of `ref` (lse -inf of fully masked rows) must
     be matched exactly; the bound applies to the finite rest. NaN in ref_lowp leaves no bound.
     """
-    comparison = numerics_rule.compare(out, ref, ref_lowp, factor)
+    comparison = numerics.compare(out, ref, ref_lowp, factor)
     assert comparison.passed, f"{comparison.describe(name)} (factor {factor})"
 
 

@@ -1,6 +1,6 @@
-"""Stand-ins for the GPU side of the probes (fa4_jax.probe), for CPU tests.
+"""Stand-ins for the GPU side of the probes (fa4_jax.runtime.probe), for CPU tests.
 
-`StandInDevice` plays `fa4_jax.probe.device.Device`: its "kernels" compute what a variant should
+`StandInDevice` plays `fa4_jax.runtime.probe.device.Device`: its "kernels" compute what a variant should
 from the launch alone (the Fa4Args scalars and operands of `calls.KernelCall`, as a kernel sees
 them), in float64, and return it in the results' dtypes; `flaw` makes them wrong in one way.
 So a judge that passes them checks the launch's operands and scalars as much as the comparison.
@@ -15,15 +15,15 @@ import sys
 import numpy as np
 
 from fa4_jax.aot import menu
-from fa4_jax.params import AttentionParams
-from fa4_jax.probe import reference
+from fa4_jax.core.params import AttentionParams
+from fa4_jax.runtime.probe import reference
 
 FAKE_CHILD = [sys.executable, os.path.join(os.path.dirname(__file__), "fake_child.py")]
 _VARIANTS = {v.name: v for v in menu.MENU}
 
 
 def _unpack_bits(words: np.ndarray, seqlen_k: int) -> np.ndarray:
-    """int32 [b, sq, W] -> bool [b, sq, seqlen_k] (fa4_jax.mask_bits' packing)."""
+    """int32 [b, sq, W] -> bool [b, sq, seqlen_k] (fa4_jax.runtime.mask_bits' packing)."""
     bits = (words.view(np.uint32)[..., None] >> np.arange(32, dtype=np.uint32)) & 1
     return bits.reshape(*words.shape[:-1], -1)[..., :seqlen_k].astype(bool)
 

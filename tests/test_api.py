@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import fa4_jax
-from fa4_jax.reference import attention_reference
+from fa4_jax.fallbacks.reference import attention_reference
 
 
 def _qkv(next_key, batch=2, seqlen_q=16, seqlen_k=16, heads_q=4, heads_kv=2, head_dim=16,
@@ -160,7 +160,9 @@ def test_a_chosen_reference_says_nothing(next_key, recwarn):
 def gpu_without_kernels(monkeypatch):
     """The default device reads as a CUDA GPU of compute capability `cc` (default 8.0, an A100)
     with no fa4_jax kernel; cuDNN's attention is the fp32 reference, recording its calls."""
-    from fa4_jax import api, cudnn, dispatch
+    from fa4_jax.api import attention as api
+    from fa4_jax.fallbacks import cudnn
+    from fa4_jax.runtime import dispatch
 
     state = {"cc": "8.0", "cudnn_calls": []}
     monkeypatch.setattr(dispatch, "compute_capability", lambda: state["cc"])
@@ -237,14 +239,15 @@ def test_the_drop_in_runs_cudnn_with_its_top_left_masks(next_key, gpu_without_ke
 @pytest.fixture
 def forward_kernels_only(monkeypatch):
     """The kernels serve the forward (computed by the reference) and not the backward."""
-    from fa4_jax import backends, dispatch
+    from fa4_jax.ops import bodies
+    from fa4_jax.runtime import dispatch
 
     monkeypatch.setattr(dispatch, "unsupported_reason",
                         lambda q, k, v, params, kind="fwd", library=None, segments=False, mask_array=False:
                         None if kind == "fwd" else "no backward kernel for this arch yet")
     monkeypatch.setattr(dispatch, "forward", lambda q, k, v, params, seq_lengths=None, segment_ids=None, **kwargs:
-                        backends._reference_fp32(q, k, v, params, seq_lengths, segment_ids))
-    from fa4_jax import api
+                        bodies._reference_fp32(q, k, v, params, seq_lengths, segment_ids))
+    from fa4_jax.api import attention as api
 
     monkeypatch.setattr(api.notices, "_SAID", set())
 
@@ -483,7 +486,7 @@ def test_dot_product_attention_masks_and_bias_match_jax_xla(next_key, case):
 
 
 def test_a_bias_runs_on_the_reference_and_says_so(next_key, monkeypatch):
-    from fa4_jax import notices
+    from fa4_jax.core import notices
 
     monkeypatch.setattr(notices, "_SAID", set())
     q, k, v = _qkv(next_key)
@@ -503,7 +506,7 @@ def test_a_per_head_mask_runs_each_head_as_an_entry_of_its_own(next_key, lengths
     # The kernels read one mask per batch entry: a per-head mask's call becomes b * h entries of
     # one head each (kv heads repeated), and the results go back. Run here on the reference, the
     # fold and unfold (values, lse, gradients) must give the direct call's.
-    from fa4_jax import api
+    from fa4_jax.api import attention as api
 
     q, k, v = _qkv(next_key, batch=2, seqlen_q=24, seqlen_k=40, heads_q=4, heads_kv=2)
     mask = jax.random.uniform(next_key(), (1, 4, 24, 40)) < 0.6
@@ -600,7 +603,7 @@ def test_which_backend_says_what_attention_runs_and_warns():
 
 def test_explain_names_the_kernels_and_the_padding(monkeypatch):
     # The shipping menu's Hopper variants, as if on an H200: a d88 call runs d96's kernels.
-    from fa4_jax import dispatch, ffi
+    from fa4_jax.runtime import dispatch, ffi
     from fa4_jax.kernels.sm90 import menu as sm90
 
     library = ffi.Library(path="(menu)", fwd_target="f", bwd_target="b",

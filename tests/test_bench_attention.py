@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from benchmarks import bench_attention
-from fa4_jax import reference
+from fa4_jax.fallbacks import reference
 
 
 def test_dry_run_times_d192_with_value_head_dim_128(tmp_path):
@@ -105,7 +105,7 @@ def test_the_ablation_menu_is_apart_from_the_shipping_menu():
 
 def test_narrowed_ablations_refuse_calls_they_would_cut_short():
     from benchmarks import ablations
-    from fa4_jax.routing import Call
+    from fa4_jax.abi.routing import Call
 
     tail = Call("fwd", "sm_90a", "bf16", 128, 128, "none", False, 300, 4200)  # 152 keys in the last block
     assert "seqlen_k=4200" in ablations.narrowing_mismatch("tail48", tail)

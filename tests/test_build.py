@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from fa4_jax import ffi, routing
+from fa4_jax.runtime import ffi
+from fa4_jax.abi import routing
 from fa4_jax.aot import build, menu
 from tests.scripts import load_script
 

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import fa4_jax
-from fa4_jax import demo
+from fa4_jax.tools import demo
 from fa4_jax.flax import make_attention_fn
 
 TINY_STEPS = 8

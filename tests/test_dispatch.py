@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fa4_jax import dispatch, ffi
-from fa4_jax.api import attention_params
-from fa4_jax.backends import _reference_backward
-from fa4_jax.backends import _reference_fp32 as _reference
+from fa4_jax.runtime import dispatch, ffi
+from fa4_jax.api.attention import attention_params
+from fa4_jax.ops.bodies import _reference_backward
+from fa4_jax.ops.bodies import _reference_fp32 as _reference
 from fa4_jax.kernels.sm90 import menu as sm90
 
 _LIBRARY = ffi.Library(path="(none)", fwd_target="fa4_jax_fwd_v2", bwd_target="fa4_jax_bwd_v2",

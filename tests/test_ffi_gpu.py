@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fa4_jax import dispatch, ffi
-from fa4_jax.params import AttentionParams
+from fa4_jax.runtime import dispatch, ffi
+from fa4_jax.core.params import AttentionParams
 
 pytestmark = [
     pytest.mark.gpu,

@@ -195,7 +195,7 @@ def test_mismatched_batch_dims_raise_value_error(seed):
 @pytest.fixture
 def fresh_notices(monkeypatch):
     """FallbackWarnings said again (they are said once per process and shape class)."""
-    from fa4_jax import notices
+    from fa4_jax.core import notices
 
     monkeypatch.setattr(notices, "_SAID", set())
 

@@ -1,4 +1,4 @@
-"""CPU tier: a boolean mask as the kernels read it (fa4_jax.mask_bits): its bits, its span
+"""CPU tier: a boolean mask as the kernels read it (fa4_jax.runtime.mask_bits): its bits, its span
 tables against a brute-force walk of the mask, the causal and window rules folded in against the
 reference's own rule, and the routing of mask calls (masks, per-head ones too, to the mask_array
 kernels, biases to the reference)."""
@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 import fa4_jax
-from fa4_jax import mask_bits
-from fa4_jax.api import _folded_mask_params
-from fa4_jax.params import AttentionParams
-from fa4_jax.reference import attention_reference
-from fa4_jax.segment_layout import NO_SPAN, SPAN_CHUNK
-from fa4_jax.vjp import attention_op
+from fa4_jax.runtime import mask_bits
+from fa4_jax.api.attention import _folded_mask_params
+from fa4_jax.core.params import AttentionParams
+from fa4_jax.fallbacks.reference import attention_reference
+from fa4_jax.abi.segment_layout import NO_SPAN, SPAN_CHUNK
+from fa4_jax.ops.vjp import attention_op
 from tests.h200_menu import use_h200_menu
 
 

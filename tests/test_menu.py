@@ -1,15 +1,15 @@
 """CPU tier: the shipping menu (the union of the arch folders'), variant names, and the routing
-rules that send a call to a tuned variant (fa4_jax.routing; the handler's copy is checked against
+rules that send a call to a tuned variant (fa4_jax.abi.routing; the handler's copy is checked against
 this one in test_build.py)."""
 import itertools
 import re
 
 import pytest
 
-from fa4_jax import routing
+from fa4_jax.abi import routing
 from fa4_jax.aot import menu
 from fa4_jax.kernels.sm90 import menu as sm90
-from fa4_jax.routing import Call, Route, Variant
+from fa4_jax.abi.routing import Call, Route, Variant
 
 COMPILED = {v.name for v in menu.MENU}
 

@@ -157,7 +157,7 @@ def test_kernel_ring_gradient_types_vary_over_the_ring_axis(monkeypatch, causal)
     then refuses a dq that does not vary over the ring axis like q does (this failed on the
     first 2-GPU run). Tracing needs no kernel, so the availability checks are stubbed.
     """
-    from fa4_jax import dispatch, ffi
+    from fa4_jax.runtime import dispatch, ffi
 
     monkeypatch.setattr(dispatch, "unsupported_reason", lambda *args, **kwargs: None)
     monkeypatch.setattr(dispatch, "device_arch", lambda: ("sm_90a", None))

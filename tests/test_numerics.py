@@ -3,7 +3,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from fa4_jax.numerics_rule import compare, rounding_step
+from fa4_jax.core.numerics import compare, rounding_step
 from tests.numerics import assert_close_by_rule
 
 REF = np.array([1.0, -2.0, 0.5, -np.inf])
@@ -35,7 +35,7 @@ def test_shape_mismatch_fails():
         assert_close_by_rule(REF[:3], REF, LOWP)
 
 
-# fa4_jax.numerics_rule itself, which the selftest and the first-use probes judge by.
+# fa4_jax.core.numerics itself, which the selftest and the first-use probes judge by.
 
 def test_the_rule_passes_one_rounding_step_of_the_dtype_where_lowp_is_exact():
     ref = np.linspace(-4.0, 4.0, 101)

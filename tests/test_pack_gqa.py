@@ -1,4 +1,4 @@
-"""GQA packing (fa4_jax/pack_gqa.py): the rule, and the layout transform checked on the reference.
+"""GQA packing (fa4_jax/runtime/pack_gqa.py): the rule, and the layout transform checked on the reference.
 
 The transform test runs the fp32 reference on the packed problem (heads_kv heads, sq · group
 rows, the packed params and lengths), unpacks, and compares with the reference on the original
@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fa4_jax import pack_gqa
-from fa4_jax.api import attention_params
-from fa4_jax.backends import _reference_fp32 as _reference
+from fa4_jax.runtime import pack_gqa
+from fa4_jax.api.attention import attention_params
+from fa4_jax.ops.bodies import _reference_fp32 as _reference
 
 HEADS_Q, HEADS_KV, HEAD_DIM, SEQLEN_K = 8, 2, 32, 40
 

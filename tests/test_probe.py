@@ -1,9 +1,9 @@
-"""CPU tier: the first-use probes (fa4_jax.probe) without a GPU.
+"""CPU tier: the first-use probes (fa4_jax.runtime.probe) without a GPU.
 
 - which problems each shipped variant is checked on: routed to it by the handler's rule and
-  fa4_jax.routing's alike, never to a sibling, the ragged probe wherever the routes allow one;
-- the numpy reference against fa4_jax.reference (values, low-precision error, gradients);
-- the launch against what fa4_jax.ffi gives XLA, operand for operand;
+  fa4_jax.abi.routing's alike, never to a sibling, the ragged probe wherever the routes allow one;
+- the numpy reference against fa4_jax.fallbacks.reference (values, low-precision error, gradients);
+- the launch against what fa4_jax.runtime.ffi gives XLA, operand for operand;
 - the judge, with stand-in kernels computed from the launch alone: a correct one passes, each
   flawed one fails;
 - the C++ side: Fa4Args' ctypes mirror, and the handler's gate (refusal, Fa4MarkVerified).
@@ -20,11 +20,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from fa4_jax import ffi, routing
+from fa4_jax.runtime import ffi
+from fa4_jax.abi import routing
 from fa4_jax.aot import build, menu
-from fa4_jax.params import AttentionParams
-from fa4_jax.probe import calls, cases, device, judge, problems, reference
-from fa4_jax.reference import attention_reference
+from fa4_jax.core.params import AttentionParams
+from fa4_jax.runtime.probe import calls, cases, device, judge, problems, reference
+from fa4_jax.fallbacks.reference import attention_reference
 from tests.probe_stand_ins import StandInDevice
 
 _COMPILED = frozenset(v.name for v in menu.MENU)
@@ -139,7 +140,7 @@ def _arrays(case, dtype, seed=0):
 
 
 def _jax_reference(inputs, jax_options, compute_dtype):
-    """(out, lse) and (dq, dk, dv) of fa4_jax.reference at compute_dtype, with lse differentiated."""
+    """(out, lse) and (dq, dk, dv) of fa4_jax.fallbacks.reference at compute_dtype, with lse differentiated."""
     source = jnp.float32 if compute_dtype == jnp.float32 else compute_dtype
     qkv = tuple(jnp.asarray(x.astype(np.float32)).astype(source) for x in (inputs.q, inputs.k, inputs.v))
 
@@ -190,7 +191,7 @@ def test_rows_and_keys_past_an_entrys_length_and_keyless_rows_are_zero_with_lse_
 # The launch.
 
 def _ffi_launch(monkeypatch, kind, case, deterministic=False, copies=1):
-    """What fa4_jax.ffi.forward_call / backward_call give XLA for `case`: (target, operand
+    """What fa4_jax.runtime.ffi.forward_call / backward_call give XLA for `case`: (target, operand
     shapes and dtypes, result shapes and dtypes, attributes)."""
     captured = {}
 

@@ -1,4 +1,4 @@
-"""CPU tier: the parent's side of the probes (fa4_jax.probe.runner) against a stand-in probe
+"""CPU tier: the parent's side of the probes (fa4_jax.runtime.probe.runner) against a stand-in probe
 process (tests/fake_child.py) that passes, fails, hangs, faults or crashes on command: each
 variant gets its verdict, a hang or a fault costs only the child, which is replaced for the
 variants left, and the child sees exactly the caller's GPU on the CPU-only JAX."""
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from fa4_jax.probe import runner
+from fa4_jax.runtime.probe import runner
 from tests.probe_stand_ins import FAKE_CHILD
 
 
@@ -103,10 +103,10 @@ def test_a_bad_timeout_names_the_variable(monkeypatch, value):
 
 
 def test_the_real_probe_process_without_a_gpu_judges_nothing():
-    # `python -m fa4_jax.probe` itself, on the built library: it checks its Fa4Args mirror,
+    # `python -m fa4_jax.runtime.probe` itself, on the built library: it checks its Fa4Args mirror,
     # finds no GPU to open, and says so for every variant, inconclusive (retried, not kept).
     from fa4_jax.aot import build
-    from fa4_jax.probe import device
+    from fa4_jax.runtime.probe import device
 
     if not build.LIBRARY.exists():
         pytest.fail(f"{build.LIBRARY} is not built: run `python -m fa4_jax.aot.build`")

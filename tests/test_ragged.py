@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import fa4_jax
-from fa4_jax import ffi
-from fa4_jax.reference import attention_reference
+from fa4_jax.runtime import ffi
+from fa4_jax.fallbacks.reference import attention_reference
 from tests.numerics import assert_close_by_rule, naive_attention_jax, visible_mask
 
 # Entry lengths covering: offset < 0 (causal masks leading rows), offset > 0, no query rows,

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fa4_jax.reference import attention_reference
+from fa4_jax.fallbacks.reference import attention_reference
 from tests.jaxprs import walk
 from tests.numerics import naive_attention_fp64, naive_attention_jax, visible_mask
 

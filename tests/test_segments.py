@@ -1,4 +1,4 @@
-"""Segment ids for the kernels: the span tables (fa4_jax.segments) against a brute-force count,
+"""Segment ids for the kernels: the span tables (fa4_jax.runtime.segments) against a brute-force count,
 and the kernels' use of them (kernels/common/segments.py, modelled here in Python with the same
 integer arithmetic) against the pairs that are visible.
 
@@ -14,8 +14,8 @@ import functools
 import numpy as np
 import pytest
 
-from fa4_jax import segments
-from fa4_jax.segment_layout import FULL_HI, FULL_LO, HI, LO, NO_SPAN, SPAN_CHUNK
+from fa4_jax.runtime import segments
+from fa4_jax.abi.segment_layout import FULL_HI, FULL_LO, HI, LO, NO_SPAN, SPAN_CHUNK
 
 # Tile shapes the kernels use: forward (tile_m, tile_n) and backward (tile_m, tile_n).
 TILES = ((128, 128), (192, 128), (128, 176), (64, 64), (64, 128), (128, 64))
@@ -193,7 +193,7 @@ def test_a_deterministic_backward_gets_the_walk_at_its_kernels_query_tile(next_k
     import jax.numpy as jnp
 
     import fa4_jax
-    from fa4_jax import ffi
+    from fa4_jax.runtime import ffi
 
     passed = []
     modelled = ffi.backward_call
@@ -249,7 +249,7 @@ def _kernel_mask(q_ids, kv_ids, table, tile_of_row, tile_of_key, transposed, bit
     transposed: the backward's walk (key blocks over query tiles, the key spans)."""
     import jax.numpy as jnp
 
-    from fa4_jax import mask_bits
+    from fa4_jax.runtime import mask_bits
 
     rows, keys = jnp.arange(q_ids.shape[1]), jnp.arange(kv_ids.shape[1])
     if transposed:
@@ -277,8 +277,8 @@ def segment_kernels(monkeypatch):
     import jax
     import jax.numpy as jnp
 
-    from fa4_jax import ffi
-    from fa4_jax.reference import attention_reference
+    from fa4_jax.runtime import ffi
+    from fa4_jax.fallbacks.reference import attention_reference
     from tests.h200_menu import use_h200_menu
 
     calls = []

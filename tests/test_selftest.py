@@ -1,4 +1,4 @@
-"""CPU tier: `python -m fa4_jax.selftest` runs the first-use probes over every variant of the GPU's
+"""CPU tier: `python -m fa4_jax selftest` runs the first-use probes over every variant of the GPU's
 arch (or those matching) in a child process and reports on the kernels; without a GPU it says
 there is nothing to check. The probe process is tests/fake_child.py, told per variant what to do;
 which problems each variant runs, and the judge, are tests/test_probe.py's."""
@@ -8,9 +8,10 @@ import types
 
 import pytest
 
-from fa4_jax import dispatch, ffi, selftest, verification
+from fa4_jax.runtime import dispatch, ffi, gate
+from fa4_jax.tools import selftest
 from fa4_jax.aot import menu
-from fa4_jax.probe import runner
+from fa4_jax.runtime.probe import runner
 from tests.probe_stand_ins import FAKE_CHILD
 
 D160 = r"^(fwd|bwd)_sm90a_(bf16|fp16)_d160_dv160(_causal)?$"
@@ -37,7 +38,7 @@ def hopper(monkeypatch, tmp_path):
     monkeypatch.setattr(runner, "probe_command", lambda: FAKE_CHILD)
     monkeypatch.setenv("FA4_JAX_PROBE_TIMEOUT", "2")
     monkeypatch.setenv("FA4_JAX_CACHE_DIR", str(tmp_path / "cache"))
-    verification.forget()
+    gate.forget()
     return lambda plan: monkeypatch.setenv("FAKE_CHILD_PLAN", json.dumps(plan))
 
 
@@ -60,7 +61,7 @@ def test_every_matching_variant_is_probed_and_reported_as_it_goes(hopper, tmp_pa
     assert "HANG" in text and "FAIL" in text and "6 pass, 1 wrong, 1 hang of 8 variants" in text
     assert report["status"] == "fail" and json.loads(path.read_text()) == report
     # It reports on the kernels themselves: no first-use gate, nothing kept.
-    assert verification.results() == {} and not (tmp_path / "cache" / "verdicts.json").exists()
+    assert gate.results() == {} and not (tmp_path / "cache" / "verdicts.json").exists()
 
 
 @pytest.mark.parametrize("plan, status, code", [({}, "pass", 0), ({"bwd_sm90a_fp16_d160_dv160": "fault"}, "fail", 1),

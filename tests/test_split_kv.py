@@ -1,4 +1,4 @@
-"""Split-KV (fa4_jax/split_kv.py): the rule, and split + combine checked on the reference.
+"""Split-KV (fa4_jax/runtime/split_kv.py): the rule, and split + combine checked on the reference.
 
 The transform test runs the fp32 reference on the split problem (b·n entries, each with its
 chunk of keys and lengths), combines, and compares with the reference on the original call: a
@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fa4_jax import split_kv
-from fa4_jax.api import attention_params
-from fa4_jax.backends import _reference_fp32 as _reference
+from fa4_jax.runtime import split_kv
+from fa4_jax.api.attention import attention_params
+from fa4_jax.ops.bodies import _reference_fp32 as _reference
 
 HEADS_Q, HEADS_KV, HEAD_DIM = 4, 2, 16
 

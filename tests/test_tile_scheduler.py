@@ -134,7 +134,7 @@ def test_unknown_scheduler_is_refused():
 @pytest.mark.parametrize("mask, tuning", [("none", "default"), ("none", "cta_pair"), ("causal", "default"),
                                           ("local", "default")])
 def test_the_blackwell_first_use_batch_covers_the_schedulers_cases(mask, tuning):
-    # The first-use probes' batch of many tiles (fa4_jax.probe.problems, "many", as routed to
+    # The first-use probes' batch of many tiles (fa4_jax.runtime.probe.problems, "many", as routed to
     # the variant) must run, on a Blackwell GPU, the sm100 kernel's tile-to-tile hand-overs on
     # every CTA of its persistent grid (no mask), and tiles without any key (under a mask, more
     # rows than keys: one tile per CTA in LPT order there).
@@ -144,8 +144,8 @@ def test_the_blackwell_first_use_batch_covers_the_schedulers_cases(mask, tuning)
     from fa4_jax.kernels.sm100 import menu as sm100
     from fa4_jax.kernels.sm100 import plan
     from fa4_jax.kernels.sm100.fwd import FlashAttentionForwardSm100
-    from fa4_jax.probe import problems
-    from fa4_jax.routing import Variant
+    from fa4_jax.runtime.probe import problems
+    from fa4_jax.abi.routing import Variant
 
     sched = FlashAttentionForwardSm100(cutlass.BFloat16, 128, 128, mask, False, **sm100.TUNINGS[tuning]).scheduler
     assert sched.kind == plan.scheduler_kind(mask)

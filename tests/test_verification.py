@@ -1,4 +1,4 @@
-"""CPU tier: the first-use gate (fa4_jax.verification) on a fake Blackwell GPU.
+"""CPU tier: the first-use gate (fa4_jax.runtime.gate) on a fake Blackwell GPU.
 
 The device reports sm_100f, its forward kernel is a stand-in that returns NaN (so a call it
 served shows), and the probe process is tests/fake_child.py, told per variant to pass, fail,
@@ -18,13 +18,14 @@ import numpy as np
 import pytest
 
 import fa4_jax
-from fa4_jax import dispatch, ffi, verdict_store, verdicts, verification
+from fa4_jax.runtime import dispatch, ffi, verdict_store, gate
+from fa4_jax.tools import verdicts
 from fa4_jax.aot import build
-from fa4_jax.backends import _reference_fp32
+from fa4_jax.ops.bodies import _reference_fp32
 from fa4_jax.kernels.sm100 import menu as sm100
 from fa4_jax.kernels.sm90 import menu as sm90
-from fa4_jax.probe import runner
-from fa4_jax.probe.protocol import Verdict
+from fa4_jax.runtime.probe import runner
+from fa4_jax.runtime.probe.protocol import Verdict
 from tests.probe_stand_ins import FAKE_CHILD
 
 D64, D64_CAUSAL = "fwd_sm100f_bf16_d64_dv64", "fwd_sm100f_bf16_d64_dv64_causal"
@@ -63,19 +64,19 @@ def blackwell(monkeypatch, tmp_path):
     monkeypatch.setattr(ffi, "cuda_driver_version", lambda library: 12080)
     monkeypatch.setattr(runner, "default_gpu", lambda: gpu)
     monkeypatch.setattr(runner, "probe_command", lambda: FAKE_CHILD)
-    monkeypatch.setattr(verification.notices, "progress", lambda message: None)
+    monkeypatch.setattr(gate.notices, "progress", lambda message: None)
     monkeypatch.setenv("FAKE_CHILD_LOG", str(log))
     monkeypatch.setenv("FA4_JAX_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("FA4_JAX_PROBE_TIMEOUT", "3")
     for variable in ("FA4_JAX_TRUST_UNVERIFIED", "FA4_JAX_DISABLE_ARCHES", "FA4_JAX_UNVERIFIED_ARCHES"):
         monkeypatch.delenv(variable, raising=False)
     state.set_plan = lambda plan: (state.plan.update(plan), monkeypatch.setenv("FAKE_CHILD_PLAN", json.dumps(state.plan)))
-    verification.forget()
-    state.identity = verification.library_identity(library)
+    gate.forget()
+    state.identity = gate.library_identity(library)
     # Traces of the same shapes from earlier tests would hold another stand-in kernel.
     jax.clear_caches()
     yield state
-    verification.forget()
+    gate.forget()
 
 
 def _inputs(seed=0, shape=(1, 96, 2, 64)):
@@ -84,7 +85,7 @@ def _inputs(seed=0, shape=(1, 96, 2, 64)):
 
 
 def _params(q, k, v, **options):
-    from fa4_jax.api import attention_params
+    from fa4_jax.api.attention import attention_params
 
     return attention_params(q, k, v, implementation="reference", **options)
 
@@ -97,9 +98,9 @@ def _reason(state, name=D64, **options):
 def test_blackwell_is_unverified_and_hopper_is_not(monkeypatch, blackwell):
     # The shipping library's manifest says so (what ffi.load reads at run time).
     assert build.manifest(build.shipping_menu())["unverified_arches"] == [sm100.ARCH]
-    assert verification.unverified_arches(blackwell.library) == {sm100.ARCH}
+    assert gate.unverified_arches(blackwell.library) == {sm100.ARCH}
     monkeypatch.setenv("FA4_JAX_UNVERIFIED_ARCHES", "sm_90a, sm_120a")
-    assert verification.unverified_arches(blackwell.library) == {sm100.ARCH, sm90.ARCH, "sm_120a"}
+    assert gate.unverified_arches(blackwell.library) == {sm100.ARCH, sm90.ARCH, "sm_120a"}
 
 
 def test_a_class_that_passes_serves_calls_is_probed_once_and_marked_verified(blackwell):
@@ -127,7 +128,7 @@ def test_a_variant_that_fails_never_serves_a_call(blackwell, does):
     verdict = verdict_store.load(blackwell.identity)[D64].verdict
     assert verdict == ("fault" if does == "crash" else does) and blackwell.marked == []
     assert blackwell.starts() == [[D64]]  # once, kept: never again for this library, GPU and driver
-    verification.forget()
+    gate.forget()
     assert "first-use check" in _reason(blackwell) and len(blackwell.starts()) == 1
 
 
@@ -144,7 +145,7 @@ def test_an_inconclusive_probe_falls_back_and_is_not_kept(blackwell):
     blackwell.set_plan({D64: "inconclusive"})
     assert "not kept" in _reason(blackwell) and verdict_store.load(blackwell.identity) == {}
     assert "not kept" in _reason(blackwell) and len(blackwell.starts()) == 1  # this process: fallback
-    verification.forget()  # the next process tries again
+    gate.forget()  # the next process tries again
     blackwell.set_plan({D64: "pass"})
     assert _reason(blackwell) is None and len(blackwell.starts()) == 2
 
@@ -158,7 +159,7 @@ def test_a_probe_that_opened_another_gpu_judges_nothing(blackwell, monkeypatch):
 def test_kept_verdicts_are_per_library_gpu_and_driver(blackwell, monkeypatch):
     blackwell.set_plan({D64: "wrong"})
     assert _reason(blackwell) is not None
-    verification.forget()
+    gate.forget()
     monkeypatch.setattr(ffi, "cuda_driver_version", lambda library: 12090)  # a new driver: checked anew
     blackwell.set_plan({D64: "pass"})
     assert _reason(blackwell) is None and len(blackwell.starts()) == 2
@@ -177,7 +178,7 @@ def test_the_kill_switch_turns_an_arch_off_whatever_else_says(blackwell, monkeyp
     monkeypatch.setenv("FA4_JAX_DISABLE_ARCHES", "sm_90a,sm_100f")
     assert "FA4_JAX_DISABLE_ARCHES" in _reason(blackwell)
     hopper = next(v for v in sm90.MENU if v.tuning == "default")
-    assert "FA4_JAX_DISABLE_ARCHES" in verification.failure_reason(hopper, blackwell.library)
+    assert "FA4_JAX_DISABLE_ARCHES" in gate.failure_reason(hopper, blackwell.library)
     assert blackwell.starts() == []
 
 
@@ -189,13 +190,13 @@ def test_head_dims_run_padded_are_checked_as_the_kernel_that_serves_them(blackwe
 
 def test_the_hopper_kernels_are_not_gated(blackwell):
     hopper = next(v for v in sm90.MENU if v.tuning == "default")
-    assert verification.failure_reason(hopper, blackwell.library) is None and blackwell.starts() == []
+    assert gate.failure_reason(hopper, blackwell.library) is None and blackwell.starts() == []
 
 
 _HOLD_THE_LOCK = """
 import sys, time
-from fa4_jax import verdict_store
-from fa4_jax.probe.protocol import Verdict
+from fa4_jax.runtime import verdict_store
+from fa4_jax.runtime.probe.protocol import Verdict
 identity = verdict_store.Identity(*sys.argv[1:4])
 with verdict_store.probing_lock():
     print("holding", flush=True)
@@ -217,16 +218,16 @@ def test_kept_passes_are_marked_verified_once_jax_has_started(blackwell, monkeyp
     verdict_store.record(blackwell.identity, Verdict(D64, "pass"))
     verdict_store.record(blackwell.identity, Verdict(D64_CAUSAL, "wrong", "off"))
     started = {"backends": False}
-    monkeypatch.setattr(verification, "_backends_started", lambda: started["backends"])
-    verification.push_when_ready(blackwell.library)
+    monkeypatch.setattr(gate, "_backends_started", lambda: started["backends"])
+    gate.push_when_ready(blackwell.library)
     jax.monitoring.record_event_duration_secs("/fa4_jax/test", 0.0)
     assert blackwell.marked == []  # never starts JAX's backends itself
     started["backends"] = True
     jax.monitoring.record_event_duration_secs("/fa4_jax/test", 0.0)  # e.g. a compile, before it runs
     jax.monitoring.record_event_duration_secs("/fa4_jax/test", 0.0)
     assert blackwell.marked == [D64]
-    verification.forget()  # a new process, whose JAX has started already: at once
-    verification.push_when_ready(blackwell.library)
+    gate.forget()  # a new process, whose JAX has started already: at once
+    gate.push_when_ready(blackwell.library)
     assert blackwell.marked == [D64, D64]
 
 

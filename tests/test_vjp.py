@@ -129,13 +129,13 @@ def test_lse_cotangent_reaches_the_backward_only_when_lse_is_differentiated(
     weights_out = jax.random.normal(next_key(), q.shape)
     weights_lse = jax.random.normal(next_key(), (1, 2, 9))
     seen = []
-    backward = fa4_jax.backends.backward
+    backward = fa4_jax.ops.bodies.backward
 
     def recording_backward(q, k, v, out, lse, d_out, d_lse, *args, **kwargs):
         seen.append(None if d_lse is None else d_lse.shape)
         return backward(q, k, v, out, lse, d_out, d_lse, *args, **kwargs)
 
-    monkeypatch.setattr(fa4_jax.backends, "backward", recording_backward)
+    monkeypatch.setattr(fa4_jax.ops.bodies, "backward", recording_backward)
     # Another test may have traced the same op at these shapes: its cached trace would not call
     # the recording backward.
     jax.clear_caches()

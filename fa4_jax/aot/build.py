@@ -11,7 +11,7 @@
 2. Generate the C++ dispatch table (variants and routes) from the compiled variants, compile
    ffi/*.cc with it, and link everything with the DSL runtime and the static CUDA runtime into
    fa4_jax/_lib/libfa4_jax.so (needs only the NVIDIA driver at run time), plus
-   fa4_jax/_lib/manifest.json (the compiled menu and its routing rules, for fa4_jax.routing).
+   fa4_jax/_lib/manifest.json (the compiled menu and its routing rules, for fa4_jax.abi.routing).
 
 `build()` also builds other menus into other libraries (benchmarks/ablations.py's development
 library).
@@ -39,7 +39,7 @@ from typing import Callable
 
 from fa4_jax.aot import codegen, menu, toolchain
 from fa4_jax.aot import compile as compile_worker
-from fa4_jax.routing import Route, Variant
+from fa4_jax.abi.routing import Route, Variant
 
 PACKAGE = Path(__file__).resolve().parents[1]
 ROOT = PACKAGE.parent
@@ -66,7 +66,7 @@ class Menu:
     routes: tuple[tuple[str, Route], ...] = ()
     dq_copies_max_keys: dict = dataclasses.field(default_factory=dict)
     # Archs whose kernels no GPU of the arch has run (an arch menu's VERIFIED = False): each of
-    # their variants is checked on first use (fa4_jax.verification), and the handlers run it only
+    # their variants is checked on first use (fa4_jax.runtime.gate), and the handlers run it only
     # once checked (ffi/gate.h).
     unverified_arches: tuple[str, ...] = ()
     # The development library also registers targets that take a tuning name (ffi/handlers.h).
@@ -283,9 +283,9 @@ def link(built: Menu, found: dict[str, Path], out: Path = LIBRARY, log=print) ->
 
 
 def manifest(built: Menu) -> dict:
-    """What fa4_jax.ffi reads at run time: the variants, the routes, the dQ-copies rule, the
+    """What fa4_jax.runtime.ffi reads at run time: the variants, the routes, the dQ-copies rule, the
     archs whose kernels are checked on first use, and the query tile of each segments backward
-    (whose deterministic walk the dispatch computes for that tile: fa4_jax.segments)."""
+    (whose deterministic walk the dispatch computes for that tile: fa4_jax.runtime.segments)."""
     return {
         "version": MANIFEST_VERSION,
         "variants": [v.to_json() for v in built.variants],
@@ -299,7 +299,7 @@ def manifest(built: Menu) -> dict:
 
 def segments_backward_tile_m(built: Menu) -> dict[str, int]:
     """Each segments backward variant's query tile rows, from its kernel (constructed, not
-    compiled): the tile a deterministic call's walk is computed at (fa4_jax.segments)."""
+    compiled): the tile a deterministic call's walk is computed at (fa4_jax.runtime.segments)."""
     return {v.name: compile_worker.construct_kernel(v, built.kernel_class(v), built.tuning_kwargs(v)).tile_m
             for v in built.variants if v.kind == "bwd" and v.segments}
 

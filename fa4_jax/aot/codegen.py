@@ -4,15 +4,15 @@ the archs whose kernels are unverified.
 Each exported header declares variant-specific argument structs and a launcher; the generated code
 wraps every launcher with the uniform signature of ffi/dispatch.h, filling the structs from
 `compile.TENSORS` and `compile.SCALARS` of the variant's kind (the same description its fake
-arguments came from). The routes are the arch menus' (fa4_jax.routing.Route), in order.
+arguments came from). The routes are the arch menus' (fa4_jax.abi.routing.Route), in order.
 """
 from __future__ import annotations
 
 import re
 
 from fa4_jax.aot.compile import DYNAMIC_DIMS, SCALARS, STATIC_DIMS, TENSORS
-from fa4_jax.bwd_workspace import BWD_MAX_DQ_COPIES, BWD_SEMAPHORE_ROWS, BWD_SEQ_PAD
-from fa4_jax.segment_layout import SPAN_CHUNK, SPAN_FIELDS
+from fa4_jax.abi.workspace import BWD_MAX_DQ_COPIES, BWD_SEMAPHORE_ROWS, BWD_SEQ_PAD
+from fa4_jax.abi.segment_layout import SPAN_CHUNK, SPAN_FIELDS
 
 # Fa4Args fields of the dynamic dims and of the tensors (ffi/dispatch.h).
 _ARGS_FIELD = {"b": "b", "sq": "seqlen_q", "sk": "seqlen_k", "h": "heads", "hk": "heads_k",

@@ -17,7 +17,7 @@ import sys
 import time
 import traceback
 
-from fa4_jax.segment_layout import SPAN_FIELDS
+from fa4_jax.abi.segment_layout import SPAN_FIELDS
 
 # Base pointers of XLA buffers are at least 16-byte aligned; TMA needs exactly that.
 _ALIGN = 16
@@ -27,7 +27,7 @@ _ALIGN = 16
 # row-major dims. Lower-case dims are dynamic (runtime values the handler derives from the
 # buffers' shapes); "d"/"dv" are the variant's static head dims. ffi codegen reads this too, to
 # fill the exported structs.
-#   sq_pad   = seqlen_q rounded up to BWD_SEQ_PAD (fa4_jax/bwd_workspace.py)
+#   sq_pad   = seqlen_q rounded up to BWD_SEQ_PAD (fa4_jax/abi/workspace.py)
 #   m_blocks = sq_pad / BWD_SEMAPHORE_ROWS
 #   copies   = dQ accumulators per query block: 1, or 2 for some deterministic calls
 #              (BWD_MAX_DQ_COPIES; routing.dq_copies picks)
@@ -43,10 +43,10 @@ _ALIGN = 16
 # passes them empty and the kernels read none (kernels/common/ragged.py), so one compiled variant
 # serves both. mdLSE, the cotangent of lse, is empty ([0, h, sq]) when only out is differentiated
 # (the common case: vjp.py's symbolic zeros), and the preprocess then reads none.
-# mQSegmentIds / mKSegmentIds and the span tables mRowSpans / mKeySpans (fa4_jax/segment_layout.py;
+# mQSegmentIds / mKSegmentIds and the span tables mRowSpans / mKeySpans (fa4_jax/abi/segment_layout.py;
 # q_chunks = ceil(sq / 64), k_chunks = ceil(sk / 64)): read by the segments variants only; the
 # others take them empty (b_segments = 0) and pass them to no kernel. mMaskBits: a boolean
-# mask packed 32 keys to a word (k_words = ceil(sk / 32); fa4_jax/mask_bits.py), read by the
+# mask packed 32 keys to a word (k_words = ceil(sk / 32); fa4_jax/runtime/mask_bits.py), read by the
 # mask_array variants only, empty (b_mask = 0) for the others.
 _SEGMENT_TENSORS = (
     ("mQSegmentIds", "i32", ("b_segments", "sq")),
@@ -169,7 +169,7 @@ def _collect_cubins(dump_dir: str, out_dir: str) -> None:
 def serve(jobs, answer) -> None:
     """Compiles each job, {"variant": fields, "kernel": "module:Class", "tuning_kwargs": {...},
     "out_dir": path}, and answers {"seconds": s} or {"error": traceback} for each."""
-    from fa4_jax.routing import Variant
+    from fa4_jax.abi.routing import Variant
 
     dump_dir = os.environ["CUTE_DSL_DUMP_DIR"]
     for line in jobs:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from fa4_jax.kernels.sm90 import menu as sm90
 from fa4_jax.kernels.sm100 import menu as sm100
-from fa4_jax.routing import Variant
+from fa4_jax.abi.routing import Variant
 
 ARCH_MENUS = (sm90, sm100)
 ARCHES = tuple(arch_menu.ARCH for arch_menu in ARCH_MENUS)

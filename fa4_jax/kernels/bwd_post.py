@@ -19,7 +19,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from fa4_jax.bwd_workspace import BWD_SEMAPHORE_ROWS
+from fa4_jax.abi.workspace import BWD_SEMAPHORE_ROWS
 from fa4_jax.kernels.common.layouts import FRAGMENT_GROUP_THREADS, fragment_order_view
 from fa4_jax.kernels.common.ragged import entry_length
 

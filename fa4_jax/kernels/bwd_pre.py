@@ -23,7 +23,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from fa4_jax.bwd_workspace import BWD_SEMAPHORE_ROWS
+from fa4_jax.abi.workspace import BWD_SEMAPHORE_ROWS
 from fa4_jax.kernels.common.exp2 import LOG2_E
 from fa4_jax.kernels.common.ragged import entry_length
 

@@ -28,7 +28,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from benchmarks import bench_attention as bench  # noqa: E402
-from fa4_jax.reference import attention_reference  # noqa: E402
+from fa4_jax.fallbacks.reference import attention_reference  # noqa: E402
 
 TOLERANCE = 2e-2
 SHAPES = ((2, 1024, 4), (2, 1000, 4))  # (batch, seqlen, heads)
@@ -48,7 +48,7 @@ def upstream_step(case: bench.Case, settings: bench.Settings):
 
 
 def reference_step(causal: bool, seqlen: int):
-    """The same in float32 through fa4_jax.reference (one chunk: these shapes fit)."""
+    """The same in float32 through fa4_jax.fallbacks.reference (one chunk: these shapes fit)."""
     def step(q, k, v, d_out):
         def attend(q, k, v):
             return attention_reference(q, k, v, causal=causal, chunk_size=seqlen)

@@ -51,8 +51,8 @@ def routed_tunings(kind):
 def require_kernels(q, k, v, **options):
     """Skips unless both the forward and the backward kernel serve this call (so a green run
     never overstates coverage); the skip gives the library's reason."""
-    from fa4_jax import dispatch
-    from fa4_jax.api import attention_params
+    from fa4_jax.runtime import dispatch
+    from fa4_jax.api.attention import attention_params
 
     try:
         params = attention_params(q, k, v, implementation="cute", **options)

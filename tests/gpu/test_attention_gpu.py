@@ -63,9 +63,9 @@ def _check_forward(next_key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_
 
 
 def _routed(q, k, v, **options):
-    """The tuning of the variant the handler runs for this call (fa4_jax.routing's rule)."""
-    from fa4_jax import dispatch
-    from fa4_jax.api import attention_params
+    """The tuning of the variant the handler runs for this call (fa4_jax.abi.routing's rule)."""
+    from fa4_jax.runtime import dispatch
+    from fa4_jax.api.attention import attention_params
 
     params = attention_params(q, k, v, implementation="cute", **options)
     return dispatch.explain_variant(q, k, v, params).tuning

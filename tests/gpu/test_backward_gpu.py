@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 import fa4_jax
-from fa4_jax import ffi
-from fa4_jax import dispatch
-from fa4_jax.api import attention_params
-from fa4_jax.reference import attention_reference
+from fa4_jax.runtime import ffi
+from fa4_jax.runtime import dispatch
+from fa4_jax.api.attention import attention_params
+from fa4_jax.fallbacks.reference import attention_reference
 from tests.gpu.cases import LOCAL_AND_SOFTCAP, mask_options, qkv, require_kernels
 from tests.numerics import assert_close_by_rule, dense_attention, visible_mask
 
@@ -390,7 +390,7 @@ def test_top_left_gradients_on_the_kernels(next_key, head_dim, shape, window):
         assert_close_by_rule(grad, want, want_lowp, name=name, factor=3 if keyless and name == "dv" else 2)
     # The deterministic order over top-left masks: bitwise repeatable, and the default mode's
     # gradients to rounding.
-    from fa4_jax.api import _attention
+    from fa4_jax.api.attention import _attention
 
     left, right = (None, None) if window is None else window
     options = dict(causal=is_causal, softmax_scale=None, window_size=(left, 0 if is_causal else right),

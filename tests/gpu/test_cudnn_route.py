@@ -18,7 +18,8 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture
 def no_kernels(monkeypatch):
     """The kernels serve nothing, as on a GPU whose arch the library has no kernels for."""
-    from fa4_jax import dispatch, notices
+    from fa4_jax.runtime import dispatch
+    from fa4_jax.core import notices
 
     monkeypatch.setattr(dispatch, "unsupported_reason", lambda *args, **kwargs: "no kernels (test)")
     monkeypatch.setattr(notices, "_SAID", set())

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import fa4_jax
-from fa4_jax.reference import attention_reference
+from fa4_jax.fallbacks.reference import attention_reference
 from tests.numerics import assert_close_by_rule, reference_pair
 from tests.scripts import load_script
 
@@ -18,7 +18,7 @@ ARTIFACT = Path(__file__).resolve().parents[1] / "data" / "attention_v2.jaxexpor
 
 
 def test_the_serialized_artifact_runs_on_this_library(next_key):
-    from fa4_jax import dispatch
+    from fa4_jax.runtime import dispatch
 
     if not dispatch.available():
         pytest.skip("needs the built library and a GPU of its arch")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from fa4_jax import dispatch
+from fa4_jax.runtime import dispatch
 from tests.gpu.faults.build import FAULTS, OUT
 
 pytestmark = pytest.mark.gpu
@@ -40,7 +40,8 @@ USER = textwrap.dedent('''
     import json, os, sys, time, warnings
     import jax, jax.numpy as jnp
     import fa4_jax
-    from fa4_jax import ffi, numerics_rule, verification
+    from fa4_jax.runtime import ffi, gate
+    from fa4_jax.core import numerics
     from tests.numerics import reference_pair
 
     def reference_options(opts):

@@ -12,7 +12,7 @@ import pytest
 
 import fa4_jax
 from tests.gpu.test_attention_gpu import _check_forward
-from fa4_jax.reference import attention_reference
+from fa4_jax.fallbacks.reference import attention_reference
 from tests.gpu.test_backward_gpu import _check_backward
 from tests.numerics import assert_close_by_rule
 

@@ -1,4 +1,4 @@
-"""GPU tier: GQA-packed forward calls (fa4_jax/pack_gqa.py) against the reference.
+"""GPU tier: GQA-packed forward calls (fa4_jax/runtime/pack_gqa.py) against the reference.
 
 Each case first pins that the call packs (`pack_gqa.packs`), then compares the kernel's packed
 result, and the same kernel run unpacked, with the fp32 reference under docs/design.md's rule. Key
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import fa4_jax
-from fa4_jax import dispatch, pack_gqa
-from fa4_jax.api import attention_params
+from fa4_jax.runtime import dispatch, pack_gqa
+from fa4_jax.api.attention import attention_params
 from tests.gpu.cases import mask_options, qkv
 from tests.numerics import assert_close_by_rule, reference_pair
 

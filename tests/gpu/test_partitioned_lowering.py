@@ -6,7 +6,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import fa4_jax
-from fa4_jax import dispatch, ffi
+from fa4_jax.runtime import dispatch, ffi
 
 FORWARD_TARGET = ffi.FWD_TARGET
 BACKWARD_TARGET = ffi.BWD_TARGET

@@ -1,4 +1,4 @@
-"""GPU tier: split-KV forward calls (fa4_jax/split_kv.py) against the reference.
+"""GPU tier: split-KV forward calls (fa4_jax/runtime/split_kv.py) against the reference.
 
 The chunks' partial outputs come back in bf16, so the combined output carries one more bf16
 rounding than a single pass; docs/design.md's rule (twice the bf16 reference's error) must still hold.
@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fa4_jax import dispatch, split_kv
-from fa4_jax.api import attention_params
+from fa4_jax.runtime import dispatch, split_kv
+from fa4_jax.api.attention import attention_params
 from tests.gpu.cases import qkv
 from tests.numerics import assert_close_by_rule, reference_pair
 

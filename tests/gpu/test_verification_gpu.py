@@ -1,4 +1,4 @@
-"""GPU tier: the first-use probes and gate (fa4_jax.probe, fa4_jax.verification) for real, on the
+"""GPU tier: the first-use probes and gate (fa4_jax.runtime.probe, fa4_jax.runtime.gate) for real, on the
 Hopper kernels, with sm_90a marked unverified (FA4_JAX_UNVERIFIED_ARCHES).
 
 On a Blackwell GPU the same code checks the sm100 kernels; here it proves that the probe process
@@ -6,7 +6,7 @@ opens the caller's GPU, that real kernels pass their probes (the problems, opera
 and reference are right), that the gate probes a problem class inside a jit trace and then lets
 the kernels serve it, that the handler refuses a variant nothing has checked (a `jax.export`ed
 program) and runs it once checked, that a kept failure routes calls to the fallback, and that
-`python -m fa4_jax.selftest --only` passes.
+`python -m fa4_jax selftest --only` passes.
 """
 import json
 import os
@@ -18,10 +18,11 @@ import jax.numpy as jnp
 import pytest
 
 import fa4_jax
-from fa4_jax import dispatch, ffi, routing, verdict_store, verification
-from fa4_jax.api import attention_params
-from fa4_jax.probe import runner
-from fa4_jax.probe.protocol import Verdict
+from fa4_jax.runtime import dispatch, ffi, verdict_store, gate
+from fa4_jax.abi import routing
+from fa4_jax.api.attention import attention_params
+from fa4_jax.runtime.probe import runner
+from fa4_jax.runtime.probe.protocol import Verdict
 from tests.gpu.cases import qkv
 from tests.numerics import assert_close_by_rule, reference_pair
 
@@ -44,9 +45,9 @@ def hopper_unverified(monkeypatch, tmp_path):
     for variable in ("FA4_JAX_TRUST_UNVERIFIED", "FA4_JAX_DISABLE_ARCHES"):
         monkeypatch.delenv(variable, raising=False)
     monkeypatch.setenv("FA4_JAX_CACHE_DIR", str(tmp_path))
-    verification.forget()
+    gate.forget()
     yield ffi.load()
-    verification.forget()
+    gate.forget()
 
 
 def test_real_variants_pass_their_probes_in_a_child_on_this_gpu(hopper_unverified):
@@ -76,9 +77,9 @@ def test_the_gate_probes_a_class_inside_a_trace_and_its_kernels_then_serve_it(ne
         routing.Variant("sm_90a", "bf16", 128, 128, "causal", False), hopper_unverified.routes_for("sm_90a"),
         hopper_unverified.compiled)]
     assert len(causal) > 1  # its tunings, probed with it
-    results = verification.results()
+    results = gate.results()
     assert all(results[name].passed for name in causal), {n: results.get(n) for n in causal}
-    kept = verdict_store.load(verification.library_identity(hopper_unverified))
+    kept = verdict_store.load(gate.library_identity(hopper_unverified))
     assert all(kept[name].passed for name in causal)
 
 
@@ -103,7 +104,7 @@ def test_the_handler_refuses_an_unchecked_variant_and_runs_it_once_checked(next_
 
 def test_a_kept_failure_routes_the_class_to_the_fallback(next_key, hopper_unverified):
     library = hopper_unverified
-    identity = verification.library_identity(library)
+    identity = gate.library_identity(library)
     for variant in routing.class_variants(routing.Variant("sm_90a", "bf16", 128, 128, "none", False),
                                           library.routes_for("sm_90a"), library.compiled):
         verdict_store.record(identity, Verdict(variant.name, "wrong", "told so by the test"))
@@ -118,7 +119,7 @@ def test_a_kept_failure_routes_the_class_to_the_fallback(next_key, hopper_unveri
 def test_the_selftest_passes_a_few_variants(hopper_unverified, tmp_path):
     pattern = "|".join(f"^{name}$" for name in PROBED[:4] + PROBED[7:8])
     report_path = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, "-m", "fa4_jax.selftest", "--only", pattern, "--json", str(report_path)],
+    proc = subprocess.run([sys.executable, "-m", "fa4_jax", "selftest", "--only", pattern, "--json", str(report_path)],
                           capture_output=True, text=True, timeout=600, env=dict(os.environ))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(report_path.read_text())

@@ -1,6 +1,6 @@
 """A batch entry's valid length: a ragged batch's, or the buffer's when the call passes none.
 
-A call on a dense batch passes empty length tensors ([0] int32, `fa4_jax.ffi`). XLA then runs
+A call on a dense batch passes empty length tensors ([0] int32, `fa4_jax.runtime.ffi`). XLA then runs
 nothing to build them: full lengths were a broadcast kernel ahead of every call, 0.3-4.5 µs of
 the stream at 1k-4k tokens (docs/perf-log.md, "dense calls pass no lengths"). And the kernels
 read nothing: a forward tile's first K load no longer waits for a global load of its entry's

@@ -2,7 +2,7 @@
 comparison itself on a score tile in registers.
 
 Query row i sees key j only if q_ids[i] == k_ids[j] (on top of the causal/window rules and the
-lengths). The span tables (fa4_jax/segment_layout.py) say, per 64 positions, the hull of the
+lengths). The span tables (fa4_jax/abi/segment_layout.py) say, per 64 positions, the hull of the
 partners they see and the partners every one of them sees; a tile reduces its chunks' entries to
 
 - a visit range: key blocks (query tiles, in the backward) wholly outside it share no segment
@@ -11,7 +11,7 @@ partners they see and the partners every one of them sees; a tile reduces its ch
   loop runs them; only the blocks between the two compare ids, element by element.
 
 A boolean mask (a `mask_array` kernel) rides the same walk: its span tables come from the mask
-(fa4_jax/mask_bits.py), and the blocks between the two ranges test the mask's bit for each score
+(fa4_jax/runtime/mask_bits.py), and the blocks between the two ranges test the mask's bit for each score
 instead of the ids (the caller folds a call's segment ids into the mask), from the words that
 cover the thread's rows (forward: fetched ahead of the S GEMM, as the ids are) or its columns
 (backward: one per query column, shared by the thread's keys).
@@ -23,7 +23,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from fa4_jax.segment_layout import FULL_HI, FULL_LO, HI, LO, MASK_WORD_BITS, NO_SPAN, SPAN_CHUNK
+from fa4_jax.abi.segment_layout import FULL_HI, FULL_LO, HI, LO, MASK_WORD_BITS, NO_SPAN, SPAN_CHUNK
 
 
 @dataclasses.dataclass(frozen=True)

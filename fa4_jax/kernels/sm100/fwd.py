@@ -4,7 +4,7 @@ in TMEM, softmax and correction warp groups (FA4's structure).
 NOT YET RUN ON BLACKWELL HARDWARE. This kernel is compiled, exported and statically checked
 (tests/test_sm100_*.py; docs/blackwell.md), and its protocol, as these role methods issue it, is
 model-checked, but no B200 has executed it: on a Blackwell GPU each of its variants is first
-checked against the reference in a child process (fa4_jax.verification), and one that
+checked against the reference in a child process (fa4_jax.runtime.gate), and one that
 disagrees, hangs or faults is not used.
 
 Without a mask a CTA is persistent: it computes tile after tile of the scheduler's "lpt" order

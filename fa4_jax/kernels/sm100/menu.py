@@ -3,7 +3,7 @@
 
 NOT YET RUN ON BLACKWELL HARDWARE: these kernels are compiled and statically checked only
 (docs/blackwell.md). VERIFIED is False, so on a Blackwell GPU each variant is first checked
-against the reference in the process that uses it (fa4_jax.verification) and routed to cuDNN or
+against the reference in the process that uses it (fa4_jax.runtime.gate) and routed to cuDNN or
 the reference if it disagrees. The backward has no sm100 kernel yet: Blackwell's backward calls
 run the reference backward (or cuDNN's, through implementation="cudnn").
 """
@@ -12,11 +12,11 @@ from __future__ import annotations
 import itertools
 
 from fa4_jax.kernels.sm100 import plan
-from fa4_jax.routing import DTYPES, MASKS, Route, Variant
+from fa4_jax.abi.routing import DTYPES, MASKS, Route, Variant
 
 ARCH = "sm_100f"
 # Whether a GPU of this arch has run the shipped kernels through the GPU tier. False: the
-# dispatch checks each variant on first use (fa4_jax.verification).
+# dispatch checks each variant on first use (fa4_jax.runtime.gate).
 VERIFIED = False
 KERNELS = {"fwd": "fa4_jax.kernels.sm100.fwd:FlashAttentionForwardSm100"}
 # (head_dim, head_dim_v) of the forward kernels, each with an entry in plan.TILE_CONFIGS. TMEM

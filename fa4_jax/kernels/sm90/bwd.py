@@ -90,7 +90,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from fa4_jax.kernels.bwd_post import BackwardPostprocess
 from fa4_jax.kernels.bwd_pre import BackwardPreprocess
-from fa4_jax.bwd_workspace import BWD_SEMAPHORE_ROWS
+from fa4_jax.abi.workspace import BWD_SEMAPHORE_ROWS
 from fa4_jax.kernels.common.block_info import BlockInfo, MaskBounds
 from fa4_jax.kernels.common.exp2 import exp2_poly, uses_poly
 from fa4_jax.kernels.common.layouts import acc_as_operand_a, acc_rows_cols, fragment_order_view, permute_modes
@@ -100,7 +100,7 @@ from fa4_jax.kernels.common.segments import SegmentIds
 from fa4_jax.kernels.common.softmax import score_scales
 from fa4_jax.kernels.sm90 import hardware
 from fa4_jax.kernels.sm90.operands import smem_layout, swizzled_tensor, tma_pipeline, wgmma_gemm
-from fa4_jax.segment_layout import WIDEST_BACKWARD_TILE_M
+from fa4_jax.abi.segment_layout import WIDEST_BACKWARD_TILE_M
 
 
 @dataclasses.dataclass(frozen=True)
@@ -744,7 +744,7 @@ class FlashAttentionBackwardSm90:
             # The query blocks that share no segment with this key block are skipped. In
             # deterministic mode a query block's turns count the key blocks of its own span
             # (`_dq_turn`), so the dispatch passes key spans transposed from the row spans
-            # (fa4_jax.segments.deterministic_walk): every query block that counts this key
+            # (fa4_jax.runtime.segments.deterministic_walk): every query block that counts this key
             # block is on its walk, or a later turn would wait forever.
             spans = segments.query_blocks(batch, n_block)
             m_block_min = cutlass.max(m_block_min, spans.lo)

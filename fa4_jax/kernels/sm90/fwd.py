@@ -452,7 +452,7 @@ class FlashAttentionForwardSm90:
         O through the rescale by 0. top_left: 1 aligns the mask to the top-left corner.
 
         mQSegmentIds [b, sq], mKSegmentIds [b, sk] int32 and the span tables mRowSpans
-        [b, ceil(sq / 64), 4], mKeySpans [b, ceil(sk / 64), 4] (fa4_jax/segment_layout.py): read
+        [b, ceil(sq / 64), 4], mKeySpans [b, ceil(sk / 64), 4] (fa4_jax/abi/segment_layout.py): read
         by a segments kernel (a row sees only keys of its own id; key blocks that share no
         segment with a tile are skipped), empty and unread otherwise. mMaskBits [b, sq,
         ceil(sk / 32)] int32: a boolean mask's bits (kernels/common/segments.py), read by a

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 
-from fa4_jax.routing import DTYPES, KINDS, MASKS, Route, Variant
+from fa4_jax.abi.routing import DTYPES, KINDS, MASKS, Route, Variant
 
 ARCH = "sm_90a"
 # Whether a GPU of this arch has run the shipped kernels through the GPU tier (an H200 has).
@@ -108,7 +108,7 @@ MENU: tuple[Variant, ...] = tuple(
                                                            (False, True))
 ) + tuple(_route_variants()) + tuple(
     # Boolean masks (jax's `mask=`): the causal and window rules and the lengths' clip are folded
-    # into the mask's bits before the call (fa4_jax/mask_bits.py), so one problem class per head
+    # into the mask's bits before the call (fa4_jax/runtime/mask_bits.py), so one problem class per head
     # dim serves every mask; jax's dot_product_attention and Flax pass no softcap.
     Variant(ARCH, dtype, d, dv, "none", False, kind, segments=True, mask_array=True)
     for kind in KINDS

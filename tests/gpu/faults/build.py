@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from fa4_jax.aot import build, menu
-from fa4_jax.routing import Variant
+from fa4_jax.abi.routing import Variant
 
 OUT = build.ROOT / "build" / "faults" / "libfa4_jax.so"
 _KERNELS = "tests.gpu.faults.kernels"

@@ -1,0 +1,310 @@
+"""Loads the built kernel library, registers its XLA FFI targets, and builds the custom calls.
+
+Nothing here chooses anything: which calls reach the kernels, and how they are shaped (GQA
+packing, split-KV, the dQ workspace's copies), is `fa4_jax.runtime.dispatch`'s; which compiled variant
+serves a call is the handler's routing rule (`fa4_jax.abi.routing`).
+
+The library is fa4_jax/_lib/libfa4_jax.so (FA4_JAX_LIBRARY overrides), built by
+`python -m fa4_jax.aot.build`, beside its manifest.json (the compiled variants and their routes).
+Its custom call targets carry a version: `fa4_jax_fwd_v2` and `fa4_jax_bwd_v2`, and for calls
+with segment ids `fa4_jax_fwd_segments_v1` and `fa4_jax_bwd_segments_v1` (the same operands
+and four more: the ids and their span tables, `fa4_jax.runtime.segments`), and for calls with a boolean
+mask `fa4_jax_fwd_masked_v1` and `fa4_jax_bwd_masked_v1` (those four and a fifth, the mask's
+bits, `fa4_jax.runtime.mask_bits`). Their attributes describe
+the problem (softmax scale, mask, window, softcap, alignment, deterministic) and never a tuning,
+so a `jax.export`ed program keeps working after a retune. A development library
+(benchmarks/ablations.py) also has `fa4_jax_dev_fwd_v2` / `fa4_jax_dev_bwd_v2`, which take a
+`tuning` attribute.
+
+Both calls always pass the two length operands (`seq_used_q`, `seq_used_k`), so ragged and dense
+calls share one compiled variant; a dense call passes them empty ([0] each), so that XLA builds
+nothing before the call and the kernels read no lengths (kernels/common/ragged.py).
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import json
+import os
+
+import numpy as np
+
+from fa4_jax.abi import routing
+from fa4_jax.abi.workspace import BWD_SEMAPHORE_ROWS, BWD_SEQ_PAD
+
+FWD_TARGET = "fa4_jax_fwd_v2"
+BWD_TARGET = "fa4_jax_bwd_v2"
+FWD_SEGMENTS_TARGET = "fa4_jax_fwd_segments_v1"
+BWD_SEGMENTS_TARGET = "fa4_jax_bwd_segments_v1"
+FWD_MASKED_TARGET = "fa4_jax_fwd_masked_v1"
+BWD_MASKED_TARGET = "fa4_jax_bwd_masked_v1"
+# The operands a call with segment ids passes after the lengths; one with a mask passes one more.
+SEGMENT_OPERANDS = 4
+DEV_FWD_TARGET = "fa4_jax_dev_fwd_v2"
+DEV_BWD_TARGET = "fa4_jax_dev_bwd_v2"
+_LIB_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_lib")
+
+
+def export_disabled_checks() -> list:
+    """The `disabled_checks` that `jax.export.export` needs for a program with fa4_jax's kernels.
+
+    jax.export refuses custom calls it does not know to be stable; fa4_jax's targets are, by
+    their version suffix (a changed ABI gets a new name):
+
+        jax.export.export(jax.jit(f), disabled_checks=fa4_jax.export_disabled_checks())(*specs)
+    """
+    import jax
+
+    return [jax.export.DisabledSafetyCheck.custom_call(t)
+            for t in (FWD_TARGET, BWD_TARGET, FWD_SEGMENTS_TARGET, BWD_SEGMENTS_TARGET,
+                      FWD_MASKED_TARGET, BWD_MASKED_TARGET)]
+
+
+class LibraryUnavailable(RuntimeError):
+    """The kernel library is not built, does not load, or lacks what a call needs."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Library:
+    """A loaded, registered kernel library and its manifest."""
+
+    path: str
+    fwd_target: str
+    bwd_target: str
+    compiled: frozenset  # variant names
+    routes: tuple  # (arch, routing.Route) pairs, in order
+    dq_copies_max_keys: dict  # arch -> {head_dim: keys}
+    tuning_targets: bool  # the targets take a `tuning` attribute (a development library)
+    head_dims: dict = dataclasses.field(default_factory=dict)  # arch -> {(head_dim, head_dim_v)}
+    # The segments and masked targets (None in a development library, which has no segments
+    # variants).
+    fwd_segments_target: str | None = None
+    bwd_segments_target: str | None = None
+    fwd_masked_target: str | None = None
+    bwd_masked_target: str | None = None
+    # Archs whose kernels no GPU of the arch has run: checked on first use (fa4_jax.runtime.gate).
+    unverified_arches: frozenset = frozenset()
+    # Segments backward variant name -> its query tile's rows (the deterministic walk's tile).
+    segments_backward_tile_m: dict = dataclasses.field(default_factory=dict)
+
+    def routes_for(self, arch: str) -> tuple:
+        return tuple(route for route_arch, route in self.routes if route_arch == arch)
+
+    def choose(self, call: routing.Call) -> routing.Variant:
+        return routing.choose(call, self.routes_for(call.arch), self.compiled)
+
+
+def library_path() -> str:
+    return os.environ.get("FA4_JAX_LIBRARY") or os.path.join(_LIB_DIR, "libfa4_jax.so")
+
+
+def read_manifest(path: str) -> dict:
+    """The manifest.json beside the library at `path`."""
+    with open(os.path.join(os.path.dirname(path), "manifest.json")) as f:
+        return json.load(f)
+
+
+def _register(lib, targets) -> None:
+    import jax.ffi
+
+    for target, prefix in targets:
+        jax.ffi.register_ffi_target(
+            target,
+            {"instantiate": jax.ffi.pycapsule(getattr(lib, f"{prefix}Instantiate")),
+             "execute": jax.ffi.pycapsule(getattr(lib, f"{prefix}Execute"))},
+            platform="CUDA")
+
+
+@functools.cache
+def load(path: str | None = None, tuning_targets: bool = False) -> Library:
+    """The library at `path` (default `library_path()`), loaded and its targets registered for
+    CUDA, once per process. Raises LibraryUnavailable with the reason."""
+    path = path or library_path()
+    if not os.path.exists(path):
+        raise LibraryUnavailable(f"the fa4_jax kernel library is not built ({path} is missing)")
+    try:
+        lib = ctypes.CDLL(path)
+        library = describe(path, tuning_targets)
+        if tuning_targets:
+            targets = ((DEV_FWD_TARGET, "Fa4DevFwd"), (DEV_BWD_TARGET, "Fa4DevBwd"))
+        else:
+            targets = ((FWD_TARGET, "Fa4Fwd"), (BWD_TARGET, "Fa4Bwd"),
+                       (FWD_SEGMENTS_TARGET, "Fa4FwdSegments"), (BWD_SEGMENTS_TARGET, "Fa4BwdSegments"),
+                       (FWD_MASKED_TARGET, "Fa4FwdMasked"), (BWD_MASKED_TARGET, "Fa4BwdMasked"))
+        _register(lib, targets)
+    except Exception as e:  # noqa: BLE001 - any failure means "not available", with the reason
+        raise LibraryUnavailable(f"the fa4_jax kernel library at {path} does not load: {e}") from e
+    return library
+
+
+def describe(path: str, tuning_targets: bool = False) -> Library:
+    """The Library at `path` as its manifest describes it, neither loaded nor registered (the
+    probe process's view: fa4_jax.runtime.probe)."""
+    manifest = read_manifest(path)
+    routes = tuple((entry.pop("arch"), routing.Route(**entry)) for entry in manifest["routes"])
+    return Library(
+        path=path,
+        fwd_target=DEV_FWD_TARGET if tuning_targets else FWD_TARGET,
+        bwd_target=DEV_BWD_TARGET if tuning_targets else BWD_TARGET,
+        compiled=frozenset(v["name"] for v in manifest["variants"]),
+        routes=routes,
+        dq_copies_max_keys={arch: {int(d): keys for d, keys in rule.items()}
+                            for arch, rule in manifest["dq_copies_max_keys"].items()},
+        tuning_targets=tuning_targets,
+        head_dims=_head_dims(manifest["variants"]),
+        fwd_segments_target=None if tuning_targets else FWD_SEGMENTS_TARGET,
+        bwd_segments_target=None if tuning_targets else BWD_SEGMENTS_TARGET,
+        fwd_masked_target=None if tuning_targets else FWD_MASKED_TARGET,
+        bwd_masked_target=None if tuning_targets else BWD_MASKED_TARGET,
+        unverified_arches=frozenset(manifest.get("unverified_arches", ())),
+        segments_backward_tile_m=dict(manifest.get("segments_backward_tile_m", {})),
+    )
+
+
+def manifest_variants(path: str) -> dict[str, routing.Variant]:
+    """name -> routing.Variant of every variant in the manifest of the library at `path`."""
+    return {entry["name"]: routing.Variant(**{k: v for k, v in entry.items() if k != "name"})
+            for entry in read_manifest(path)["variants"]}
+
+
+def mark_verified(library: Library, variant: str) -> None:
+    """Lets the handlers run `variant` in this process (ffi/gate.h): it passed its first-use check
+    on this GPU (fa4_jax.runtime.gate)."""
+    if ctypes.CDLL(library.path).Fa4MarkVerified(variant.encode()) != 0:
+        raise LibraryUnavailable(f"{library.path} has no variant {variant}")
+
+
+def cuda_driver_version(library: Library) -> int:
+    """The CUDA version the installed driver supports (12080 for 12.8), or -1; creates no CUDA
+    context."""
+    return ctypes.CDLL(library.path).Fa4CudaDriverVersion()
+
+
+def _head_dims(variants) -> dict:
+    """arch -> the (head_dim, head_dim_v) pairs the manifest's variants are built for."""
+    pairs: dict = {}
+    for variant in variants:
+        pairs.setdefault(variant["arch"], set()).add((variant["head_dim"], variant["head_dim_v"]))
+    return {arch: frozenset(arch_pairs) for arch, arch_pairs in pairs.items()}
+
+
+def seq_used(seq_lengths):
+    """The seq_used_q, seq_used_k operands: the ragged lengths, or empty ones for a dense call.
+
+    Empty, not full: full lengths were a broadcast kernel that XLA ran ahead of every call
+    (docs/perf-log.md, "Dense calls pass no lengths"); a zero-sized array is no work at all.
+    Built by jnp, not numpy: a numpy array would be a closed-over constant, which
+    custom_partitioning (sharding.py) rejects.
+    """
+    import jax.numpy as jnp
+
+    if seq_lengths is None:
+        return jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.int32)
+    return tuple(lengths.astype(np.int32) for lengths in seq_lengths)
+
+
+def _window(w: int | None) -> np.int32:
+    return np.int32(-1 if w is None else w)
+
+
+def attributes(params) -> dict:
+    """The custom calls' problem attributes of an `AttentionParams`."""
+    return dict(softmax_scale=np.float32(params.softmax_scale),
+                causal=bool(params.causal),
+                window_left=_window(params.window_left),
+                window_right=_window(params.window_right),
+                softcap=np.float32(params.softcap or 0.0),
+                top_left=bool(params.top_left))
+
+
+def _result_type(operand):
+    """ShapeDtypeStruct(shape, dtype) for a custom call's results, varying over the same manual
+    mesh axes as `operand`.
+
+    Inside `shard_map`, ffi_call checks that its operands vary over one set of manual axes but
+    gives its results none; a custom_vjp whose backward returns such a dq for a q that varies
+    (ring attention's) is then refused for mismatched types.
+    """
+    import jax
+
+    operand_type = jax.typeof(operand)
+    if not operand_type.mat.varying:
+        return jax.ShapeDtypeStruct
+    # A manual axis type is only valid together with a sharding on the mesh that has the axes.
+    sharding = jax.sharding.NamedSharding(operand_type.sharding.mesh, jax.sharding.PartitionSpec())
+    axis_type = jax.sharding.ManualAxisType(varying=operand_type.mat.varying)
+    return lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding,
+                                                     manual_axis_type=axis_type)
+
+
+def _tuning_attr(library: Library, tuning: str | None) -> dict:
+    if library.tuning_targets:
+        return {"tuning": tuning or "default"}
+    if tuning not in (None, "default"):
+        raise ValueError(f"tuning={tuning!r} needs a development library (benchmarks/ablations.py); "
+                         f"{library.path} routes calls itself")
+    return {}
+
+
+def _target(library: Library, kind: str, segments) -> str:
+    """The custom call of `kind` for a call with these segment operands: none, the four of
+    segment ids, or five with a mask's bits."""
+    if segments is None:
+        return library.fwd_target if kind == "fwd" else library.bwd_target
+    masked = len(segments) > SEGMENT_OPERANDS
+    target = getattr(library, f"{kind}_{'masked' if masked else 'segments'}_target")
+    if target is None:
+        raise LibraryUnavailable(f"{library.path} has no custom calls for "
+                                 f"{'a mask array' if masked else 'segment ids'}")
+    return target
+
+
+def forward_call(library: Library, q, k, v, lengths, attrs: dict, tuning: str | None = None,
+                 segments=None):
+    """The forward custom call: (out [b, sq, h, dv] in q's dtype, lse [b, h, sq] float32).
+
+    lengths: the (seq_used_q, seq_used_k) operands (`seq_used`). segments: None, the four
+    segment operands (`fa4_jax.runtime.segments.operands`), which select the segments target, or those
+    and a mask's bits (`fa4_jax.runtime.mask_bits.operands`), which select the masked target."""
+    import jax
+
+    b, sq, h, _ = q.shape
+    result = _result_type(q)
+    target = _target(library, "fwd", segments)
+    call = jax.ffi.ffi_call(target, (result((b, sq, h, v.shape[-1]), q.dtype), result((b, h, sq), np.float32)))
+    return call(q, k, v, *lengths, *(segments or ()), **attrs, **_tuning_attr(library, tuning))
+
+
+def backward_call(library: Library, q, k, v, out, lse, d_out, d_lse, lengths, attrs: dict,
+                  deterministic: bool, dq_copies: int, tuning: str | None = None, segments=None):
+    """The backward custom call: (dq, dk, dv), each in its input's shape and dtype.
+
+    d_lse None: lse not differentiated, passed as an empty [0, h, sq] operand so that the
+    preprocess reads none. The fp32 workspaces (dQ accumulators [dq_copies, b, h, sq_pad, d], D
+    and lse·log2(e) [b, h, sq_pad], semaphores [dq_copies, b, h, sq_pad / 64]) are results of
+    the call, so XLA owns and reuses their memory; they are dropped here. segments: as for
+    `forward_call`."""
+    import jax
+    import jax.numpy as jnp
+
+    b, sq, h, d = q.shape
+    sq_pad = -(-sq // BWD_SEQ_PAD) * BWD_SEQ_PAD
+    f32 = np.float32
+    result = _result_type(q)
+    results = (
+        result(q.shape, q.dtype),
+        result(k.shape, k.dtype),
+        result(v.shape, v.dtype),
+        result((dq_copies, b, h, sq_pad, d), f32),
+        result((b, h, sq_pad), f32),
+        result((b, h, sq_pad), f32),
+        result((dq_copies, b, h, sq_pad // BWD_SEMAPHORE_ROWS), np.int32),
+    )
+    target = _target(library, "bwd", segments)
+    call = jax.ffi.ffi_call(target, results)
+    d_lse = jnp.zeros((0, h, sq), f32) if d_lse is None else d_lse.astype(f32)
+    dq, dk, dv, *_workspaces = call(
+        q, k, v, out.astype(q.dtype), d_out.astype(q.dtype), lse.astype(f32), d_lse, *lengths,
+        *(segments or ()), deterministic=bool(deterministic), **attrs, **_tuning_attr(library, tuning))
+    return dq, dk, dv
