@@ -216,9 +216,9 @@ def _require_ablation(case: Case, settings: Settings, kind: str, tuning: str, de
     """(the development library, the call's params), or a skip (not a failure) naming why the
     row cannot run: no library, no such variant (ablations are compiled at some head dims
     only), or a narrowed tuning that would cut this call's keys short."""
-    from fa4_jax.runtime import dispatch, ffi
     from fa4_jax.abi import routing
     from fa4_jax.api.attention import attention_params
+    from fa4_jax.runtime import device, dispatch, ffi
 
     from benchmarks import ablations
 
@@ -234,10 +234,10 @@ def _require_ablation(case: Case, settings: Settings, kind: str, tuning: str, de
                                   implementation="cute")
     except ValueError as error:
         raise Skip(str(error)) from None
-    arch, reason = dispatch.device_arch()
+    arch, reason = device.device_arch()
     if reason is not None:
         raise Skip(reason)
-    call = dispatch.kernel_call(q, q, v, params, kind, arch, ragged=False)
+    call = dispatch.kernel_call(q, q, v, params, kind, arch)
     if call.variant(tuning).name not in library.compiled:
         raise Skip(f"{call.variant(tuning).name} is not in {library.path}")
     reason = ablations.narrowing_mismatch(tuning, call)

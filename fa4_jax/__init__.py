@@ -10,12 +10,13 @@ reason of a call, without running it) and `which_backend` (its backend and reaso
 `export_disabled_checks` (what `jax.export` needs to serialize a program that
 calls the kernels).
 """
-from fa4_jax.api.attention import Explanation, attention, dot_product_attention, explain, which_backend
-from fa4_jax.runtime.ffi import export_disabled_checks
+from fa4_jax.api.attention import Explanation, attention, explain, which_backend
+from fa4_jax.api.dot_product import dot_product_attention
 from fa4_jax.api.ring import from_zigzag_layout, ring_attention, to_zigzag_layout
+from fa4_jax.api.varlen import varlen_attention
 from fa4_jax.core.notices import FallbackWarning
 from fa4_jax.ops.sharding import ReshardWarning
-from fa4_jax.api.varlen import varlen_attention
+from fa4_jax.runtime.ffi import export_disabled_checks
 
 __version__ = "0.2.0"
 
@@ -24,10 +25,10 @@ __version__ = "0.2.0"
 # handlers run the kernels of unverified archs that passed their first-use check on this GPU
 # (fa4_jax.runtime.gate); calls load it themselves when this finds none.
 from fa4_jax.runtime import ffi as _ffi  # noqa: E402
-from fa4_jax.runtime import gate as _verification  # noqa: E402
+from fa4_jax.runtime import gate as _gate  # noqa: E402
 
 try:
-    _verification.push_when_ready(_ffi.load())
+    _gate.push_when_ready(_ffi.load())
 except _ffi.LibraryUnavailable:
     pass
 

@@ -16,8 +16,12 @@ One callable serves both Flax APIs:
 
 Masks: Flax describes masking with a dense boolean array `[batch..., heads, q_len, kv_len]`
 (`nn.make_causal_mask`, `nn.make_attention_mask`), and an additive `bias=` likewise. The adapters
-take both with Flax's semantics (a row its mask hides entirely gets the mean of the values, as
-Flax's uniform softmax over the dtype's minimum gives it). A mask shared by the heads (what
+take both with Flax's semantics: a row that Flax's own masking (the mask, and NNX's is_causal)
+hides entirely gets the mean of the values, as Flax's uniform softmax over the dtype's minimum
+gives it. A row that sees no key because of the function's own rules
+(`make_attention_fn(causal=True)` with more queries than keys, or a window) gets 0, with or
+without a mask, as `fa4_jax.attention` gives it; with such rules, the mean goes to the rows the
+mask alone hides entirely. A mask shared by the heads (what
 `nn.make_causal_mask` and `nn.make_attention_mask` build) runs on the kernels, packed to bits
 (`fa4_jax.runtime.mask_bits`), and so does a per-head mask (each batch entry and head run as an entry of
 its own); a bias runs on the pure-JAX reference, chunked, with a FallbackWarning. A mask is packed on every call, so where the pattern is known when the function
@@ -38,7 +42,8 @@ from typing import Callable
 
 import jax.numpy as jnp
 
-from fa4_jax.api.attention import _attention, _score_arrays, _keyless_rows_see_every_key
+from fa4_jax.api.attention import run
+from fa4_jax.api.dot_product import keyless_rows_see_every_key
 
 
 def make_attention_fn(
@@ -121,29 +126,32 @@ def make_attention_fn(
         batch_dims = query.shape[:-3]
         folded_value = _fold_batch_dims(value)
         # Flax's masks are float by default (nn.make_causal_mask), read as nonzero = visible.
-        mask = None if mask is None else jnp.asarray(mask) != 0
-        score_arrays = _score_arrays(_fold_batch_dims(query), _fold_batch_dims(key),
-                                     *(_fold_score_array(x, batch_dims) for x in (mask, bias)),
-                                     None, None)
-        result = _attention(
+        mask = None if mask is None else _fold_score_array(jnp.asarray(mask) != 0, batch_dims)
+        # Flax fills the scores its masking hides with the dtype's minimum: a row that the mask
+        # (and is_causal) hide entirely gets a uniform softmax over every key. Rows that see no
+        # key for the function's own rules (causal or window_size, aligned bottom-right) get 0,
+        # mask or not, as fa4_jax.attention gives them.
+        flax_rows = mask is not None and not factory_masked
+        result = run(
             _fold_batch_dims(query),
             _fold_batch_dims(key),
             folded_value,
+            return_lse=flax_rows,
+            implementation=implementation,
+            bias=_fold_score_array(bias, batch_dims),
+            top_left=is_causal and not factory_masked,
             causal=causal or is_causal,
             softmax_scale=None,
             window_size=window_size,
             softcap=softcap,
             deterministic=False,
-            return_lse=score_arrays is not None,
-            implementation=implementation,
-            query_seq_lengths=None,
-            key_value_seq_lengths=None,
-            top_left=is_causal and not factory_masked,
-            score_arrays=score_arrays,
+            mask=mask,
         )
-        # Flax fills masked scores with the dtype's minimum: a row its mask hides entirely
-        # gets a uniform softmax over every key.
-        out = result if score_arrays is None else _keyless_rows_see_every_key(*result, folded_value)
+        out = result
+        if flax_rows:
+            out = keyless_rows_see_every_key(result[0], jnp.isneginf(result[1]), folded_value)
+        elif mask is not None:
+            out = keyless_rows_see_every_key(out, ~jnp.any(mask, axis=-1), folded_value)
         return out.reshape(batch_dims + out.shape[1:])
 
     return fa4_attention_fn

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import functools
 
-from fa4_jax.runtime import dispatch, ffi
+from fa4_jax.runtime import device, ffi
 from fa4_jax.aot import menu
 from fa4_jax.kernels.sm90 import menu as sm90
 
@@ -30,6 +30,6 @@ def use_h200_menu(monkeypatch) -> ffi.Library:
                           fwd_masked_target="fm", bwd_masked_target="bm",
                           segments_backward_tile_m=_segments_backward_tile_m())
     monkeypatch.setattr(ffi, "load", lambda *args, **kwargs: library)
-    monkeypatch.setattr(dispatch, "device_arch", lambda: (sm90.ARCH, None))
-    monkeypatch.setattr(dispatch, "sm_count", lambda: 132)
+    monkeypatch.setattr(device, "device_arch", lambda: (sm90.ARCH, None))
+    monkeypatch.setattr(device, "sm_count", lambda: 132)
     return library

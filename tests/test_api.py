@@ -10,6 +10,9 @@ import numpy as np
 import pytest
 
 import fa4_jax
+from fa4_jax.api import validation
+from fa4_jax.runtime import device
+from fa4_jax.runtime.operands import KernelOperands
 from fa4_jax.fallbacks.reference import attention_reference
 
 
@@ -162,10 +165,10 @@ def gpu_without_kernels(monkeypatch):
     with no fa4_jax kernel; cuDNN's attention is the fp32 reference, recording its calls."""
     from fa4_jax.api import attention as api
     from fa4_jax.fallbacks import cudnn
-    from fa4_jax.runtime import dispatch
+    from fa4_jax.runtime import device, dispatch
 
     state = {"cc": "8.0", "cudnn_calls": []}
-    monkeypatch.setattr(dispatch, "compute_capability", lambda: state["cc"])
+    monkeypatch.setattr(device, "compute_capability", lambda: state["cc"])
     monkeypatch.setattr(dispatch, "unsupported_reason",
                         lambda *args, **kwargs: f"no kernels for compute capability {state['cc']}")
 
@@ -245,8 +248,8 @@ def forward_kernels_only(monkeypatch):
     monkeypatch.setattr(dispatch, "unsupported_reason",
                         lambda q, k, v, params, kind="fwd", library=None, segments=False, mask_array=False:
                         None if kind == "fwd" else "no backward kernel for this arch yet")
-    monkeypatch.setattr(dispatch, "forward", lambda q, k, v, params, seq_lengths=None, segment_ids=None, **kwargs:
-                        bodies._reference_fp32(q, k, v, params, seq_lengths, segment_ids))
+    monkeypatch.setattr(dispatch, "forward", lambda q, k, v, params, operands=KernelOperands(), **kwargs:
+                        bodies._reference_fp32(q, k, v, params, operands))
     from fa4_jax.api import attention as api
 
     monkeypatch.setattr(api.notices, "_SAID", set())
@@ -511,13 +514,13 @@ def test_a_per_head_mask_runs_each_head_as_an_entry_of_its_own(next_key, lengths
     q, k, v = _qkv(next_key, batch=2, seqlen_q=24, seqlen_k=40, heads_q=4, heads_kv=2)
     mask = jax.random.uniform(next_key(), (1, 4, 24, 40)) < 0.6
     seq_lengths = (jnp.asarray([24, 9], jnp.int32), jnp.asarray([3, 40], jnp.int32)) if lengths else (None, None)
-    score_arrays = api._score_arrays(q, k, mask, None, None, None)
-    options = dict(causal=True, softmax_scale=0.3, window_size=(None, None), softcap=None, deterministic=False,
-                   implementation="reference", top_left=False)
 
     def folded(q, k, v):
-        out, lse = api._per_head_mask_attention(q, k, v, score_arrays, seq_lengths, **options)
-        return out, lse
+        params, visibility = validation.describe_call(
+            q, k, v, causal=True, softmax_scale=0.3, window_size=(None, None), softcap=None,
+            deterministic=False, implementation="reference", mask=mask, query_seq_lengths=seq_lengths[0],
+            key_value_seq_lengths=seq_lengths[1])
+        return api._per_head_mask_attention(q, k, v, params, visibility)
 
     def direct(q, k, v):
         return fa4_jax.attention(q, k, v, mask=mask, causal=True, softmax_scale=0.3, implementation="reference",
@@ -611,8 +614,8 @@ def test_explain_names_the_kernels_and_the_padding(monkeypatch):
                           dq_copies_max_keys={}, tuning_targets=False,
                           head_dims={sm90.ARCH: frozenset(sm90.HEAD_DIMS)})
     monkeypatch.setattr(ffi, "load", lambda *args, **kwargs: library)
-    monkeypatch.setattr(dispatch, "device_arch", lambda: (sm90.ARCH, None))
-    monkeypatch.setattr(dispatch, "sm_count", lambda: 132)
+    monkeypatch.setattr(device, "device_arch", lambda: (sm90.ARCH, None))
+    monkeypatch.setattr(device, "sm_count", lambda: 132)
     q = jax.ShapeDtypeStruct((1, 4096, 16, 88), jnp.bfloat16)
     explanation = fa4_jax.explain(q, q, q, causal=True)
     assert explanation == fa4_jax.Explanation(

@@ -13,11 +13,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fa4_jax.runtime import dispatch, ffi
 from fa4_jax.api.attention import attention_params
-from fa4_jax.ops.bodies import _reference_backward
-from fa4_jax.ops.bodies import _reference_fp32 as _reference
 from fa4_jax.kernels.sm90 import menu as sm90
+from fa4_jax.ops.bodies import _reference_backward
+from fa4_jax.ops.bodies import _reference_fp32
+from fa4_jax.runtime import device, dispatch, ffi
+from fa4_jax.runtime.operands import KernelOperands
+
+def _operands(lengths):
+    """The operands of a call with these (q_len, kv_len), or none."""
+    return KernelOperands() if lengths is None else KernelOperands(*lengths)
+
+
+def _reference(q, k, v, params, lengths):
+    return _reference_fp32(q, k, v, params, _operands(lengths))
+
 
 _LIBRARY = ffi.Library(path="(none)", fwd_target="fa4_jax_fwd_v2", bwd_target="fa4_jax_bwd_v2",
                        compiled=frozenset(), routes=(),
@@ -35,10 +45,11 @@ def kernel_calls(monkeypatch):
         params = dataclasses.replace(_PARAMS[0], causal=attrs["causal"])
         return _reference(q, k, v, params, lengths if ragged else None)
 
-    monkeypatch.setattr(ffi, "load", lambda *args, **kwargs: _LIBRARY)
+    monkeypatch.setattr(ffi, "load", lambda *args, **kwargs: _MENU_LIBRARY)
     monkeypatch.setattr(ffi, "forward_call", fake_kernel)
     monkeypatch.setattr(dispatch, "_require", lambda *args: None)
-    monkeypatch.setattr(dispatch, "sm_count", lambda: 132)
+    monkeypatch.setattr(device, "device_arch", lambda: (sm90.ARCH, None))
+    monkeypatch.setattr(device, "sm_count", lambda: 132)
     return calls
 
 
@@ -61,7 +72,7 @@ def test_decode_is_split_then_packed_and_merged_back(next_key, kernel_calls, rag
     lengths = None
     if ragged:
         lengths = (jnp.asarray([1, 1], jnp.int32), jnp.asarray([1500, 3000], jnp.int32))
-    out, lse = dispatch.forward(q, k, v, params, lengths)
+    out, lse = dispatch.forward(q, k, v, params, _operands(lengths))
     want_out, want_lse = _reference(q, k, v, params, lengths)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-5, atol=1e-5)
@@ -119,7 +130,7 @@ def test_backward_workspaces_hold_the_dq_copies_of_the_call(monkeypatch, head_di
 
     monkeypatch.setattr(jax.ffi, "ffi_call", fake_ffi_call)
     monkeypatch.setattr(dispatch, "_require", lambda *args: None)
-    monkeypatch.setattr(dispatch, "device_arch", lambda: ("sm_90a", None))
+    monkeypatch.setattr(device, "device_arch", lambda: ("sm_90a", None))
     b, s, h = 2, 300, 4
     q = jnp.zeros((b, s, h, head_dim), jnp.bfloat16)
     k = jnp.zeros((b, seqlen_k, h, head_dim), jnp.bfloat16)
@@ -127,7 +138,7 @@ def test_backward_workspaces_hold_the_dq_copies_of_the_call(monkeypatch, head_di
     out = jnp.zeros((b, s, h, head_dim_v), jnp.bfloat16)
     lse = jnp.zeros((b, h, s), jnp.float32)
     params = attention_params(q, k, v, deterministic=deterministic, implementation="reference")
-    dispatch.backward(q, k, v, out, lse, out, lse, params, library=_LIBRARY)
+    dispatch.backward(q, k, v, out, lse, out, lse, params, library=_MENU_LIBRARY)
     dq_accum, dpsum, _, semaphore = (r.shape for r in results[3:])
     assert dq_accum == (copies, b, h, 384, head_dim)
     assert dpsum == (b, h, 384)
@@ -176,10 +187,11 @@ def test_every_head_dim_runs_on_the_narrowest_wider_kernel(next_key, monkeypatch
         for x, width in ((q, head_dim), (k, head_dim), (v, head_dim_v), (out, head_dim_v),
                          (d_out, head_dim_v)):
             padding_is_zero(x, width)
-        return _reference_backward(q, k, v, out, lse, d_out, d_lse, _as_attributed(params, attrs), None)
+        return _reference_backward(q, k, v, out, lse, d_out, d_lse, _as_attributed(params, attrs),
+                                   KernelOperands())
 
-    monkeypatch.setattr(dispatch, "device_arch", lambda: (sm90.ARCH, None))
-    monkeypatch.setattr(dispatch, "sm_count", lambda: 132)
+    monkeypatch.setattr(device, "device_arch", lambda: (sm90.ARCH, None))
+    monkeypatch.setattr(device, "sm_count", lambda: 132)
     monkeypatch.setattr(ffi, "forward_call", fake_forward)
     monkeypatch.setattr(ffi, "backward_call", fake_backward)
     q, k = (jax.random.normal(next_key(), (2, 96, 4, head_dim), jnp.bfloat16) for _ in range(2))
@@ -193,17 +205,17 @@ def test_every_head_dim_runs_on_the_narrowest_wider_kernel(next_key, monkeypatch
     np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-5, atol=1e-5)
     d_out = jax.random.normal(next_key(), out.shape, jnp.bfloat16)
     grads = dispatch.backward(q, k, v, out, lse, d_out, None, params, library=_MENU_LIBRARY)
-    want = _reference_backward(q, k, v, out, lse, d_out, None, params, None)
+    want = _reference_backward(q, k, v, out, lse, d_out, None, params, KernelOperands())
     for got, expected, x in zip(grads, want, (q, k, v)):
         assert got.shape == x.shape and got.dtype == x.dtype
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected, np.float32),
                                    rtol=2e-2, atol=2e-2)
     assert seen == [("fwd", *served), ("bwd", *served_backward)]
-    assert dispatch.explain_variant(q, k, v, params, "bwd", library=_MENU_LIBRARY).head_dim == served_backward[0]
+    assert dispatch.backward_variant(q, k, v, params, library=_MENU_LIBRARY).head_dim == served_backward[0]
 
 
 def test_no_wider_kernel_says_which_dims_are_missing(monkeypatch):
-    monkeypatch.setattr(dispatch, "device_arch", lambda: (sm90.ARCH, None))
+    monkeypatch.setattr(device, "device_arch", lambda: (sm90.ARCH, None))
     library = dataclasses.replace(_MENU_LIBRARY, head_dims={sm90.ARCH: frozenset({(64, 64), (128, 128)})})
     q = jax.ShapeDtypeStruct((1, 64, 2, 136), jnp.bfloat16)
     params = attention_params(q, q, q, implementation="reference")
@@ -218,19 +230,20 @@ def test_ragged_operands_reach_the_kernels_as_they_are(monkeypatch, next_key):
     # k, v and d_out over unchanged, NaN padding and all (each zeroing pass read and wrote a
     # whole operand).
     seen = {}
-    monkeypatch.setattr(dispatch, "_padded_head_dims", lambda *args, **kwargs: None)
+    monkeypatch.setattr(device, "device_arch", lambda: (sm90.ARCH, None))
     monkeypatch.setattr(dispatch, "_require", lambda *args, **kwargs: None)
-    monkeypatch.setattr(ffi, "forward_call", lambda library, q, k, v, lengths, *rest, **kw: seen.update(fwd=(q, k, v, lengths)))
+    monkeypatch.setattr(ffi, "forward_call", lambda library, q, k, v, lengths, *rest, **kw:
+                        seen.update(fwd=(q, k, v, lengths)) or (q, None))
     monkeypatch.setattr(ffi, "backward_call", lambda library, q, k, v, out, lse, d_out, d_lse, lengths, *rest, **kw:
-                        seen.update(bwd=(q, k, v, d_out, lengths)))
-    q, k, v, d_out = (jax.random.normal(next_key(), (2, 8, 1, 16), jnp.bfloat16) for _ in range(4))
+                        seen.update(bwd=(q, k, v, d_out, lengths)) or (q, k, v))
+    q, k, v, d_out = (jax.random.normal(next_key(), (2, 8, 1, 32), jnp.bfloat16) for _ in range(4))
     lengths = (jnp.asarray([8, 5], jnp.int32), jnp.asarray([3, 8], jnp.int32))
     q, d_out = (x.at[1, 5:].set(jnp.nan) for x in (q, d_out))
     k, v = (x.at[0, 3:].set(jnp.nan) for x in (k, v))
     params = attention_params(q, k, v, implementation="reference")
-    library = object()
-    dispatch.forward(q, k, v, params, lengths, library=library, pack_gqa=False, split_kv=1)
-    dispatch.backward(q, k, v, q, None, d_out, None, params, lengths, library=library, copies=1)
+    library = _MENU_LIBRARY
+    dispatch.forward(q, k, v, params, KernelOperands(*lengths), library=library, pack_gqa=False, split_kv=1)
+    dispatch.backward(q, k, v, q, None, d_out, None, params, KernelOperands(*lengths), library=library, copies=1)
     for got, want in zip(seen["fwd"][:3] + seen["bwd"][:4], (q, k, v, q, k, v, d_out)):
         assert got is want
     for got in (seen["fwd"][3], seen["bwd"][4]):

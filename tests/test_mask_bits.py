@@ -11,11 +11,12 @@ import pytest
 
 import fa4_jax
 from fa4_jax.runtime import mask_bits
-from fa4_jax.api.attention import _folded_mask_params
 from fa4_jax.core.params import AttentionParams
 from fa4_jax.fallbacks.reference import attention_reference
 from fa4_jax.abi.segment_layout import NO_SPAN, SPAN_CHUNK
+from fa4_jax.core.visibility import Visibility
 from fa4_jax.ops.vjp import attention_op
+from fa4_jax.runtime.operands import kernel_operands
 from tests.h200_menu import use_h200_menu
 
 
@@ -134,9 +135,10 @@ def test_the_folded_rules_are_the_references(seed, rules):
     mask = jnp.asarray(_random_mask(rng, batch, seqlen_q, seqlen_k, 0.7))
     lengths = (jnp.asarray([90, 41], jnp.int32), jnp.asarray([101, 130], jnp.int32))
     params = _params(**rules)
-    operands = mask_bits.operands(mask, params, lengths, seqlen_q, seqlen_k)
-    folded = _folded_mask_params(params)
-    got = attention_op(q, k, v, folded, lengths, operands)
+    folded, operands = kernel_operands(Visibility(query_lengths=lengths[0], key_lengths=lengths[1],
+                                                  mask=mask[:, None]), params, batch, seqlen_q, seqlen_k)
+    assert folded == params.rules_folded() and operands.mask_array
+    got = attention_op(q, k, v, folded, operands)
     want = attention_reference(q, k, v, softmax_scale=params.softmax_scale, causal=params.causal,
                                window_left=params.window_left, window_right=params.window_right,
                                top_left=params.top_left, mask=mask[:, None], query_seq_lengths=lengths[0],

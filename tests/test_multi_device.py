@@ -157,11 +157,11 @@ def test_kernel_ring_gradient_types_vary_over_the_ring_axis(monkeypatch, causal)
     then refuses a dq that does not vary over the ring axis like q does (this failed on the
     first 2-GPU run). Tracing needs no kernel, so the availability checks are stubbed.
     """
-    from fa4_jax.runtime import dispatch, ffi
+    from fa4_jax.runtime import device, dispatch, ffi
 
     monkeypatch.setattr(dispatch, "unsupported_reason", lambda *args, **kwargs: None)
-    monkeypatch.setattr(dispatch, "device_arch", lambda: ("sm_90a", None))
-    monkeypatch.setattr(dispatch, "sm_count", lambda: 132)
+    monkeypatch.setattr(device, "device_arch", lambda: ("sm_90a", None))
+    monkeypatch.setattr(device, "sm_count", lambda: 132)
     mesh = cpu_mesh((4,), ("seq",))
     ring = jax.shard_map(
         lambda q, k, v: fa4_jax.ring_attention(q, k, v, mesh_axis="seq", causal=causal,

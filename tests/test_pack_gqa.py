@@ -12,7 +12,13 @@ import pytest
 
 from fa4_jax.runtime import pack_gqa
 from fa4_jax.api.attention import attention_params
-from fa4_jax.ops.bodies import _reference_fp32 as _reference
+from fa4_jax.ops.bodies import _reference_fp32
+from fa4_jax.runtime.operands import KernelOperands
+
+
+def _reference(q, k, v, params, seq_lengths=None):
+    return _reference_fp32(q, k, v, params, KernelOperands() if seq_lengths is None else KernelOperands(*seq_lengths))
+
 
 HEADS_Q, HEADS_KV, HEAD_DIM, SEQLEN_K = 8, 2, 32, 40
 

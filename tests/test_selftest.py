@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from fa4_jax.runtime import dispatch, ffi, gate
+from fa4_jax.runtime import device, dispatch, ffi, gate
 from fa4_jax.tools import selftest
 from fa4_jax.aot import menu
 from fa4_jax.runtime.probe import runner
@@ -30,7 +30,7 @@ def hopper(monkeypatch, tmp_path):
     library = ffi.Library(path=str(tmp_path / "libfa4_jax.so"), fwd_target="f", bwd_target="b",
                           compiled=frozenset(v.name for v in menu.MENU), routes=(), dq_copies_max_keys={},
                           tuning_targets=False, unverified_arches=frozenset({"sm_100f"}))
-    monkeypatch.setattr(dispatch, "device_arch", lambda: ("sm_90a", None))
+    monkeypatch.setattr(device, "device_arch", lambda: ("sm_90a", None))
     monkeypatch.setattr(ffi, "load", lambda *args, **kwargs: library)
     monkeypatch.setattr(ffi, "manifest_variants", lambda path: {v.name: v for v in menu.MENU})
     monkeypatch.setattr(runner, "default_gpu", lambda: types.SimpleNamespace(

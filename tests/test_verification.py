@@ -18,10 +18,11 @@ import numpy as np
 import pytest
 
 import fa4_jax
-from fa4_jax.runtime import dispatch, ffi, verdict_store, gate
+from fa4_jax.runtime import device, dispatch, ffi, verdict_store, gate
 from fa4_jax.tools import verdicts
 from fa4_jax.aot import build
 from fa4_jax.ops.bodies import _reference_fp32
+from fa4_jax.runtime.operands import KernelOperands
 from fa4_jax.kernels.sm100 import menu as sm100
 from fa4_jax.kernels.sm90 import menu as sm90
 from fa4_jax.runtime.probe import runner
@@ -56,8 +57,8 @@ def blackwell(monkeypatch, tmp_path):
 
     gpu = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA B200", local_hardware_id=0,
                                 compute_capability="10.0")
-    monkeypatch.setattr(dispatch, "device_arch", lambda: (sm100.ARCH, None))
-    monkeypatch.setattr(dispatch, "sm_count", lambda: 148)
+    monkeypatch.setattr(device, "device_arch", lambda: (sm100.ARCH, None))
+    monkeypatch.setattr(device, "sm_count", lambda: 148)
     monkeypatch.setattr(ffi, "load", lambda *args, **kwargs: library)
     monkeypatch.setattr(ffi, "forward_call", poisoned_kernel)
     monkeypatch.setattr(ffi, "mark_verified", lambda library, name: state.marked.append(name))
@@ -121,7 +122,7 @@ def test_a_variant_that_fails_never_serves_a_call(blackwell, does):
     q, k, v = _inputs(1)
     with pytest.warns(fa4_jax.FallbackWarning, match="first-use check"):
         out = fa4_jax.attention(q, k, v)
-    reference, _ = _reference_fp32(q, k, v, _params(q, k, v), None)
+    reference, _ = _reference_fp32(q, k, v, _params(q, k, v), KernelOperands())
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(reference, np.float32), atol=2e-2)
     with pytest.raises(ValueError, match="first-use check"):
         fa4_jax.attention(q, k, v, implementation="cute")

@@ -6,7 +6,7 @@ library's manifest (fa4_jax/_lib/manifest.json) and into the C++ dispatch table,
 handler evaluates the routes on each call's shapes: the custom call's attributes describe the
 problem and never name a tuning, so a `jax.export`ed program runs whatever kernel the installed
 library picks for it. This module is the same rule in Python, read from the manifest, for
-`fa4_jax.runtime.dispatch.explain_variant` and the tests (which check it against the handler's).
+`fa4_jax.runtime.dispatch.forward_plan` and the tests (which check it against the handler's).
 
 Pure Python: imported at run time and by the build, it imports nothing from the package.
 """

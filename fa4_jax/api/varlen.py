@@ -21,6 +21,7 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fa4_jax.api.attention import attention
 
@@ -30,7 +31,7 @@ def varlen_attention(
     k,
     v,
     cu_seqlens_q,
-    cu_seqlens_k,
+    cu_seqlens_k=None,
     *,
     max_seqlen_q,
     max_seqlen_k,
@@ -48,9 +49,12 @@ def varlen_attention(
     cu_seqlens_k[s] : cu_seqlens_k[s + 1]; masks (causal, window) are bottom-right aligned per
     sequence, as in `fa4_jax.attention` with each sequence its own call. Empty sequences are
     allowed. Runs as one row with segment ids (kernels or reference, as `fa4_jax.attention`
-    chooses): in place without a mask or when cu_seqlens_k is cu_seqlens_q (the same array: one
-    packing), else on rows of total_q + total_k positions that align each sequence's diagonal
-    with the row's (module docstring).
+    chooses): in place without a mask or when queries and keys share one packing, else on rows
+    of total_q + total_k positions that align each sequence's diagonal with the row's (module
+    docstring). One packing is known when cu_seqlens_k is None or the same array as
+    cu_seqlens_q, or both are concrete and equal; two traced arrays of one length are compared
+    on the device, and the call takes the in-place path when they are equal (both paths are
+    compiled: pass cu_seqlens_k=None for self-attention to compile one).
 
     Args:
       q: [total_q, heads_q, head_dim].
@@ -59,7 +63,8 @@ def varlen_attention(
       cu_seqlens_q, cu_seqlens_k: integer arrays [n + 1] (traced values are fine), the start
         of each sequence and then the total: cu[0] = 0, nondecreasing, cu[n] = total_q
         (total_k). Traced values cannot be checked: other values give unspecified
-        results, never reads out of bounds.
+        results, never reads out of bounds. cu_seqlens_k None: the keys are packed as the
+        queries (total_k must be total_q).
       max_seqlen_q, max_seqlen_k: static Python ints >= 1, FlashAttention's bounds on the
         sequences' lengths. Checked, not needed: no path sizes anything by them.
       causal, softmax_scale, window_size, softcap, deterministic, return_lse, implementation:
@@ -74,7 +79,6 @@ def varlen_attention(
       TypeError / ValueError naming the offending argument, as `fa4_jax.attention`.
     """
     q, k, v = (jnp.asarray(x) for x in (q, k, v))
-    one_packing = cu_seqlens_k is cu_seqlens_q
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 3:
             raise ValueError(
@@ -86,8 +90,14 @@ def varlen_attention(
         )
     _check_max_seqlen("max_seqlen_q", max_seqlen_q)
     _check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    one_packing = cu_seqlens_k is None or cu_seqlens_k is cu_seqlens_q
+    if cu_seqlens_k is None and k.shape[0] != q.shape[0]:
+        raise ValueError(
+            f"cu_seqlens_k=None packs the keys as the queries, so k must have q's {q.shape[0]} "
+            f"tokens, got {k.shape[0]}; pass cu_seqlens_k"
+        )
     cu_seqlens_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q)
-    cu_seqlens_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k)
+    cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k)
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError(
             f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
@@ -95,11 +105,28 @@ def varlen_attention(
         )
     options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
                    deterministic=deterministic, implementation=implementation)
-    masked = causal or any(bound is not None for bound in tuple(window_size))
+    banded = causal or any(bound is not None for bound in tuple(window_size))
     # (Without queries or keys there is no diagonal to align.)
-    if one_packing or not masked or k.shape[0] == 0 or q.shape[0] == 0:
+    if one_packing or not banded or k.shape[0] == 0 or q.shape[0] == 0:
         return _as_segments(q, k, v, cu_seqlens_q, cu_seqlens_k, options, return_lse)
-    return _aligned_rows(q, k, v, cu_seqlens_q, cu_seqlens_k, options, return_lse)
+    equal = _known_equal(cu_seqlens_q, cu_seqlens_k)
+    if equal is True:
+        return _as_segments(q, k, v, cu_seqlens_q, cu_seqlens_q, options, return_lse)
+    if equal is False or k.shape[0] != q.shape[0]:
+        return _aligned_rows(q, k, v, cu_seqlens_q, cu_seqlens_k, options, return_lse)
+    # Two traced packings of one length: which path is only known on the device.
+    return jax.lax.cond(jnp.array_equal(cu_seqlens_q, cu_seqlens_k),
+                        lambda *args: _as_segments(*args, options, return_lse),
+                        lambda *args: _aligned_rows(*args, options, return_lse),
+                        q, k, v, cu_seqlens_q, cu_seqlens_k)
+
+
+def _known_equal(a, b) -> bool | None:
+    """Whether two cu_seqlens arrays are equal, or None when either is traced."""
+    try:
+        return bool(np.array_equal(np.asarray(a), np.asarray(b)))
+    except jax.errors.TracerArrayConversionError:
+        return None
 
 
 def _as_segments(q, k, v, cu_seqlens_q, cu_seqlens_k, options, return_lse):

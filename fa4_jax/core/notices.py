@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import warnings
 
 logger = logging.getLogger("fa4_jax")
 _SAID: set[str] = set()
+# A warning names the first frame outside the package: the caller's line.
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 class FallbackWarning(UserWarning):
@@ -33,7 +36,7 @@ def fallback(backend: str, reason: str, shape: str) -> None:
         return
     _SAID.add(message)
     logger.info(message)
-    warnings.warn(message, FallbackWarning, stacklevel=4)
+    warnings.warn(message, FallbackWarning, skip_file_prefixes=(_PACKAGE,))
 
 
 def progress(message: str) -> None:

@@ -6,7 +6,7 @@ more than one [q_chunk, kv_chunk] score tile per (batch, head), and the backward
 mode through `lax.scan`, with `jax.checkpoint` so the scan saves only its carries) never holds
 more than one query chunk's running statistics per key chunk.
 
-This module imports nothing from the package.
+Which pairs are visible is `fa4_jax.core.visibility.Visibility`'s rule, evaluated per tile.
 """
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from fa4_jax.core.visibility import Visibility
 
 DEFAULT_CHUNK_SIZE = 512
 
@@ -101,7 +103,7 @@ def attention_reference(
         raise ValueError("give both query_segment_ids and kv_segment_ids, or neither")
     score_tiles = _ScoreTiles.of(mask, bias, query_segment_ids, kv_segment_ids, heads_kv,
                                  q_chunk, kv_chunk)
-    mask = MaskSpec(valid_q, valid_k, causal, window_left, window_right, top_left)
+    rules = Visibility(causal, window_left, window_right, top_left)
 
     q_tiles = _tile_queries(query.astype(compute_dtype), q_chunk, heads_kv)
     k_tiles = _tile_keys(key.astype(compute_dtype), kv_chunk)
@@ -111,7 +113,8 @@ def attention_reference(
         _attend_query_tile,
         k_tiles=k_tiles,
         v_tiles=v_tiles,
-        mask=mask,
+        rules=rules,
+        lengths=(valid_q, valid_k),
         score_tiles=score_tiles,
         softmax_scale=softmax_scale,
         softcap=softcap,
@@ -156,8 +159,8 @@ def dense_attention(q, k, v, *, compute_dtype, softmax_scale=None, softcap=None,
     if softcap is not None:
         cap = jnp.asarray(softcap, compute_dtype)
         scores = cap * jnp.tanh(scores / cap)
-    visible = MaskSpec(seqlen_q, seqlen_k, causal, window_left, window_right).visible(
-        jnp.arange(seqlen_q), jnp.arange(seqlen_k))
+    visible = Visibility(causal, window_left, window_right).band(
+        jnp.arange(seqlen_q), jnp.arange(seqlen_k), seqlen_q, seqlen_k)
     if query_segment_ids is not None:
         visible = visible & (query_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :])
     if mask is not None:
@@ -170,45 +173,6 @@ def dense_attention(q, k, v, *, compute_dtype, softmax_scale=None, softcap=None,
     out = jnp.einsum("bhqk,bkhd->bqhd", probs, v, precision="highest",
                      preferred_element_type=compute_dtype)
     return out, jnp.where(empty[..., 0], -jnp.inf, lse[..., 0])
-
-
-class MaskSpec:
-    """Mask description; `visible` evaluates it on one tile of indices.
-
-    seqlen_q and seqlen_k are static ints (the whole arrays), or, for a ragged batch, int32
-    arrays of each entry's valid lengths shaped to broadcast against the score tile:
-    [batch, 1, 1, 1, 1] for the reference's [batch, heads_kv, groups, q_chunk, kv_chunk] tiles,
-    [batch, 1, 1] for a mask's [batch, sq, sk] (fa4_jax.runtime.mask_bits). The diagonal runs through
-    (i, i + offset): offset = seqlen_k - seqlen_q (bottom-right), or 0 when top_left.
-    """
-
-    def __init__(self, seqlen_q, seqlen_k, causal, window_left, window_right, top_left=False):
-        self.ragged = not isinstance(seqlen_q, int)
-        self.seqlen_q = seqlen_q
-        self.seqlen_k = seqlen_k
-        self.offset = 0 if top_left else seqlen_k - seqlen_q
-        self.causal = causal
-        self.window_left = window_left
-        self.window_right = window_right
-
-    def visible(self, q_index, k_index):
-        """Bool [q_chunk, kv_chunk], or broadcast with the lengths' shape when ragged: which
-        (row, key) pairs take part in the softmax."""
-        q_index = q_index[:, None]
-        k_index = k_index[None, :]
-        diagonal = q_index + self.offset
-        # Keys past seqlen_k are tile padding (or, ragged, past the entry's length).
-        visible = k_index < self.seqlen_k
-        if self.ragged:
-            # Rows past the entry's length see no key, so they come out as masked rows do.
-            visible &= q_index < self.seqlen_q
-        if self.causal:
-            visible &= k_index <= diagonal
-        if self.window_left is not None:
-            visible &= k_index >= diagonal - self.window_left
-        if self.window_right is not None:
-            visible &= k_index <= diagonal + self.window_right
-        return visible
 
 
 class _ScoreTiles:
@@ -313,7 +277,8 @@ def _matmul(spec, a, b, compute_dtype):
 
 
 def _attend_query_tile(
-    q_start_and_tile, *, k_tiles, v_tiles, mask, score_tiles, softmax_scale, softcap, compute_dtype
+    q_start_and_tile, *, k_tiles, v_tiles, rules, lengths, score_tiles, softmax_scale, softcap,
+    compute_dtype,
 ):
     """Online softmax of one query tile over all key tiles.
 
@@ -346,7 +311,7 @@ def _attend_query_tile(
             cap = jnp.asarray(softcap, compute_dtype)
             scores = cap * jnp.tanh(scores / cap)
         scores = score_tiles.biased(scores, q_start, k_start)
-        visible = (mask.visible(q_index, k_start + jnp.arange(kv_chunk))
+        visible = (rules.band(q_index, k_start + jnp.arange(kv_chunk), *lengths)
                    & score_tiles.visible(q_start, k_start, q_chunk, kv_chunk))
         scores = jnp.where(visible, scores.astype(jnp.float32), -jnp.inf)
 

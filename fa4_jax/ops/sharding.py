@@ -1,8 +1,8 @@
 """Partitioning of the attention ops over a device mesh: batch and heads, never a collective.
 
 Attention is independent across batch entries and across kv-head groups, so when q, k and v
-are sharded on those dimensions each device can run the single-device op (`backends.py`: the
-kernels' `fa4_fwd` custom call, or the reference) on its own block. The ops here say so to the
+are sharded on those dimensions each device can run the single-device op (`bodies.py`: the
+kernels' custom call, or the reference) on its own block. The ops here say so to the
 compiler with `jax.experimental.custom_partitioning`:
 
 - a Shardy sharding rule (Shardy is JAX's default partitioner) in einsum-like notation, which
@@ -13,10 +13,9 @@ compiler with `jax.experimental.custom_partitioning`:
   `ReshardWarning` that names the operand, dimension and mesh axes (sequence sharding needs
   context parallelism: `fa4_jax.ring_attention` inside `shard_map`).
 
-A ragged batch's valid lengths (int32 [batch] each) and segment ids ([batch, seq] each) are
-operands of their own ops, sharded with the batch: each device gets those of its own batch
-entries (the ids whole along the sequence, like q and k); so are a boolean mask's bits and
-tables (`fa4_jax.runtime.mask_bits`).
+The call's `KernelOperands` (a ragged batch's lengths, segment ids and their span tables, a
+mask's bits) are operands of the op, one op per set of them, sharded with the batch: each device
+gets those of its own batch entries (whole along the sequence, like q and k).
 
 Grouped-query attention: query head i reads kv head i // groups, so the query heads factor as
 (kv_heads, groups), kv_heads major. Sharding heads over n devices gives each device
@@ -40,8 +39,9 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from fa4_jax.ops import bodies
 from fa4_jax.core.params import AttentionParams
+from fa4_jax.ops import bodies
+from fa4_jax.runtime.operands import KernelOperands
 
 
 class ReshardWarning(UserWarning):
@@ -51,44 +51,30 @@ class ReshardWarning(UserWarning):
     """
 
 
-def attention_forward(q, k, v, params: AttentionParams, seq_lengths=None, segment_ids=None):
+def attention_forward(q, k, v, params: AttentionParams, operands: KernelOperands = KernelOperands()):
     """(out, lse) = attention of q, k, v, partitioned over batch and heads.
 
     Shapes as `vjp.attention_op`: q [batch, seqlen_q, heads_q, head_dim], k [batch, seqlen_k,
     heads_kv, head_dim], v [batch, seqlen_k, heads_kv, head_dim_v] -> out [batch, seqlen_q,
-    heads_q, head_dim_v], lse [batch, heads_q, seqlen_q] float32. seq_lengths: None or
-    (q_len, kv_len), int32 [batch] each; segment_ids: None or the four segment operands
-    (`fa4_jax.runtime.segments.operands`: q_ids [batch, seqlen_q], kv_ids [batch, seqlen_k] and their
-    span tables [batch, chunks, 4]), or those and a mask's bits [batch, seqlen_q, words]
-    (`fa4_jax.runtime.mask_bits.operands`); all partitioned with the batch.
+    heads_q, head_dim_v], lse [batch, heads_q, seqlen_q] float32. operands: the call's
+    `KernelOperands`, all partitioned with the batch.
     """
     _check_not_partially_manual()
-    op = _forward_op(seq_lengths is not None, len(segment_ids or ()))
-    return _vmappable(op, params)(q, k, v, *_aux_operands(seq_lengths, segment_ids))
+    present = operands.present()
+    return _vmappable(_forward_op(present), params)(q, k, v, *(getattr(operands, n) for n in present))
 
 
 def attention_backward(q, k, v, out, lse, d_out, d_lse, params: AttentionParams,
-                       seq_lengths=None, segment_ids=None):
-    """(dq, dk, dv) of attention, partitioned like the forward; shapes as `backends.backward`.
+                       operands: KernelOperands = KernelOperands()):
+    """(dq, dk, dv) of attention, partitioned like the forward; shapes as `bodies.backward`.
 
     d_lse None (lse not differentiated) selects ops without a d_lse operand.
     """
     _check_not_partially_manual()
     arrays = (q, k, v, out, lse, d_out) + (() if d_lse is None else (d_lse,))
-    op = _backward_op(d_lse is not None, seq_lengths is not None, len(segment_ids or ()))
-    return _vmappable(op, params)(*arrays, *_aux_operands(seq_lengths, segment_ids))
-
-
-def _aux_operands(seq_lengths, segment_ids) -> tuple:
-    """The ops' operands after the attention arrays: the lengths, then the segment operands."""
-    return tuple(seq_lengths or ()) + tuple(segment_ids or ())
-
-
-def _aux_arguments(aux, ragged: bool, segment_operands: int):
-    """(seq_lengths, segment_ids) for the backends from `_aux_operands`' arrays."""
-    seq_lengths = tuple(aux[:2]) if ragged else None
-    segment_ids = tuple(aux[2 * ragged:]) if segment_operands else None
-    return seq_lengths, segment_ids
+    present = operands.present()
+    op = _backward_op(d_lse is not None, present)
+    return _vmappable(op, params)(*arrays, *(getattr(operands, n) for n in present))
 
 
 def _check_not_partially_manual():
@@ -173,31 +159,32 @@ _BACKWARD_OPERANDS = (
 )
 _D_LSE_OPERAND = (("d_lse", _LSE),)
 _GRADIENTS = (("dq", _QUERY), ("dk", _KEY), ("dv", _VALUE))
-_RAGGED_OPERANDS = (("query_seq_lengths", _LENGTHS), ("key_value_seq_lengths", _LENGTHS))
-_SEGMENT_OPERANDS = (("query_segment_ids", _QUERY_IDS), ("kv_segment_ids", _KEY_IDS),
-                     ("row_spans", _ROW_SPANS), ("key_spans", _KEY_SPANS))
-_MASK_OPERANDS = _SEGMENT_OPERANDS + (("mask_bits", _MASK_BITS),)
+# The layout of each of the call's optional operands (`KernelOperands`' fields).
+_OPERAND_LAYOUTS = {
+    "query_lengths": _LENGTHS, "key_lengths": _LENGTHS, "query_segment_ids": _QUERY_IDS,
+    "kv_segment_ids": _KEY_IDS, "row_spans": _ROW_SPANS, "key_spans": _KEY_SPANS,
+    "mask_bits": _MASK_BITS,
+}
+# What the operands a device receives are called in a ReshardWarning.
+_OPERAND_NAMES = {"query_lengths": "query_seq_lengths", "key_lengths": "key_value_seq_lengths"}
 
 
-def _aux_layout(ragged: bool, segment_operands: int) -> tuple:
-    segments = {0: (), len(_SEGMENT_OPERANDS): _SEGMENT_OPERANDS,
-                len(_MASK_OPERANDS): _MASK_OPERANDS}[segment_operands]
-    return (_RAGGED_OPERANDS if ragged else ()) + segments
+def _aux_layout(present: tuple[str, ...]) -> tuple:
+    return tuple((_OPERAND_NAMES.get(name, name), _OPERAND_LAYOUTS[name]) for name in present)
 
 
-def _forward_layout(ragged: bool, segment_operands: int) -> _OpLayout:
+def _forward_layout(present: tuple[str, ...]) -> _OpLayout:
     return _OpLayout(
         operands=(*zip(_FORWARD_LAYOUT.operand_names, _FORWARD_LAYOUT.operand_layouts),
-                  *_aux_layout(ragged, segment_operands)),
+                  *_aux_layout(present)),
         results=(("out", _OUT), ("lse", _LSE)),
     )
 
 
-def _backward_layout(with_d_lse: bool, ragged: bool, segment_operands: int) -> _OpLayout:
+def _backward_layout(with_d_lse: bool, present: tuple[str, ...]) -> _OpLayout:
     """The backward op's layout: with a d_lse operand, or none (lse not differentiated)."""
-    operands = (_BACKWARD_OPERANDS + (_D_LSE_OPERAND if with_d_lse else ())
-                + _aux_layout(ragged, segment_operands))
-    return _OpLayout(operands, _GRADIENTS)
+    return _OpLayout(_BACKWARD_OPERANDS + (_D_LSE_OPERAND if with_d_lse else ()) + _aux_layout(present),
+                     _GRADIENTS)
 
 
 def _sharding_rule(layout, params, mesh, operand_types, result_types):
@@ -318,35 +305,35 @@ def _on_folded_batch(body, arrays, params):
     return tuple(r.reshape(*batch_shape, *r.shape[1:]) for r in results)
 
 
-def _op_name(kind: str, ragged: bool, segment_operands: int) -> str:
-    filtered = {0: [], len(_SEGMENT_OPERANDS): ["segmented"], len(_MASK_OPERANDS): ["masked"]}
-    return "_".join([kind] + ["ragged"] * ragged + filtered[segment_operands] + ["on_device"])
+def _op_name(kind: str, present: tuple[str, ...]) -> str:
+    operands = KernelOperands.of_present(present, (True,) * len(present))
+    filtered = ["masked"] if operands.mask_array else ["segmented"] if operands.segments else []
+    return "_".join([kind] + ["ragged"] * operands.ragged + filtered + ["on_device"])
 
 
 @functools.cache
-def _forward_op(ragged: bool, segment_operands: int):
-    """The partitioned forward op, with the lengths and/or the segment operands (none, the four
-    of segment ids, or five with a mask's bits) or not."""
+def _forward_op(present: tuple[str, ...]):
+    """The partitioned forward op of a call passing the `present` optional operands."""
     def body(q, k, v, *aux_and_params):
         *aux, params = aux_and_params
-        return bodies.forward(q, k, v, params, *_aux_arguments(aux, ragged, segment_operands))
+        return bodies.forward(q, k, v, params, KernelOperands.of_present(present, aux))
 
     def forward_on_device(q, k, v, *aux_and_params):
         *aux, params = aux_and_params
         return _on_folded_batch(body, (q, k, v, *aux), params)
 
-    forward_on_device.__name__ = _op_name("forward", ragged, segment_operands)
-    return _custom_partitioned(forward_on_device, _forward_layout(ragged, segment_operands))
+    forward_on_device.__name__ = _op_name("forward", present)
+    return _custom_partitioned(forward_on_device, _forward_layout(present))
 
 
 @functools.cache
-def _backward_op(with_d_lse: bool, ragged: bool, segment_operands: int):
+def _backward_op(with_d_lse: bool, present: tuple[str, ...]):
     """The partitioned backward op; the op without a d_lse operand passes the backend None
     there (lse not differentiated)."""
     def body(q, k, v, out, lse, d_out, d_lse, *aux_and_params):
         *aux, params = aux_and_params
         return bodies.backward(q, k, v, out, lse, d_out, d_lse, params,
-                                 *_aux_arguments(aux, ragged, segment_operands))
+                               KernelOperands.of_present(present, aux))
 
     def backward_on_device(*arrays_and_params):
         *arrays, params = arrays_and_params
@@ -354,9 +341,8 @@ def _backward_op(with_d_lse: bool, ragged: bool, segment_operands: int):
             arrays.insert(6, None)
         return _on_folded_batch(body, tuple(arrays), params)
 
-    backward_on_device.__name__ = _op_name("backward" if with_d_lse else "backward_without_d_lse",
-                                           ragged, segment_operands)
-    return _custom_partitioned(backward_on_device, _backward_layout(with_d_lse, ragged, segment_operands))
+    backward_on_device.__name__ = _op_name("backward" if with_d_lse else "backward_without_d_lse", present)
+    return _custom_partitioned(backward_on_device, _backward_layout(with_d_lse, present))
 
 
 @functools.cache

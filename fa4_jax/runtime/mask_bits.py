@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fa4_jax.fallbacks.reference import MaskSpec
 from fa4_jax.abi.segment_layout import MASK_WORD_BITS as WORD_BITS
 from fa4_jax.abi.segment_layout import NO_SPAN, SPAN_CHUNK
 
@@ -39,9 +38,9 @@ def visible(mask, params, seq_lengths, seqlen_q: int, seqlen_k: int):
     causal and window rules (`params`, aligned as `params.top_left` says) and its lengths
     (q_len, kv_len) [b], whose padding rows and keys see nothing."""
     q_len, kv_len = (x[:, None, None] for x in seq_lengths)
-    rule = MaskSpec(q_len, kv_len, params.causal, params.window_left, params.window_right, params.top_left)
-    seen = rule.visible(jnp.arange(seqlen_q, dtype=jnp.int32), jnp.arange(seqlen_k, dtype=jnp.int32))
-    # Lengths as arrays make the rule ragged (MaskSpec.ragged): rows past q_len see no key.
+    # Lengths as arrays make the rule ragged: rows past q_len see no key.
+    seen = params.rules.band(jnp.arange(seqlen_q, dtype=jnp.int32), jnp.arange(seqlen_k, dtype=jnp.int32),
+                             q_len, kv_len)
     return jnp.broadcast_to(mask, seen.shape) & seen
 
 

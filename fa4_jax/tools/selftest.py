@@ -47,12 +47,12 @@ def run(only: str | None = None, out=None, json_path: str | None = None) -> dict
     import jax
 
     import fa4_jax
-    from fa4_jax.runtime import dispatch, ffi
+    from fa4_jax.runtime import device, ffi
 
     out = out or sys.stdout
     report = dict(fa4_jax=fa4_jax.__version__, jax=jax.__version__, python=platform.python_version(),
                   variants=[], status="nothing to check")
-    arch, reason = dispatch.device_arch()
+    arch, reason = device.device_arch()
     try:
         library = ffi.load()
     except ffi.LibraryUnavailable as error:
@@ -64,10 +64,10 @@ def run(only: str | None = None, out=None, json_path: str | None = None) -> dict
         print(f"fa4_jax selftest: nothing to check: {report['reason']}", file=out)
         _write(report, json_path)
         return report
-    device = runner.default_gpu()
+    gpu = runner.default_gpu()
     timeout = runner.timeout_seconds()
-    report.update(gpu=device.device_kind, arch=arch, library=library.path, timeout=timeout)
-    print(f"fa4_jax {fa4_jax.__version__} selftest on {device.device_kind} ({arch}), jax {jax.__version__}, "
+    report.update(gpu=gpu.device_kind, arch=arch, library=library.path, timeout=timeout)
+    print(f"fa4_jax {fa4_jax.__version__} selftest on {gpu.device_kind} ({arch}), jax {jax.__version__}, "
           f"library {library.path}: {len(names)} variants, up to {timeout:g} s each", file=out, flush=True)
     started = []
 
@@ -80,7 +80,7 @@ def run(only: str | None = None, out=None, json_path: str | None = None) -> dict
         print(verdict.line(), file=out, flush=True)
         _write(report, json_path)
 
-    opened, verdicts = runner.run(runner.Target.on(library.path, device), names, timeout, on_start=on_start,
+    opened, verdicts = runner.run(runner.Target.on(library.path, gpu), names, timeout, on_start=on_start,
                                   on_verdict=on_verdict)
     report.update(device=opened, status=_status(verdicts.values()))
     counts = {kind: sum(v.verdict == kind for v in verdicts.values()) for kind in ("pass", "wrong", "hang", "fault",

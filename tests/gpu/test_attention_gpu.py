@@ -68,7 +68,7 @@ def _routed(q, k, v, **options):
     from fa4_jax.api.attention import attention_params
 
     params = attention_params(q, k, v, implementation="cute", **options)
-    return dispatch.explain_variant(q, k, v, params).tuning
+    return dispatch.forward_plan(q, k, v, params, pack_gqa=False, split_kv=1).variant.tuning
 
 
 # (mask, head dim, seqlen_q, seqlen_k, the tuning the call routes to): each routed variant at

@@ -1,7 +1,7 @@
 """GPU tier: the CuTe backward kernels against the reference's gradients, and deterministic mode.
 
 Run with `pytest -m gpu`. Every test first confirms that the backward kernel (not the reference
-fallback of `backends.backward`) serves the call, and skips with the library's reason otherwise,
+fallback of `bodies.backward`) serves the call, and skips with the library's reason otherwise,
 so a green run never overstates coverage. Gradients are taken of out and lse together (random
 cotangents for both), against the reference's semantics in fp32 and in the input dtype
 (`tests.numerics.dense_attention`, which compiles much faster than the chunked reference) under
@@ -390,14 +390,13 @@ def test_top_left_gradients_on_the_kernels(next_key, head_dim, shape, window):
         assert_close_by_rule(grad, want, want_lowp, name=name, factor=3 if keyless and name == "dv" else 2)
     # The deterministic order over top-left masks: bitwise repeatable, and the default mode's
     # gradients to rounding.
-    from fa4_jax.api.attention import _attention
+    from fa4_jax.api.attention import run
 
     left, right = (None, None) if window is None else window
     options = dict(causal=is_causal, softmax_scale=None, window_size=(left, 0 if is_causal else right),
-                   softcap=None, return_lse=False, implementation="cute", query_seq_lengths=None,
-                   key_value_seq_lengths=None, top_left=True)
-    deterministic = grads(functools.partial(_attention, deterministic=True, **options), q, k, v)
-    again = grads(functools.partial(_attention, deterministic=True, **options), q, k, v)
+                   softcap=None, return_lse=False, implementation="cute", top_left=True)
+    deterministic = grads(functools.partial(run, deterministic=True, **options), q, k, v)
+    again = grads(functools.partial(run, deterministic=True, **options), q, k, v)
     default = grads(functools.partial(_attention, deterministic=False, **options), q, k, v)
     for name, first, second, fast in zip(("dq", "dk", "dv"), deterministic, again, default):
         np.testing.assert_array_equal(np.asarray(first), np.asarray(second), err_msg=name)

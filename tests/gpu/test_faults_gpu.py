@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from fa4_jax.runtime import dispatch
+from fa4_jax.runtime import device, dispatch
 from tests.gpu.faults.build import FAULTS, OUT
 
 pytestmark = pytest.mark.gpu
@@ -110,7 +110,7 @@ RUN_EXPORTED = textwrap.dedent('''
 
 @pytest.fixture(scope="module")
 def environment(tmp_path_factory):
-    arch, reason = dispatch.device_arch()
+    arch, reason = device.device_arch()
     if reason is not None or arch != "sm_90a":
         pytest.skip(reason or f"needs a Hopper GPU, not {arch}")
     if not OUT.exists():

@@ -11,6 +11,7 @@ import pytest
 
 import fa4_jax
 from fa4_jax.runtime import dispatch, pack_gqa
+from fa4_jax.runtime.operands import KernelOperands
 from fa4_jax.api.attention import attention_params
 from tests.gpu.cases import mask_options, qkv
 from tests.numerics import assert_close_by_rule, reference_pair
@@ -22,7 +23,7 @@ def _forward(q, k, v, params, seq_lengths, pack):
     reason = dispatch.unsupported_reason(q, k, v, params)
     if reason is not None:
         pytest.skip(reason)
-    return jax.jit(lambda q, k, v, lengths: dispatch.forward(q, k, v, params, lengths, pack_gqa=pack))(
+    return jax.jit(lambda q, k, v, lengths: dispatch.forward(q, k, v, params, KernelOperands() if lengths is None else KernelOperands(*lengths), pack_gqa=pack))(
         q, k, v, seq_lengths)
 
 

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fa4_jax.runtime import dispatch, split_kv
+from fa4_jax.runtime import device, dispatch, split_kv
+from fa4_jax.runtime.operands import KernelOperands
 from fa4_jax.api.attention import attention_params
 from tests.gpu.cases import qkv
 from tests.numerics import assert_close_by_rule, reference_pair
@@ -22,7 +23,7 @@ def _forward(q, k, v, params, seq_lengths, **settings):
     reason = dispatch.unsupported_reason(q, k, v, params)
     if reason is not None:
         pytest.skip(reason)
-    return jax.jit(lambda q, k, v, lengths: dispatch.forward(q, k, v, params, lengths, **settings))(
+    return jax.jit(lambda q, k, v, lengths: dispatch.forward(q, k, v, params, KernelOperands() if lengths is None else KernelOperands(*lengths), **settings))(
         q, k, v, seq_lengths)
 
 
@@ -38,7 +39,7 @@ def test_split_decode(next_key, head_dim, heads_q, heads_kv, options, settings):
     q, k, v = qkv(next_key, batch, 1, seqlen_k, heads_q, heads_kv, head_dim, jnp.bfloat16)
     params = attention_params(q, k, v, implementation="cute", **options)
     if not settings:
-        assert split_kv.num_splits(q.shape, k.shape, params, dispatch.sm_count()) > 1
+        assert split_kv.num_splits(q.shape, k.shape, params, device.sm_count()) > 1
     out, lse = _forward(q, k, v, params, None, **settings)
     (ref, ref_lse), (lowp, lowp_lse) = jax.jit(lambda q, k, v: reference_pair(
         q, k, v, causal=options.get("causal", False), softcap=options.get("softcap")))(q, k, v)

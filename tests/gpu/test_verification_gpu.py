@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import pytest
 
 import fa4_jax
-from fa4_jax.runtime import dispatch, ffi, verdict_store, gate
+from fa4_jax.runtime import device, dispatch, ffi, verdict_store, gate
 from fa4_jax.abi import routing
 from fa4_jax.api.attention import attention_params
 from fa4_jax.runtime.probe import runner
@@ -38,7 +38,7 @@ PROBED = ("fwd_sm90a_bf16_d128_dv128", "fwd_sm90a_bf16_d128_dv128_tn128_tree", "
 
 @pytest.fixture
 def hopper_unverified(monkeypatch, tmp_path):
-    arch, reason = dispatch.device_arch()
+    arch, reason = device.device_arch()
     if reason is not None or arch != "sm_90a":
         pytest.skip(reason or f"needs a Hopper GPU, not {arch}")
     monkeypatch.setenv("FA4_JAX_UNVERIFIED_ARCHES", "sm_90a")
