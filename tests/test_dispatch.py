@@ -19,8 +19,7 @@ from fa4_jax.ops.bodies import _reference_backward
 from fa4_jax.ops.bodies import _reference_fp32 as _reference
 from fa4_jax.kernels.sm90 import menu as sm90
 
-_LIBRARY = ffi.Library(path="(none)", fwd_target="fa4_jax_fwd_v2", bwd_target="fa4_jax_bwd_v2",
-                       compiled=frozenset(), routes=(),
+_LIBRARY = ffi.Library(path="(none)", compiled=frozenset(), routes=(),
                        dq_copies_max_keys={"sm_90a": dict(sm90.DQ_COPIES_MAX_KEYS)},
                        tuning_targets=False)
 

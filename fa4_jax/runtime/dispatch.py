@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 
 from fa4_jax.runtime import ffi, gate
-from fa4_jax.abi import routing
+from fa4_jax.abi import routing, targets
 from fa4_jax.runtime import pack_gqa as packing
 from fa4_jax.runtime import split_kv as splitting
 from fa4_jax.abi.segment_layout import WIDEST_BACKWARD_TILE_M
@@ -183,10 +183,10 @@ def explain_variant(q, k, v, params, kind: str = "fwd", ragged: bool = False,
 
 def filter_kinds(segment_ids) -> tuple[bool, bool]:
     """(segments, mask_array) of a call's segment operands: None, the four of segment ids, or
-    five with a mask's bits (`ffi.SEGMENT_OPERANDS`)."""
+    five with a mask's bits (`targets.OPTIONAL_OPERANDS`)."""
     if segment_ids is None:
         return False, False
-    return True, len(segment_ids) > ffi.SEGMENT_OPERANDS
+    return True, len(segment_ids) > targets.SEGMENT_OPERANDS
 
 
 def _widen(x, width: int):
