@@ -4,7 +4,8 @@ library of their own (never the wheel's).
     python -m benchmarks.ablations build [--only REGEX] [--jobs N]
 
 compiles `MENU` into build/ablations/libfa4_jax_ablations.so (the shipping build's cache serves
-what it shares), whose FFI targets take a `tuning` attribute (fa4_jax.runtime.ffi's DEV_*_TARGET).
+what it shares), whose FFI targets take a `tuning` attribute (the development names of
+fa4_jax.abi.targets).
 benchmarks/bench_attention.py's "fa4_jax:NAME" and "fa4_jax_bwd:NAME" rows call them through
 `library()`; "default" names each ablated problem class's shipped kernel through the same path,
 the like-for-like baseline.

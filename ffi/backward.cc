@@ -1,27 +1,25 @@
-// XLA FFI handler for the custom call target `fa4_jax_bwd_v2`: FlashAttention backward.
+// The XLA FFI handler of FlashAttention's backward: one Instantiate/Execute pair, bound once per
+// binding as the forward's is (forward.cc).
 //
 //   inputs  q [b, sq, h, d], k [b, sk, hk, d], v [b, sk, hk, dv], out [b, sq, h, dv],
 //           d_out [b, sq, h, dv] (one dtype, bf16 or f16), lse [b, h, sq] f32, d_lse [b, h, sq]
 //           f32 or [0, h, sq] (lse not differentiated: the preprocess reads no d_lse),
-//           seq_used_q s32 [b], seq_used_k s32 [b] (as for fa4_jax_fwd_v2: rows past seq_used_q
-//           get dq 0, keys past seq_used_k get dk = dv = 0; both [0] for a dense batch)
+//           seq_used_q s32 [b], seq_used_k s32 [b] (as for the forward: rows past seq_used_q
+//           get dq 0, keys past seq_used_k get dk = dv = 0; both [0] for a dense batch), then the
+//           forward's optional operands
 //   results dq [b, sq, h, d], dk [b, sk, hk, d], dv [b, sk, hk, dv] (q's dtype), then the
 //           workspaces (fa4_jax/aot/compile.py): dq_accum f32 [copies, b, h, sq_pad, d],
 //           dpsum f32 [b, h, sq_pad], lse_log2 f32 [b, h, sq_pad],
 //           semaphore s32 [copies, b, h, m_blocks]; copies (dQ accumulators per query block,
 //           1 or 2) is the caller's choice, read off dq_accum
-//   attrs   those of fa4_jax_fwd_v2, and deterministic bool
+//   attrs   the forward's, and deterministic bool
 //
 // The workspaces are results so that XLA owns all memory: nothing is allocated here, and
 // nothing is launched but the variant's kernels, which own the workspaces (the preprocess zeroes
 // dq_accum unless the first adds store instead, and the semaphores). The kernels also get the
-// device's SM count (deterministic mode's order depends on it). `fa4_jax_bwd_segments_v1` is the
-// same call with the four segment operands of `fa4_jax_fwd_segments_v1` after seq_used_k; it
-// runs the segments variants, and `fa4_jax_bwd_masked_v1` the same with the mask bits of
-// `fa4_jax_fwd_masked_v1` after those four (the mask_array variants). With FA4_JAX_TUNING_TARGETS it also defines `fa4_jax_dev_bwd_v2`,
-// which takes a `tuning` attribute (forward.cc).
+// device's SM count (deterministic mode's order depends on it).
 #include <string>
-#include <string_view>
+#include <utility>
 
 #include "common.h"
 
@@ -44,30 +42,29 @@ struct Buffers {
   ffi::Result<ffi::Buffer<ffi::S32>> semaphore;
 };
 
+const Errors kErr("fa4_jax backward");
+
 // x is not const: the oldest FFI headers the library builds against give Result only a non-const
-// operator->. segments: the segments target's operands, nullptr for the others.
-ffi::Error Execute(const Errors& err, std::string_view tuning, cudaStream_t stream, int32_t device,
-                   Buffers& x, const Attrs& a, bool deterministic,
-                   const SegmentBuffers* segments = nullptr) {
-  if (ffi::Error e = CheckAttrs(err, a); e.failure()) return e;
+// operator->.
+ffi::Error Execute(cudaStream_t stream, int32_t device, Buffers& x,
+                   const ffi::RemainingArgs& optional, const Attrs& a) {
   Fa4Args args;
   Fa4Dtype dtype;
-  if (ffi::Error e = CheckQkv(err, x.q, x.k, x.v, &dtype, &args); e.failure()) return e;
-  if (ffi::Error e = CheckSeqUsed(err, x.seq_used_q, x.seq_used_k, &args); e.failure()) return e;
-  if (segments != nullptr)
-    if (ffi::Error e = CheckSegments(err, *segments, &args); e.failure()) return e;
+  if (ffi::Error e = CheckQkv(kErr, x.q, x.k, x.v, &dtype, &args); e.failure()) return e;
+  if (ffi::Error e = CheckSeqUsed(kErr, x.seq_used_q, x.seq_used_k, &args); e.failure()) return e;
+  if (ffi::Error e = CheckOptionalOperands(kErr, optional, a, &args); e.failure()) return e;
   for (const ffi::DataType t : {x.out.element_type(), x.d_out.element_type(), x.dq->element_type(),
                                 x.dk->element_type(), x.dv->element_type()})
     if (t != x.q.element_type())
-      return err.Invalid("out, d_out, dq, dk and dv must have q's dtype");
+      return kErr.Invalid("out, d_out, dq, dk and dv must have q's dtype");
   const int64_t b = args.b, sq = args.seqlen_q, sk = args.seqlen_k, h = args.heads,
                 hk = args.heads_k, d = x.q.dimensions()[3], head_dim_v = x.v.dimensions()[3];
   const int64_t sq_pad = (sq + kFa4BwdSeqPad - 1) / kFa4BwdSeqPad * kFa4BwdSeqPad;
   const int64_t m_blocks = sq_pad / kFa4BwdSemaphoreRows;
   const int64_t copies = x.dq_accum->dimensions().size() == 5 ? x.dq_accum->dimensions()[0] : 0;
   if (copies < 1 || copies > kFa4BwdMaxDqCopies)
-    return err.Invalid("dq_accum must be [copies, b, h, sq_pad, d] with 1 <= copies <= " +
-                       std::to_string(kFa4BwdMaxDqCopies));
+    return kErr.Invalid("dq_accum must be [copies, b, h, sq_pad, d] with 1 <= copies <= " +
+                        std::to_string(kFa4BwdMaxDqCopies));
   // d_lse is [b, h, sq], or empty when the caller does not differentiate through lse.
   const int64_t d_lse_batch =
       x.d_lse.dimensions().size() == 3 && x.d_lse.dimensions()[0] == 0 ? 0 : b;
@@ -89,19 +86,19 @@ ffi::Error Execute(const Errors& err, std::string_view tuning, cudaStream_t stre
            Expected{"lse_log2", x.lse_log2->dimensions(), {b, h, sq_pad}},
            Expected{"semaphore", x.semaphore->dimensions(), {copies, b, h, m_blocks}},
        })
-    if (ffi::Error failed = ExpectShape(err, e.name, e.got, e.want); failed.failure()) return failed;
+    if (ffi::Error failed = ExpectShape(kErr, e.name, e.got, e.want); failed.failure()) return failed;
   Problem p{Fa4Kind::kBwd, "", dtype, d, head_dim_v, SelectMask(a), a.softcap > 0.0f, sq, sk,
-            args.b_lengths > 0, a.top_left, segments != nullptr,
-            segments != nullptr && segments->mask_bits != nullptr};
-  if (ffi::Error e = DeviceArch(err, device, &p.arch); e.failure()) return e;
+            args.b_lengths > 0, a.top_left, a.optional_operands >= kSegmentOperands,
+            a.optional_operands == kMaskOperands};
+  if (ffi::Error e = DeviceArch(kErr, device, &p.arch); e.failure()) return e;
   const Fa4Variant* variant;
-  if (ffi::Error e = FindLoaded(err, p, tuning, &variant); e.failure()) return e;
+  if (ffi::Error e = FindLoaded(kErr, p, a.tuning, &variant); e.failure()) return e;
   if (b == 0 || h == 0) return ffi::Error::Success();  // nothing to write
   if (sq == 0 || sk == 0) {  // no score exists: every gradient is zero
     for (const auto& [data, bytes] : {std::pair{x.dq->untyped_data(), x.dq->size_bytes()},
                                       std::pair{x.dk->untyped_data(), x.dk->size_bytes()},
                                       std::pair{x.dv->untyped_data(), x.dv->size_bytes()}})
-      if (ffi::Error e = Zero(err, stream, data, bytes); e.failure()) return e;
+      if (ffi::Error e = Zero(kErr, stream, data, bytes); e.failure()) return e;
     return ffi::Error::Success();
   }
 
@@ -122,106 +119,41 @@ ffi::Error Execute(const Errors& err, std::string_view tuning, cudaStream_t stre
   args.dq_copies = static_cast<int32_t>(copies);
   args.softmax_scale = a.softmax_scale;
   args.softcap = a.softcap;
-  args.deterministic = deterministic ? 1 : 0;
+  args.deterministic = a.deterministic ? 1 : 0;
   // The deterministic order rotates a chain of key blocks only if the whole chain runs at once
   // (one CTA per SM); the count is this device's, or its MIG slice's.
   if (cudaError_t e = cudaDeviceGetAttribute(&args.num_sms, cudaDevAttrMultiProcessorCount, device);
       e != cudaSuccess)
-    return err.Cuda(e);
+    return kErr.Cuda(e);
   KernelWindow(a, &args);
-  return Launch(err, *variant, args, stream);
+  return Launch(kErr, *variant, args, stream);
 }
 
-#define FA4_BWD_PARAMS                                                                          \
-  cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,     \
-      ffi::AnyBuffer out, ffi::AnyBuffer d_out, ffi::Buffer<ffi::F32> lse,                       \
-      ffi::Buffer<ffi::F32> d_lse, ffi::Buffer<ffi::S32> seq_used_q,                             \
-      ffi::Buffer<ffi::S32> seq_used_k, ffi::Result<ffi::AnyBuffer> dq,                          \
-      ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,                            \
-      ffi::Result<ffi::Buffer<ffi::F32>> dq_accum, ffi::Result<ffi::Buffer<ffi::F32>> dpsum,     \
-      ffi::Result<ffi::Buffer<ffi::F32>> lse_log2, ffi::Result<ffi::Buffer<ffi::S32>> semaphore, \
-      float softmax_scale, bool causal, int32_t window_left, int32_t window_right, float softcap, \
-      bool top_left, bool deterministic
-#define FA4_BWD_BUFFERS \
-  Buffers { q, k, v, out, d_out, lse, d_lse, seq_used_q, seq_used_k, dq, dk, dv, dq_accum, dpsum, lse_log2, semaphore }
-#define FA4_ATTRS Attrs { softmax_scale, causal, window_left, window_right, softcap, top_left }
-
-const Errors kErr("fa4_jax_bwd_v2");
-
-ffi::Error StableInstantiate(float softmax_scale, bool causal, int32_t window_left,
-                             int32_t window_right, float softcap, bool top_left, bool deterministic) {
-  return LoadCandidates(kErr, Fa4Kind::kBwd, /*segments=*/false, /*mask_array=*/false, FA4_ATTRS);
+template <int32_t kBinding>
+ffi::Error InstantiateAs(ffi::Dictionary attrs) {
+  return Instantiate(kErr, Fa4Kind::kBwd, kBinding, attrs);
 }
 
-ffi::Error StableExecute(FA4_BWD_PARAMS) {
-  Buffers x = FA4_BWD_BUFFERS;
-  return Execute(kErr, {}, stream, device, x, FA4_ATTRS, deterministic);
+template <int32_t kBinding>
+ffi::Error ExecuteAs(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                     ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer d_out,
+                     ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> d_lse,
+                     ffi::Buffer<ffi::S32> seq_used_q, ffi::Buffer<ffi::S32> seq_used_k,
+                     ffi::RemainingArgs optional, ffi::Result<ffi::AnyBuffer> dq,
+                     ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                     ffi::Result<ffi::Buffer<ffi::F32>> dq_accum,
+                     ffi::Result<ffi::Buffer<ffi::F32>> dpsum,
+                     ffi::Result<ffi::Buffer<ffi::F32>> lse_log2,
+                     ffi::Result<ffi::Buffer<ffi::S32>> semaphore, ffi::Dictionary attrs) {
+  Attrs a;
+  if (ffi::Error e = ReadAttrs(kErr, Fa4Kind::kBwd, kBinding, attrs, &a); e.failure()) return e;
+  Buffers x{q, k, v, out, d_out, lse, d_lse, seq_used_q, seq_used_k,
+            dq, dk, dv, dq_accum, dpsum, lse_log2, semaphore};
+  return Execute(stream, device, x, optional, a);
 }
-
-const Errors kSegmentsErr("fa4_jax_bwd_segments_v1");
-
-ffi::Error SegmentsInstantiate(float softmax_scale, bool causal, int32_t window_left,
-                               int32_t window_right, float softcap, bool top_left,
-                               bool deterministic) {
-  return LoadCandidates(kSegmentsErr, Fa4Kind::kBwd, /*segments=*/true, /*mask_array=*/false, FA4_ATTRS);
-}
-
-ffi::Error SegmentsExecute(
-    cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-    ffi::AnyBuffer out, ffi::AnyBuffer d_out, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> d_lse,
-    ffi::Buffer<ffi::S32> seq_used_q, ffi::Buffer<ffi::S32> seq_used_k,
-    ffi::Buffer<ffi::S32> q_segment_ids, ffi::Buffer<ffi::S32> kv_segment_ids,
-    ffi::Buffer<ffi::S32> row_spans, ffi::Buffer<ffi::S32> key_spans, ffi::Result<ffi::AnyBuffer> dq,
-    ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-    ffi::Result<ffi::Buffer<ffi::F32>> dq_accum, ffi::Result<ffi::Buffer<ffi::F32>> dpsum,
-    ffi::Result<ffi::Buffer<ffi::F32>> lse_log2, ffi::Result<ffi::Buffer<ffi::S32>> semaphore,
-    float softmax_scale, bool causal, int32_t window_left, int32_t window_right, float softcap,
-    bool top_left, bool deterministic) {
-  Buffers x = FA4_BWD_BUFFERS;
-  const SegmentBuffers segments{q_segment_ids, kv_segment_ids, row_spans, key_spans};
-  return Execute(kSegmentsErr, {}, stream, device, x, FA4_ATTRS, deterministic, &segments);
-}
-
-const Errors kMaskedErr("fa4_jax_bwd_masked_v1");
-
-ffi::Error MaskedInstantiate(float softmax_scale, bool causal, int32_t window_left,
-                             int32_t window_right, float softcap, bool top_left, bool deterministic) {
-  return LoadCandidates(kMaskedErr, Fa4Kind::kBwd, /*segments=*/true, /*mask_array=*/true, FA4_ATTRS);
-}
-
-ffi::Error MaskedExecute(
-    cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-    ffi::AnyBuffer out, ffi::AnyBuffer d_out, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> d_lse,
-    ffi::Buffer<ffi::S32> seq_used_q, ffi::Buffer<ffi::S32> seq_used_k,
-    ffi::Buffer<ffi::S32> q_segment_ids, ffi::Buffer<ffi::S32> kv_segment_ids,
-    ffi::Buffer<ffi::S32> row_spans, ffi::Buffer<ffi::S32> key_spans, ffi::Buffer<ffi::S32> mask_bits,
-    ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-    ffi::Result<ffi::Buffer<ffi::F32>> dq_accum, ffi::Result<ffi::Buffer<ffi::F32>> dpsum,
-    ffi::Result<ffi::Buffer<ffi::F32>> lse_log2, ffi::Result<ffi::Buffer<ffi::S32>> semaphore,
-    float softmax_scale, bool causal, int32_t window_left, int32_t window_right, float softcap,
-    bool top_left, bool deterministic) {
-  Buffers x = FA4_BWD_BUFFERS;
-  const SegmentBuffers segments{q_segment_ids, kv_segment_ids, row_spans, key_spans, &mask_bits};
-  return Execute(kMaskedErr, {}, stream, device, x, FA4_ATTRS, deterministic, &segments);
-}
-
-#ifdef FA4_JAX_TUNING_TARGETS
-const Errors kDevErr("fa4_jax_dev_bwd_v2");
-
-ffi::Error DevInstantiate(float softmax_scale, bool causal, int32_t window_left,
-                          int32_t window_right, float softcap, bool top_left, bool deterministic,
-                          std::string_view tuning) {
-  return LoadCandidates(kDevErr, Fa4Kind::kBwd, /*segments=*/false, /*mask_array=*/false, FA4_ATTRS);
-}
-
-ffi::Error DevExecute(FA4_BWD_PARAMS, std::string_view tuning) {
-  Buffers x = FA4_BWD_BUFFERS;
-  return Execute(kDevErr, tuning, stream, device, x, FA4_ATTRS, deterministic);
-}
-#endif
 
 template <typename Binding>
-auto BindInputs(Binding&& binding) {
+auto BindExecute(Binding&& binding) {
   return std::forward<Binding>(binding)
       .template Ctx<ffi::PlatformStream<cudaStream_t>>()
       .template Ctx<ffi::DeviceOrdinal>()
@@ -233,61 +165,23 @@ auto BindInputs(Binding&& binding) {
       .template Arg<ffi::Buffer<ffi::F32>>()   // lse
       .template Arg<ffi::Buffer<ffi::F32>>()   // d_lse
       .template Arg<ffi::Buffer<ffi::S32>>()   // seq_used_q
-      .template Arg<ffi::Buffer<ffi::S32>>();  // seq_used_k
-}
-
-template <typename Binding>
-auto BindResults(Binding&& binding) {
-  return BindAttrs(std::forward<Binding>(binding)
-                       .template Ret<ffi::AnyBuffer>()              // dq
-                       .template Ret<ffi::AnyBuffer>()              // dk
-                       .template Ret<ffi::AnyBuffer>()              // dv
-                       .template Ret<ffi::Buffer<ffi::F32>>()       // dq_accum
-                       .template Ret<ffi::Buffer<ffi::F32>>()       // dpsum
-                       .template Ret<ffi::Buffer<ffi::F32>>()       // lse_log2
-                       .template Ret<ffi::Buffer<ffi::S32>>())      // semaphore
-      .template Attr<bool>("deterministic");
-}
-
-template <typename Binding>
-auto BindExecute(Binding&& binding) {
-  return BindResults(BindInputs(std::forward<Binding>(binding)));
-}
-
-template <typename Binding>
-auto BindSegmentsExecute(Binding&& binding) {
-  return BindResults(BindSegments(BindInputs(std::forward<Binding>(binding))));
-}
-
-template <typename Binding>
-auto BindMaskedExecute(Binding&& binding) {
-  return BindResults(BindMasked(BindInputs(std::forward<Binding>(binding))));
+      .template Arg<ffi::Buffer<ffi::S32>>()   // seq_used_k
+      .RemainingArgs()                         // the optional operands
+      .template Ret<ffi::AnyBuffer>()          // dq
+      .template Ret<ffi::AnyBuffer>()          // dk
+      .template Ret<ffi::AnyBuffer>()          // dv
+      .template Ret<ffi::Buffer<ffi::F32>>()   // dq_accum
+      .template Ret<ffi::Buffer<ffi::F32>>()   // dpsum
+      .template Ret<ffi::Buffer<ffi::F32>>()   // lse_log2
+      .template Ret<ffi::Buffer<ffi::S32>>()   // semaphore
+      .Attrs();
 }
 
 }  // namespace
 }  // namespace fa4
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Fa4BwdInstantiate, fa4::StableInstantiate,
-                              fa4::BindAttrs(xla::ffi::Ffi::BindInstantiate())
-                                  .Attr<bool>("deterministic"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Fa4BwdExecute, fa4::StableExecute,
-                              fa4::BindExecute(xla::ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Fa4BwdSegmentsInstantiate, fa4::SegmentsInstantiate,
-                              fa4::BindAttrs(xla::ffi::Ffi::BindInstantiate())
-                                  .Attr<bool>("deterministic"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Fa4BwdSegmentsExecute, fa4::SegmentsExecute,
-                              fa4::BindSegmentsExecute(xla::ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Fa4BwdMaskedInstantiate, fa4::MaskedInstantiate,
-                              fa4::BindAttrs(xla::ffi::Ffi::BindInstantiate())
-                                  .Attr<bool>("deterministic"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Fa4BwdMaskedExecute, fa4::MaskedExecute,
-                              fa4::BindMaskedExecute(xla::ffi::Ffi::Bind()));
-#ifdef FA4_JAX_TUNING_TARGETS
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Fa4DevBwdInstantiate, fa4::DevInstantiate,
-                              fa4::BindAttrs(xla::ffi::Ffi::BindInstantiate())
-                                  .Attr<bool>("deterministic")
-                                  .Attr<std::string_view>("tuning"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Fa4DevBwdExecute, fa4::DevExecute,
-                              fa4::BindExecute(xla::ffi::Ffi::Bind())
-                                  .Attr<std::string_view>("tuning"));
-#endif
+// The current targets' pair, then one for each count an earlier release's target fixed.
+FA4_DEFINE_HANDLERS(Fa4Bwd, fa4::kNamedByCall);
+FA4_DEFINE_HANDLERS(Fa4BwdLengths, 0);
+FA4_DEFINE_HANDLERS(Fa4BwdSegments, fa4::kSegmentOperands);
+FA4_DEFINE_HANDLERS(Fa4BwdMasked, fa4::kMaskOperands);

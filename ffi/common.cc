@@ -9,15 +9,15 @@
 namespace fa4 {
 
 ffi::Error Errors::Invalid(const std::string& msg) const {
-  return ffi::Error::InvalidArgument(std::string(target_) + ": " + msg);
+  return ffi::Error::InvalidArgument(std::string(handler_) + ": " + msg);
 }
 
 ffi::Error Errors::Internal(const std::string& msg) const {
-  return ffi::Error::Internal(std::string(target_) + ": " + msg);
+  return ffi::Error::Internal(std::string(handler_) + ": " + msg);
 }
 
 ffi::Error Errors::Refused(const std::string& msg) const {
-  return ffi::Error(ffi::ErrorCode::kFailedPrecondition, std::string(target_) + ": " + msg);
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition, std::string(handler_) + ": " + msg);
 }
 
 ffi::Error Errors::Cuda(cudaError_t e) const { return Internal(cudaGetErrorString(e)); }
@@ -25,11 +25,72 @@ ffi::Error Errors::Cuda(cudaError_t e) const { return Internal(cudaGetErrorStrin
 // Helpers return ffi::Error and write results through pointers: ErrorOr's converting
 // constructors differ between jaxlib versions, and we build against the oldest we support.
 
+namespace {
+
+#ifdef FA4_JAX_TUNING_TARGETS
+constexpr bool kTakesTuning = true;
+#else
+constexpr bool kTakesTuning = false;
+#endif
+
+// Whether a handler of `kind` under `binding` reads the attribute `name`.
+bool Reads(Fa4Kind kind, int32_t binding, std::string_view name) {
+  for (const char* problem :
+       {"softmax_scale", "causal", "window_left", "window_right", "softcap", "top_left"})
+    if (name == problem) return true;
+  return (name == "deterministic" && kind == Fa4Kind::kBwd) ||
+         (name == "optional_operands" && binding == kNamedByCall) ||
+         (name == "tuning" && kTakesTuning);
+}
+
+template <typename T>
+ffi::Error Read(const Errors& err, const ffi::Dictionary& dict, const char* name, T* value) {
+  if (!dict.contains(name)) return err.Invalid(std::string("missing attribute ") + name);
+  ffi::ErrorOr<T> read = dict.get<T>(name);
+  if (!read.has_value())
+    return err.Invalid(std::string("attribute ") + name + ": " + read.error().message());
+  *value = *read;
+  return ffi::Error::Success();
+}
+
 ffi::Error CheckAttrs(const Errors& err, const Attrs& a) {
   if (a.window_left < -1 || a.window_right < -1)
     return err.Invalid("window_left/window_right must be >= 0, or -1 for unbounded");
   if (!(a.softcap >= 0.0f)) return err.Invalid("softcap must be >= 0 (0 = none)");
+  if (a.optional_operands != 0 && a.optional_operands != kSegmentOperands &&
+      a.optional_operands != kMaskOperands)
+    return err.Invalid("optional_operands must be 0, " + std::to_string(kSegmentOperands) +
+                       " (segment ids and span tables) or " + std::to_string(kMaskOperands) +
+                       " (and mask bits); got " + std::to_string(a.optional_operands));
   return ffi::Error::Success();
+}
+
+}  // namespace
+
+ffi::Error ReadAttrs(const Errors& err, Fa4Kind kind, int32_t binding, const ffi::Dictionary& dict,
+                     Attrs* a) {
+  for (std::string_view name : dict)
+    if (!Reads(kind, binding, name))
+      return err.Invalid(
+          "unexpected attribute " + std::string(name) +
+          (name == "tuning" ? " (a development library's: this one routes calls itself)" : ""));
+  *a = Attrs{};
+  a->optional_operands = binding;
+  for (ffi::Error e : {Read(err, dict, "softmax_scale", &a->softmax_scale),
+                       Read(err, dict, "causal", &a->causal),
+                       Read(err, dict, "window_left", &a->window_left),
+                       Read(err, dict, "window_right", &a->window_right),
+                       Read(err, dict, "softcap", &a->softcap),
+                       Read(err, dict, "top_left", &a->top_left),
+                       kind == Fa4Kind::kBwd ? Read(err, dict, "deterministic", &a->deterministic)
+                                             : ffi::Error::Success(),
+                       binding == kNamedByCall
+                           ? Read(err, dict, "optional_operands", &a->optional_operands)
+                           : ffi::Error::Success(),
+                       dict.contains("tuning") ? Read(err, dict, "tuning", &a->tuning)
+                                               : ffi::Error::Success()})
+    if (e.failure()) return e;
+  return CheckAttrs(err, *a);
 }
 
 const char* SelectMask(const Attrs& a) {
@@ -115,6 +176,22 @@ ffi::Error Load(const Errors& err, const Fa4Variant& v) {
   return ffi::Error::Success();
 }
 
+ffi::Error LoadCandidates(const Errors& err, Fa4Kind kind, const Attrs& a) {
+  std::string arch;
+  if (ffi::Error failed = VisibleArch(err, &arch); failed.failure()) return failed;
+  if (arch.empty()) return ffi::Error::Success();
+  const char* mask = SelectMask(a);
+  const bool softcap = a.softcap > 0.0f, segments = a.optional_operands >= kSegmentOperands,
+             mask_array = a.optional_operands == kMaskOperands;
+  for (int i = 0; i < kFa4VariantCount; ++i) {
+    const Fa4Variant& v = kFa4Variants[i];
+    if (v.kind == kind && arch == v.arch && std::strcmp(mask, v.mask) == 0 && v.softcap == softcap &&
+        v.segments == segments && v.mask_array == mask_array && Refusal(v).empty())
+      if (ffi::Error failed = Load(err, v); failed.failure()) return failed;
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 const Fa4Variant* Choose(const Problem& p, std::string_view tuning) {
@@ -137,21 +214,11 @@ std::string VariantName(const Problem& p, std::string_view tuning) {
          (tuning == "default" ? "" : "_t" + std::string(tuning));
 }
 
-ffi::Error LoadCandidates(const Errors& err, Fa4Kind kind, bool segments, bool mask_array,
-                          const Attrs& a) {
-  if (ffi::Error failed = CheckAttrs(err, a); failed.failure()) return failed;
-  std::string arch;
-  if (ffi::Error failed = VisibleArch(err, &arch); failed.failure()) return failed;
-  if (arch.empty()) return ffi::Error::Success();
-  const char* mask = SelectMask(a);
-  const bool softcap = a.softcap > 0.0f;
-  for (int i = 0; i < kFa4VariantCount; ++i) {
-    const Fa4Variant& v = kFa4Variants[i];
-    if (v.kind == kind && arch == v.arch && std::strcmp(mask, v.mask) == 0 && v.softcap == softcap &&
-        v.segments == segments && v.mask_array == mask_array && Refusal(v).empty())
-      if (ffi::Error failed = Load(err, v); failed.failure()) return failed;
-  }
-  return ffi::Error::Success();
+ffi::Error Instantiate(const Errors& err, Fa4Kind kind, int32_t binding,
+                       const ffi::Dictionary& dict) {
+  Attrs a;
+  if (ffi::Error failed = ReadAttrs(err, kind, binding, dict, &a); failed.failure()) return failed;
+  return LoadCandidates(err, kind, a);
 }
 
 ffi::Error FindLoaded(const Errors& err, const Problem& p, std::string_view tuning,
@@ -234,32 +301,45 @@ ffi::Error CheckSeqUsed(const Errors& err, ffi::Buffer<ffi::S32> seq_used_q,
   return ffi::Error::Success();
 }
 
-ffi::Error CheckSegments(const Errors& err, const SegmentBuffers& s, Fa4Args* args) {
+ffi::Error CheckOptionalOperands(const Errors& err, const ffi::RemainingArgs& operands,
+                                 const Attrs& a, Fa4Args* args) {
   const int64_t b = args->b, sq = args->seqlen_q, sk = args->seqlen_k, chunk = kFa4SpanChunk;
-  const int64_t q_chunks = (sq + chunk - 1) / chunk, k_chunks = (sk + chunk - 1) / chunk;
-  struct Expected {
+  const int64_t q_chunks = (sq + chunk - 1) / chunk, k_chunks = (sk + chunk - 1) / chunk,
+                k_words = (sk + 31) / 32;
+  struct Operand {
     const char* name;
-    ffi::Span<const int64_t> got;
     std::initializer_list<int64_t> want;
+    void** data;
   };
-  for (const Expected& e : {Expected{"q_segment_ids", s.q_ids.dimensions(), {b, sq}},
-                            Expected{"kv_segment_ids", s.kv_ids.dimensions(), {b, sk}},
-                            Expected{"row_spans", s.row_spans.dimensions(), {b, q_chunks, 4}},
-                            Expected{"key_spans", s.key_spans.dimensions(), {b, k_chunks, 4}}})
-    if (ffi::Error failed = ExpectShape(err, e.name, e.got, e.want); failed.failure()) return failed;
-  args->q_segment_ids = s.q_ids.untyped_data();
-  args->kv_segment_ids = s.kv_ids.untyped_data();
-  args->row_spans = s.row_spans.untyped_data();
-  args->key_spans = s.key_spans.untyped_data();
-  args->b_segments = static_cast<int32_t>(b);
-  args->q_chunks = static_cast<int32_t>(q_chunks);
-  args->k_chunks = static_cast<int32_t>(k_chunks);
-  if (s.mask_bits != nullptr) {
-    const int64_t k_words = (sk + 31) / 32;
-    if (ffi::Error failed = ExpectShape(err, "mask_bits", s.mask_bits->dimensions(), {b, sq, k_words});
-        failed.failure())
-      return failed;
-    args->mask_bits = s.mask_bits->untyped_data();
+  const Operand expected[kMaskOperands] = {
+      {"q_segment_ids", {b, sq}, &args->q_segment_ids},
+      {"kv_segment_ids", {b, sk}, &args->kv_segment_ids},
+      {"row_spans", {b, q_chunks, 4}, &args->row_spans},
+      {"key_spans", {b, k_chunks, 4}, &args->key_spans},
+      {"mask_bits", {b, sq, k_words}, &args->mask_bits}};
+  const int32_t count = a.optional_operands;
+  if (operands.size() != static_cast<size_t>(count)) {
+    std::string names;
+    for (int32_t i = 0; i < count; ++i) names += (i ? ", " : "") + std::string(expected[i].name);
+    return err.Invalid(std::to_string(operands.size()) +
+                       " operands after seq_used_k, expected optional_operands = " +
+                       std::to_string(count) + (count ? " (" + names + ")" : ""));
+  }
+  for (int32_t i = 0; i < count; ++i) {
+    const Operand& o = expected[i];
+    ffi::ErrorOr<ffi::AnyBuffer> buffer = operands.get<ffi::AnyBuffer>(i);
+    if (!buffer.has_value()) return err.Invalid(std::string(o.name) + ": " + buffer.error().message());
+    if (buffer->element_type() != ffi::DataType::S32)
+      return err.Invalid(std::string(o.name) + " must be int32");
+    if (ffi::Error e = ExpectShape(err, o.name, buffer->dimensions(), o.want); e.failure()) return e;
+    *o.data = buffer->untyped_data();
+  }
+  if (count >= kSegmentOperands) {
+    args->b_segments = static_cast<int32_t>(b);
+    args->q_chunks = static_cast<int32_t>(q_chunks);
+    args->k_chunks = static_cast<int32_t>(k_chunks);
+  }
+  if (count == kMaskOperands) {
     args->b_mask = static_cast<int32_t>(b);
     args->k_words = static_cast<int32_t>(k_words);
   }

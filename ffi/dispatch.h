@@ -69,8 +69,8 @@ struct Fa4Variant {
   const char* mask;  // "none", "causal", "local"
   bool softcap;
   const char* tuning;  // "default", or a tuned variant's name (the arch menu's TUNINGS)
-  bool segments;  // reads segment ids (the segments targets' variants)
-  bool mask_array;  // also reads a boolean mask's bits (the masked targets' variants)
+  bool segments;  // reads segment ids (calls with 4 or 5 optional operands: common.h)
+  bool mask_array;  // also reads a boolean mask's bits (calls with 5)
   // Loads the module onto every visible device, once per process; later calls return the result.
   cudaError_t (*load)();
   // The exported launcher's return code (0 = launched).

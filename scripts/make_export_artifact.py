@@ -1,11 +1,13 @@
 """Serialize a `jax.export` artifact of fa4_jax's kernels: the test data of the GPU tier's ABI
 check (tests/gpu/test_export.py).
 
-    python scripts/make_export_artifact.py tests/data/attention_v2.jaxexport
+    python scripts/make_export_artifact.py tests/data/attention_vN.jaxexport
 
 Run on a GPU whose kernels the library has. The artifact holds the forward and backward custom
 calls of a causal bf16 d128 call and a windowed GQA fp16 d64 call, with their problem attributes
-only; loading it later on a retuned library must still run (the handler routes by shape).
+only; loading it later on a retuned library must still run (the handler routes by shape). The
+calls name the current targets (fa4_jax.abi.targets); tests/data/attention_v2.jaxexport, made
+before them, names targets that are now legacy ones.
 """
 import sys
 
@@ -13,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 import fa4_jax
+from fa4_jax.abi import targets
 
 SHAPES = dict(causal=((1, 256, 4, 128), (1, 256, 4, 128), jnp.bfloat16),
               window=((2, 200, 8, 64), (2, 300, 2, 64), jnp.float16))
@@ -45,7 +48,8 @@ def main(path: str) -> None:
     exported = jax.export.export(jax.jit(program), platforms=["cuda"],
                                   disabled_checks=fa4_jax.export_disabled_checks())(*argument_specs())
     text = exported.mlir_module()
-    assert "fa4_jax_fwd_v2" in text and "fa4_jax_bwd_v2" in text, "the kernels are not in the program"
+    assert all(f"@{kind.current.name}(" in text for kind in targets.TARGETS.values()), \
+        "the kernels are not in the program"
     with open(path, "wb") as f:
         f.write(exported.serialize())
     print(f"{path}: {len(exported.serialize())} bytes")

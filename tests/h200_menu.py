@@ -19,15 +19,12 @@ def _segments_backward_tile_m() -> dict:
 
 def use_h200_menu(monkeypatch) -> ffi.Library:
     """`ffi.load` returns the shipping menu's library (every variant, Hopper's routes and dQ
-    rule, the segments and masked targets) and the default device is an sm_90a with 132 SMs;
+    rule, the segments and mask_array variants) and the default device is an sm_90a with 132 SMs;
     no kernel runs (the custom calls are the caller's to replace). Returns the Library."""
-    library = ffi.Library(path="(menu)", fwd_target="f", bwd_target="b",
-                          compiled=frozenset(v.name for v in menu.MENU),
+    library = ffi.Library(path="(menu)", compiled=frozenset(v.name for v in menu.MENU),
                           routes=tuple((sm90.ARCH, route) for route in sm90.ROUTES),
                           dq_copies_max_keys={sm90.ARCH: dict(sm90.DQ_COPIES_MAX_KEYS)},
                           tuning_targets=False, head_dims={sm90.ARCH: frozenset(sm90.HEAD_DIMS)},
-                          fwd_segments_target="fs", bwd_segments_target="bs",
-                          fwd_masked_target="fm", bwd_masked_target="bm",
                           segments_backward_tile_m=_segments_backward_tile_m())
     monkeypatch.setattr(ffi, "load", lambda *args, **kwargs: library)
     monkeypatch.setattr(device, "device_arch", lambda: (sm90.ARCH, None))

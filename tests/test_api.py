@@ -609,8 +609,7 @@ def test_explain_names_the_kernels_and_the_padding(monkeypatch):
     from fa4_jax.runtime import dispatch, ffi
     from fa4_jax.kernels.sm90 import menu as sm90
 
-    library = ffi.Library(path="(menu)", fwd_target="f", bwd_target="b",
-                          compiled=frozenset(v.name for v in sm90.MENU), routes=(),
+    library = ffi.Library(path="(menu)", compiled=frozenset(v.name for v in sm90.MENU), routes=(),
                           dq_copies_max_keys={}, tuning_targets=False,
                           head_dims={sm90.ARCH: frozenset(sm90.HEAD_DIMS)})
     monkeypatch.setattr(ffi, "load", lambda *args, **kwargs: library)

@@ -7,6 +7,7 @@ import ctypes
 import itertools
 import json
 import os
+import re
 import subprocess
 import textwrap
 import time
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from fa4_jax.runtime import ffi
-from fa4_jax.abi import routing
+from fa4_jax.abi import routing, targets
 from fa4_jax.aot import build, menu
 from tests.scripts import load_script
 
@@ -27,12 +28,33 @@ def library() -> Path:
     return build.LIBRARY
 
 
-def test_library_loads_and_exports_handlers(library):
-    lib = ctypes.CDLL(str(library))
-    assert lib.Fa4FwdInstantiate and lib.Fa4FwdExecute
-    assert lib.Fa4BwdInstantiate and lib.Fa4BwdExecute
-    # The targets that take a tuning name are the development library's only.
-    assert not hasattr(lib, "Fa4DevFwdExecute") and not hasattr(lib, "Fa4DevBwdExecute")
+def _handler_symbols(library) -> set[str]:
+    """The XLA FFI handler stages the library exports (ffi/common.h, FA4_DEFINE_HANDLERS)."""
+    symbols = subprocess.run(["nm", "-D", "--defined-only", str(library)], capture_output=True,
+                             text=True, check=True).stdout.split()
+    return {s for s in symbols if re.fullmatch(r"Fa4\w+(Instantiate|Execute)", s)}
+
+
+def test_the_library_exports_the_handler_pair_of_every_target(library):
+    # Each name the table registers binds a pair the library defines, and the library defines no
+    # pair that no name binds. The development library builds the same handlers.
+    bound = {f"{target.handler}{stage}" for development in (False, True)
+             for target in targets.registered(development) for stage in ("Instantiate", "Execute")}
+    assert _handler_symbols(library) == bound
+
+
+def test_loading_registers_the_tables_names_and_no_other(library, monkeypatch):
+    # register_ffi_target(platform="CUDA") works on a CPU-only jaxlib too; the targets cannot run
+    # there, which the GPU tier covers.
+    import jax.ffi
+
+    registered = []
+    monkeypatch.setattr(jax.ffi, "register_ffi_target",
+                        lambda name, handlers, **kwargs: registered.append((name, kwargs["platform"])))
+    for development in (False, True):
+        registered.clear()
+        ffi.load.__wrapped__(str(library), tuning_targets=development)
+        assert registered == [(target.name, "CUDA") for target in targets.registered(development)]
 
 
 def test_library_needs_only_libc(library):
@@ -44,14 +66,8 @@ def test_library_needs_only_libc(library):
                     "ld-linux-x86-64.so.2"}, libs
 
 
-def test_targets_register_for_cuda(library):
-    # register_ffi_target(platform="CUDA") works on a CPU-only jaxlib too; the target cannot run
-    # there, which the GPU tier covers.
-    loaded = ffi.load()
-    assert loaded.compiled == {v.name for v in menu.MENU}
-    assert (loaded.fwd_target, loaded.bwd_target) == ("fa4_jax_fwd_v2", "fa4_jax_bwd_v2")
-    assert (loaded.fwd_segments_target, loaded.bwd_segments_target) == (
-        "fa4_jax_fwd_segments_v1", "fa4_jax_bwd_segments_v1")
+def test_the_library_loads_with_the_whole_menu(library):
+    assert ffi.load().compiled == {v.name for v in menu.MENU}
 
 
 def test_manifest_is_the_menu(library):

@@ -29,8 +29,7 @@ def _reference(q, k, v, params, lengths):
     return _reference_fp32(q, k, v, params, _operands(lengths))
 
 
-_LIBRARY = ffi.Library(path="(none)", fwd_target="fa4_jax_fwd_v2", bwd_target="fa4_jax_bwd_v2",
-                       compiled=frozenset(), routes=(),
+_LIBRARY = ffi.Library(path="(none)", compiled=frozenset(), routes=(),
                        dq_copies_max_keys={"sm_90a": dict(sm90.DQ_COPIES_MAX_KEYS)},
                        tuning_targets=False)
 

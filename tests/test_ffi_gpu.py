@@ -1,5 +1,5 @@
-"""GPU tier: the fa4_jax_fwd_v2 / fa4_jax_bwd_v2 custom calls end to end (library -> handler ->
-routed variant -> kernel)."""
+"""GPU tier: the forward and backward custom calls end to end (library -> handler -> routed
+variant -> kernel), and what their handlers refuse."""
 import math
 
 import jax
@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fa4_jax.abi import targets
 from fa4_jax.runtime import dispatch, ffi
 from fa4_jax.core.params import AttentionParams
 
@@ -14,6 +15,8 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not dispatch.available(), reason="needs the built library and an sm_90 GPU"),
 ]
+FWD_TARGET = targets.TARGETS["fwd"].current.name
+BWD_TARGET = targets.TARGETS["bwd"].current.name
 
 
 def _naive(q, k, v, p: AttentionParams):
@@ -71,29 +74,67 @@ def test_a_head_dim_no_kernel_serves_is_named():
         assert reason is not None and f"no {kind} kernel" in reason and "head dim 264" in reason
 
 
+def _forward_of(q, target=FWD_TARGET):
+    return jax.ffi.ffi_call(target, (jax.ShapeDtypeStruct(q.shape, q.dtype),
+                                     jax.ShapeDtypeStruct((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)))
+
+
 def test_handler_rejects_bad_shapes():
     q = jnp.ones((1, 8, 2, 64), jnp.bfloat16)
     k = jnp.ones((1, 8, 3, 64), jnp.bfloat16)  # 2 heads of q do not group over 3 of k
-    call = jax.ffi.ffi_call(ffi.FWD_TARGET, (jax.ShapeDtypeStruct((1, 8, 2, 64), jnp.bfloat16),
-                                              jax.ShapeDtypeStruct((1, 2, 8), jnp.float32)))
     with pytest.raises(Exception, match="multiple of heads"):
-        jax.block_until_ready(call(q, k, k, *ffi.seq_used(None), **_ATTRS))
+        jax.block_until_ready(_forward_of(q)(q, k, k, *ffi.seq_used(None), **_ATTRS))
 
 
 def test_handler_refuses_a_tuning_attribute():
-    # The stable target's attributes describe the problem only; a tuning is the development
+    # The shipping library's attributes describe the problem only; a tuning is the development
     # library's (benchmarks/ablations.py).
     q = jnp.ones((1, 8, 2, 64), jnp.bfloat16)
-    call = jax.ffi.ffi_call(ffi.FWD_TARGET, (jax.ShapeDtypeStruct(q.shape, q.dtype),
-                                              jax.ShapeDtypeStruct((1, 2, 8), jnp.float32)))
-    with pytest.raises(Exception, match="tuning"):
-        jax.block_until_ready(call(q, q, q, *ffi.seq_used(None), **_ATTRS, tuning="default"))
+    with pytest.raises(Exception, match="unexpected attribute tuning"):
+        jax.block_until_ready(_forward_of(q)(q, q, q, *ffi.seq_used(None), **_ATTRS, tuning="default"))
+
+
+def test_handler_refuses_an_attribute_it_does_not_read():
+    # A misspelt attribute would otherwise change nothing, silently.
+    q = jnp.ones((1, 8, 2, 64), jnp.bfloat16)
+    with pytest.raises(Exception, match="unexpected attribute window_lft"):
+        jax.block_until_ready(_forward_of(q)(q, q, q, *ffi.seq_used(None), **_ATTRS,
+                                             window_lft=np.int32(3)))
+
+
+def test_handler_names_an_optional_operand_count_it_does_not_take():
+    q = jnp.ones((1, 8, 2, 64), jnp.bfloat16)
+    wrong = {**_ATTRS, "optional_operands": np.int32(3)}
+    with pytest.raises(Exception, match="optional_operands must be 0, 4 .* or 5 .*; got 3"):
+        jax.block_until_ready(_forward_of(q)(q, q, q, *ffi.seq_used(None), **wrong))
+
+
+def test_handler_names_optional_operands_the_call_does_not_pass():
+    # The attribute says segment ids and span tables; the call passes none.
+    q = jnp.ones((1, 8, 2, 64), jnp.bfloat16)
+    segments = {**_ATTRS, "optional_operands": np.int32(targets.SEGMENT_OPERANDS)}
+    with pytest.raises(Exception, match=r"0 operands after seq_used_k, expected optional_operands = 4 "
+                                        r"\(q_segment_ids, kv_segment_ids, row_spans, key_spans\)"):
+        jax.block_until_ready(_forward_of(q)(q, q, q, *ffi.seq_used(None), **segments))
+
+
+def test_a_legacy_target_takes_the_calls_it_took():
+    # An earlier release's name fixes its optional operands: its calls carry no count, and one
+    # that does is refused as from a newer program.
+    q = jnp.ones((1, 8, 2, 64), jnp.bfloat16)
+    legacy = next(t for t in targets.TARGETS["fwd"].legacy if t.optional_operands == 0)
+    problem = {name: value for name, value in _ATTRS.items() if name != "optional_operands"}
+    out, lse = _forward_of(q, legacy.name)(q, q, q, *ffi.seq_used(None), **problem)
+    want, want_lse = _forward_of(q)(q, q, q, *ffi.seq_used(None), **_ATTRS)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+    np.testing.assert_array_equal(lse, want_lse)
+    with pytest.raises(Exception, match="unexpected attribute optional_operands"):
+        jax.block_until_ready(_forward_of(q, legacy.name)(q, q, q, *ffi.seq_used(None), **_ATTRS))
 
 
 def test_handler_names_a_wrong_length_operand():
     q = jnp.ones((2, 8, 2, 64), jnp.bfloat16)
-    call = jax.ffi.ffi_call(ffi.FWD_TARGET, (jax.ShapeDtypeStruct(q.shape, q.dtype),
-                                              jax.ShapeDtypeStruct((2, 2, 8), jnp.float32)))
+    call = _forward_of(q)
     full = jnp.full((2,), 8, jnp.int32)
     with pytest.raises(Exception, match=r"seq_used_k has shape \[3\], expected \[2\]"):
         jax.block_until_ready(call(q, q, q, full, jnp.full((3,), 8, jnp.int32), **_ATTRS))
@@ -104,7 +145,8 @@ def test_handler_names_a_wrong_length_operand():
 
 
 _ATTRS = dict(softmax_scale=np.float32(1), causal=False, window_left=np.int32(-1),
-              window_right=np.int32(-1), softcap=np.float32(0), top_left=False)
+              window_right=np.int32(-1), softcap=np.float32(0), top_left=False,
+              optional_operands=np.int32(0))
 
 
 def _backward_workspace_call(dpsum_rows=128, copies=1, d_lse_batch=1):
@@ -119,7 +161,7 @@ def _backward_workspace_call(dpsum_rows=128, copies=1, d_lse_batch=1):
         jax.ShapeDtypeStruct((b, h, sq_pad), jnp.float32),
         jax.ShapeDtypeStruct((copies, b, h, sq_pad // 64), jnp.int32),
     ]
-    call = jax.ffi.ffi_call(ffi.BWD_TARGET, results)
+    call = jax.ffi.ffi_call(BWD_TARGET, results)
     return lambda: jax.block_until_ready(call(q, q, q, q, q, stats, d_lse, *ffi.seq_used(None),
                                               deterministic=True, **_ATTRS))
 

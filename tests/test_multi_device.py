@@ -157,7 +157,8 @@ def test_kernel_ring_gradient_types_vary_over_the_ring_axis(monkeypatch, causal)
     then refuses a dq that does not vary over the ring axis like q does (this failed on the
     first 2-GPU run). Tracing needs no kernel, so the availability checks are stubbed.
     """
-    from fa4_jax.runtime import device, dispatch, ffi
+    from fa4_jax.abi import targets
+    from fa4_jax.runtime import device, dispatch
 
     monkeypatch.setattr(dispatch, "unsupported_reason", lambda *args, **kwargs: None)
     monkeypatch.setattr(device, "device_arch", lambda: ("sm_90a", None))
@@ -173,8 +174,8 @@ def test_kernel_ring_gradient_types_vary_over_the_ring_axis(monkeypatch, causal)
 
     calls = [eqn for inner in walk(jaxpr.jaxpr) for eqn in inner.eqns
              if eqn.primitive.name == "ffi_call"]
-    targets = {eqn.params["target_name"] for eqn in calls}
-    assert targets == {ffi.FWD_TARGET, ffi.BWD_TARGET}
+    assert {eqn.params["target_name"] for eqn in calls} == {
+        kind.current.name for kind in targets.TARGETS.values()}
     for eqn in calls:
         for result in eqn.outvars:
             assert result.aval.mat.varying == {"seq"}, (eqn.params["target_name"], result.aval)

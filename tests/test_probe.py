@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from fa4_jax.runtime import ffi
-from fa4_jax.abi import routing
+from fa4_jax.abi import routing, targets
 from fa4_jax.aot import build, menu
 from fa4_jax.core.params import AttentionParams
 from fa4_jax.runtime.probe import calls, cases, device, judge, problems, reference
@@ -203,9 +203,8 @@ def _ffi_launch(monkeypatch, kind, case, deterministic=False, copies=1):
         return call
 
     monkeypatch.setattr(jax.ffi, "ffi_call", ffi_call)
-    library = ffi.Library(path="(menu)", fwd_target="f", bwd_target="b", compiled=_COMPILED, routes=(),
-                          dq_copies_max_keys={}, tuning_targets=False, fwd_segments_target="fs",
-                          bwd_segments_target="bs", fwd_masked_target="fm", bwd_masked_target="bm")
+    library = ffi.Library(path="(menu)", compiled=_COMPILED, routes=(), dq_copies_max_keys={},
+                          tuning_targets=False)
     x = case.inputs
     lengths = ffi.seq_used(None if case.problem.lengths is None else (jnp.asarray(x.q_len), jnp.asarray(x.kv_len)))
     attrs = ffi.attributes(case.params)
@@ -245,6 +244,8 @@ def test_the_launch_passes_what_fa4_jax_ffi_gives_xla(monkeypatch, name):
                 ({**launch.results, **launch.workspaces}[n] for n in result_names)]
         assert ours == xla["results"], (name, problem)
         attributes = xla["attributes"]
+        assert xla["target"] == targets.TARGETS[v.kind].current.name
+        assert attributes["optional_operands"] == len(xla["operands"]) - targets.TARGETS[v.kind].fixed_operands
         assert launch.scalars["softmax_scale"] == pytest.approx(float(attributes["softmax_scale"]))
         assert launch.scalars["softcap"] == pytest.approx(float(attributes["softcap"]))
         assert launch.scalars["deterministic" if v.kind == "bwd" else "top_left"] == int(

@@ -27,8 +27,8 @@ def test_without_a_gpu_there_is_nothing_to_check():
 @pytest.fixture
 def hopper(monkeypatch, tmp_path):
     """A fake H200 whose probes the fake child runs; returns set_plan(name -> what it does)."""
-    library = ffi.Library(path=str(tmp_path / "libfa4_jax.so"), fwd_target="f", bwd_target="b",
-                          compiled=frozenset(v.name for v in menu.MENU), routes=(), dq_copies_max_keys={},
+    library = ffi.Library(path=str(tmp_path / "libfa4_jax.so"), compiled=frozenset(v.name for v in menu.MENU),
+                          routes=(), dq_copies_max_keys={},
                           tuning_targets=False, unverified_arches=frozenset({"sm_100f"}))
     monkeypatch.setattr(device, "device_arch", lambda: ("sm_90a", None))
     monkeypatch.setattr(ffi, "load", lambda *args, **kwargs: library)

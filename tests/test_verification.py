@@ -42,8 +42,8 @@ def blackwell(monkeypatch, tmp_path):
     library_file.write_bytes(b"a library")
     (tmp_path / "manifest.json").write_text(json.dumps(build.manifest(build.shipping_menu([sm100.ARCH]))))
     library = ffi.Library(
-        path=str(library_file), fwd_target="fa4_jax_fwd_v2", bwd_target="fa4_jax_bwd_v2",
-        compiled=frozenset(v.name for v in sm100.MENU), routes=tuple((sm100.ARCH, r) for r in sm100.ROUTES),
+        path=str(library_file), compiled=frozenset(v.name for v in sm100.MENU),
+        routes=tuple((sm100.ARCH, r) for r in sm100.ROUTES),
         dq_copies_max_keys={}, tuning_targets=False, head_dims={sm100.ARCH: frozenset(sm100.HEAD_DIMS)},
         unverified_arches=frozenset({sm100.ARCH}))
     state = types.SimpleNamespace(library=library, plan={}, marked=[])

@@ -41,8 +41,8 @@ class Variant:
     names the others (its TUNINGS, reached through its ROUTES), and benchmarks/ablations.py its
     experiments, built into a development library of their own. `segments`: the kernel reads
     segment ids (a row sees only the keys of its own id) and skips the key blocks that share
-    none with a tile; the calls of `fa4_jax.runtime.ffi`'s segments targets run these. `mask_array`: a
-    segments kernel that also reads a boolean mask's bits (the masked targets' calls).
+    none with a tile; the custom calls that pass segment ids run these. `mask_array`: a
+    segments kernel that also reads a boolean mask's bits (the calls that pass them too).
     """
 
     arch: str
@@ -94,8 +94,8 @@ class Route:
       tail_tile_n, tail_keys: more than one tail_tile_n-key block, and at most tail_keys keys
         in the last;
       softcap: only calls with (True) or without (False) softcap;
-      mask_array: calls with a boolean mask's bits (True: the masked targets' calls, whose
-        variants the route's tuning then names) or without (False).
+      mask_array: calls with a boolean mask's bits (True: the custom calls that pass them,
+        whose variants the route's tuning then names) or without (False).
     """
 
     tuning: str

@@ -69,7 +69,8 @@ class Menu:
     # their variants is checked on first use (fa4_jax.runtime.gate), and the handlers run it only
     # once checked (ffi/gate.h).
     unverified_arches: tuple[str, ...] = ()
-    # The development library also registers targets that take a tuning name (ffi/handlers.h).
+    # The development library: its handlers also take a `tuning` attribute, the variant to run,
+    # and it registers them under the development names of fa4_jax.abi.targets.
     tuning_targets: bool = False
 
 

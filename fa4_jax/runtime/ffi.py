@@ -6,15 +6,16 @@ serves a call is the handler's routing rule (`fa4_jax.abi.routing`).
 
 The library is fa4_jax/_lib/libfa4_jax.so (FA4_JAX_LIBRARY overrides), built by
 `python -m fa4_jax.aot.build`, beside its manifest.json (the compiled variants and their routes).
-Its custom call targets carry a version: `fa4_jax_fwd_v2` and `fa4_jax_bwd_v2`, and for calls
-with segment ids `fa4_jax_fwd_segments_v1` and `fa4_jax_bwd_segments_v1` (the same operands
-and four more: the ids and their span tables, `fa4_jax.runtime.segments`), and for calls with a boolean
-mask `fa4_jax_fwd_masked_v1` and `fa4_jax_bwd_masked_v1` (those four and a fifth, the mask's
-bits, `fa4_jax.runtime.mask_bits`). Their attributes describe
-the problem (softmax scale, mask, window, softcap, alignment, deterministic) and never a tuning,
-so a `jax.export`ed program keeps working after a retune. A development library
-(benchmarks/ablations.py) also has `fa4_jax_dev_fwd_v2` / `fa4_jax_dev_bwd_v2`, which take a
-`tuning` attribute.
+It has one handler per kind; `fa4_jax.abi.targets` names the custom call targets bound to it:
+the current one, which every call here names, and those of earlier releases, registered too so
+that programs they exported still run. A call passes the kind's fixed operands, then its optional
+ones: none, the four of segment ids (the ids and their span tables, `fa4_jax.runtime.segments`),
+or those and a boolean mask's bits (`fa4_jax.runtime.mask_bits`), whose count its
+`optional_operands` attribute repeats for the handler's instantiate stage, which sees no operands.
+The other attributes describe the problem (softmax scale, mask, window, softcap, alignment,
+deterministic) and never a tuning, so a `jax.export`ed program keeps working after a retune. A
+development library (benchmarks/ablations.py) registers the same handlers under names of its own,
+and they take a `tuning` attribute.
 
 Both calls always pass the two length operands (`seq_used_q`, `seq_used_k`), so ragged and dense
 calls share one compiled variant; a dense call passes them empty ([0] each), so that XLA builds
@@ -30,19 +31,9 @@ import os
 
 import numpy as np
 
-from fa4_jax.abi import routing
+from fa4_jax.abi import routing, targets
 from fa4_jax.abi.workspace import BWD_SEMAPHORE_ROWS, BWD_SEQ_PAD
 
-FWD_TARGET = "fa4_jax_fwd_v2"
-BWD_TARGET = "fa4_jax_bwd_v2"
-FWD_SEGMENTS_TARGET = "fa4_jax_fwd_segments_v1"
-BWD_SEGMENTS_TARGET = "fa4_jax_bwd_segments_v1"
-FWD_MASKED_TARGET = "fa4_jax_fwd_masked_v1"
-BWD_MASKED_TARGET = "fa4_jax_bwd_masked_v1"
-# The operands a call with segment ids passes after the lengths; one with a mask passes one more.
-SEGMENT_OPERANDS = 4
-DEV_FWD_TARGET = "fa4_jax_dev_fwd_v2"
-DEV_BWD_TARGET = "fa4_jax_dev_bwd_v2"
 _LIB_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_lib")
 
 
@@ -50,15 +41,13 @@ def export_disabled_checks() -> list:
     """The `disabled_checks` that `jax.export.export` needs for a program with fa4_jax's kernels.
 
     jax.export refuses custom calls it does not know to be stable; fa4_jax's targets are, by
-    their version suffix (a changed ABI gets a new name):
+    their version suffix (a changed ABI gets a new name), the earlier releases' names included:
 
         jax.export.export(jax.jit(f), disabled_checks=fa4_jax.export_disabled_checks())(*specs)
     """
     import jax
 
-    return [jax.export.DisabledSafetyCheck.custom_call(t)
-            for t in (FWD_TARGET, BWD_TARGET, FWD_SEGMENTS_TARGET, BWD_SEGMENTS_TARGET,
-                      FWD_MASKED_TARGET, BWD_MASKED_TARGET)]
+    return [jax.export.DisabledSafetyCheck.custom_call(t.name) for t in targets.registered()]
 
 
 class LibraryUnavailable(RuntimeError):
@@ -70,19 +59,13 @@ class Library:
     """A loaded, registered kernel library and its manifest."""
 
     path: str
-    fwd_target: str
-    bwd_target: str
     compiled: frozenset  # variant names
     routes: tuple  # (arch, routing.Route) pairs, in order
     dq_copies_max_keys: dict  # arch -> {head_dim: keys}
-    tuning_targets: bool  # the targets take a `tuning` attribute (a development library)
+    # A development library: its targets are `fa4_jax.abi.targets`' development names, and take a
+    # `tuning` attribute.
+    tuning_targets: bool
     head_dims: dict = dataclasses.field(default_factory=dict)  # arch -> {(head_dim, head_dim_v)}
-    # The segments and masked targets (None in a development library, which has no segments
-    # variants).
-    fwd_segments_target: str | None = None
-    bwd_segments_target: str | None = None
-    fwd_masked_target: str | None = None
-    bwd_masked_target: str | None = None
     # Archs whose kernels no GPU of the arch has run: checked on first use (fa4_jax.runtime.gate).
     unverified_arches: frozenset = frozenset()
     # Segments backward variant name -> its query tile's rows (the deterministic walk's tile).
@@ -105,14 +88,16 @@ def read_manifest(path: str) -> dict:
         return json.load(f)
 
 
-def _register(lib, targets) -> None:
+def _register(lib, development: bool) -> None:
+    """Registers every target of `fa4_jax.abi.targets` the library serves, each with the handler
+    pair the table binds it to."""
     import jax.ffi
 
-    for target, prefix in targets:
+    for target in targets.registered(development):
         jax.ffi.register_ffi_target(
-            target,
-            {"instantiate": jax.ffi.pycapsule(getattr(lib, f"{prefix}Instantiate")),
-             "execute": jax.ffi.pycapsule(getattr(lib, f"{prefix}Execute"))},
+            target.name,
+            {"instantiate": jax.ffi.pycapsule(getattr(lib, f"{target.handler}Instantiate")),
+             "execute": jax.ffi.pycapsule(getattr(lib, f"{target.handler}Execute"))},
             platform="CUDA")
 
 
@@ -126,13 +111,7 @@ def load(path: str | None = None, tuning_targets: bool = False) -> Library:
     try:
         lib = ctypes.CDLL(path)
         library = describe(path, tuning_targets)
-        if tuning_targets:
-            targets = ((DEV_FWD_TARGET, "Fa4DevFwd"), (DEV_BWD_TARGET, "Fa4DevBwd"))
-        else:
-            targets = ((FWD_TARGET, "Fa4Fwd"), (BWD_TARGET, "Fa4Bwd"),
-                       (FWD_SEGMENTS_TARGET, "Fa4FwdSegments"), (BWD_SEGMENTS_TARGET, "Fa4BwdSegments"),
-                       (FWD_MASKED_TARGET, "Fa4FwdMasked"), (BWD_MASKED_TARGET, "Fa4BwdMasked"))
-        _register(lib, targets)
+        _register(lib, tuning_targets)
     except Exception as e:  # noqa: BLE001 - any failure means "not available", with the reason
         raise LibraryUnavailable(f"the fa4_jax kernel library at {path} does not load: {e}") from e
     return library
@@ -145,18 +124,12 @@ def describe(path: str, tuning_targets: bool = False) -> Library:
     routes = tuple((entry.pop("arch"), routing.Route(**entry)) for entry in manifest["routes"])
     return Library(
         path=path,
-        fwd_target=DEV_FWD_TARGET if tuning_targets else FWD_TARGET,
-        bwd_target=DEV_BWD_TARGET if tuning_targets else BWD_TARGET,
         compiled=frozenset(v["name"] for v in manifest["variants"]),
         routes=routes,
         dq_copies_max_keys={arch: {int(d): keys for d, keys in rule.items()}
                             for arch, rule in manifest["dq_copies_max_keys"].items()},
         tuning_targets=tuning_targets,
         head_dims=_head_dims(manifest["variants"]),
-        fwd_segments_target=None if tuning_targets else FWD_SEGMENTS_TARGET,
-        bwd_segments_target=None if tuning_targets else BWD_SEGMENTS_TARGET,
-        fwd_masked_target=None if tuning_targets else FWD_MASKED_TARGET,
-        bwd_masked_target=None if tuning_targets else BWD_MASKED_TARGET,
         unverified_arches=frozenset(manifest.get("unverified_arches", ())),
         segments_backward_tile_m=dict(manifest.get("segments_backward_tile_m", {})),
     )
@@ -247,33 +220,39 @@ def _tuning_attr(library: Library, tuning: str | None) -> dict:
     return {}
 
 
-def _target(library: Library, kind: str, segments) -> str:
-    """The custom call of `kind` for a call with these segment operands: none, the four of
-    segment ids, or five with a mask's bits."""
-    if segments is None:
-        return library.fwd_target if kind == "fwd" else library.bwd_target
-    masked = len(segments) > SEGMENT_OPERANDS
-    target = getattr(library, f"{kind}_{'masked' if masked else 'segments'}_target")
-    if target is None:
-        raise LibraryUnavailable(f"{library.path} has no custom calls for "
-                                 f"{'a mask array' if masked else 'segment ids'}")
-    return target
+def _target(library: Library, kind: str) -> str:
+    """The custom call of `kind`: the current target, or the development library's name for it."""
+    kind_targets = targets.TARGETS[kind]
+    return (kind_targets.development if library.tuning_targets else kind_targets.current).name
+
+
+def _optional_operands(segments) -> dict:
+    """The attribute that counts a call's optional operands, `segments`: none, the four of
+    segment ids, or five with a mask's bits. The handler's instantiate stage reads it to load the
+    variants that read them."""
+    count = len(segments or ())
+    if count not in targets.OPTIONAL_OPERANDS:
+        raise ValueError(f"{count} optional operands; the custom calls take "
+                         f"{', '.join(map(str, targets.OPTIONAL_OPERANDS))}")
+    return {"optional_operands": np.int32(count)}
 
 
 def forward_call(library: Library, q, k, v, lengths, attrs: dict, tuning: str | None = None,
                  segments=None):
     """The forward custom call: (out [b, sq, h, dv] in q's dtype, lse [b, h, sq] float32).
 
-    lengths: the (seq_used_q, seq_used_k) operands (`seq_used`). segments: None, the four
-    segment operands (`fa4_jax.runtime.segments.operands`), which select the segments target, or those
-    and a mask's bits (`fa4_jax.runtime.mask_bits.operands`), which select the masked target."""
+    lengths: the (seq_used_q, seq_used_k) operands (`seq_used`). segments: the optional operands:
+    None, the four segment operands (`fa4_jax.runtime.segments.operands`), which run the segments
+    variants, or those and a mask's bits (`fa4_jax.runtime.mask_bits.operands`), which run the
+    mask_array variants."""
     import jax
 
     b, sq, h, _ = q.shape
     result = _result_type(q)
-    target = _target(library, "fwd", segments)
-    call = jax.ffi.ffi_call(target, (result((b, sq, h, v.shape[-1]), q.dtype), result((b, h, sq), np.float32)))
-    return call(q, k, v, *lengths, *(segments or ()), **attrs, **_tuning_attr(library, tuning))
+    call = jax.ffi.ffi_call(_target(library, "fwd"),
+                            (result((b, sq, h, v.shape[-1]), q.dtype), result((b, h, sq), np.float32)))
+    return call(q, k, v, *lengths, *(segments or ()), **attrs, **_optional_operands(segments),
+                **_tuning_attr(library, tuning))
 
 
 def backward_call(library: Library, q, k, v, out, lse, d_out, d_lse, lengths, attrs: dict,
@@ -301,10 +280,10 @@ def backward_call(library: Library, q, k, v, out, lse, d_out, d_lse, lengths, at
         result((b, h, sq_pad), f32),
         result((dq_copies, b, h, sq_pad // BWD_SEMAPHORE_ROWS), np.int32),
     )
-    target = _target(library, "bwd", segments)
-    call = jax.ffi.ffi_call(target, results)
+    call = jax.ffi.ffi_call(_target(library, "bwd"), results)
     d_lse = jnp.zeros((0, h, sq), f32) if d_lse is None else d_lse.astype(f32)
     dq, dk, dv, *_workspaces = call(
         q, k, v, out.astype(q.dtype), d_out.astype(q.dtype), lse.astype(f32), d_lse, *lengths,
-        *(segments or ()), deterministic=bool(deterministic), **attrs, **_tuning_attr(library, tuning))
+        *(segments or ()), deterministic=bool(deterministic), **attrs, **_optional_operands(segments),
+        **_tuning_attr(library, tuning))
     return dq, dk, dv

@@ -6,10 +6,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import fa4_jax
-from fa4_jax.runtime import dispatch, ffi
+from fa4_jax.abi import targets
+from fa4_jax.runtime import dispatch
 
-FORWARD_TARGET = ffi.FWD_TARGET
-BACKWARD_TARGET = ffi.BWD_TARGET
+FORWARD_TARGET = targets.TARGETS["fwd"].current.name
+BACKWARD_TARGET = targets.TARGETS["bwd"].current.name
 
 
 def _require_kernels(q):
