@@ -118,7 +118,7 @@ def environment(tmp_path_factory):
            if k not in ("FA4_JAX_TRUST_UNVERIFIED", "FA4_JAX_DISABLE_ARCHES", "FA4_JAX_UNVERIFIED_ARCHES")}
     env.update(FA4_JAX_LIBRARY=str(OUT), FA4_JAX_CACHE_DIR=str(tmp_path_factory.mktemp("verdicts")),
                FA4_JAX_PROBE_TIMEOUT=str(TIMEOUT), PYTHONPATH=str(Path(__file__).resolve().parents[2]),
-               XLA_PYTHON_CLIENT_MEM_FRACTION="0.3")
+               XLA_PYTHON_CLIENT_PREALLOCATE="false")
     return env
 
 
