@@ -22,7 +22,7 @@ import pytest
 from fa4_jax import dispatch
 from tests.gpu.faults.build import FAULTS, OUT
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu_processes]
 
 TIMEOUT = 8  # FA4_JAX_PROBE_TIMEOUT: seconds a probe of one variant may run
 # Each fault's problem class (bf16 d128) as a call's options.
