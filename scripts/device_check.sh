@@ -8,15 +8,15 @@
 # the file left behind.
 #
 # The GPU tier's time is XLA compiling each test's small programs, so it runs as GPU_SHARDS
-# pytest processes in parallel (`--shard K/N`), each allowed 1/GPU_SHARDS of the GPU memory.
-# With XLA's autotuning off (tests/conftest.py), 8 shards ran the ~380-test tier in 2m13s on the
-# 16-core H200 machine; with autotuning on, 8 shards got through ~140 tests in 500 s. The tier
-# has grown past 1,280 tests, whose shards took 270-300 s each, so the per-shard limit
-# (GPU_TESTS_TIMEOUT) defaults to 420 s. At 290 s five of eight shards were cut off.
+# pytest processes in parallel (`--shard K/N`), each allowed 1/GPU_SHARDS of the GPU memory,
+# then the tests that start GPU processes of their own, alone. With XLA's autotuning off
+# (tests/conftest.py), 12 shards ran the ~720 sharded tests in 4m23s on the 16-core H100
+# machine (2026-12-07), where 8 shards needed more than 330 s each; the tests run apart took
+# 71 s. The per-shard limit (GPU_TESTS_TIMEOUT) defaults to 420 s.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-.device_out}
-shards=${GPU_SHARDS:-8}
+shards=${GPU_SHARDS:-12}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$out/gpu.txt"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
@@ -25,15 +25,19 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   fraction=$(python3 -c "print(round(0.9 / $shards, 3))")
   for ((k = 0; k < shards; k++)); do
     XLA_PYTHON_CLIENT_MEM_FRACTION=$fraction timeout "${GPU_TESTS_TIMEOUT:-420}" \
-      python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider --durations=15 --shard "$k/$shards" \
+      python3 -m pytest -m "gpu and not gpu_processes" -q -rfEs -p no:cacheprovider --durations=15 --shard "$k/$shards" \
       ${GPU_TESTS:-tests} > "$logs/$k.log" 2>&1 &
   done
   wait
-  for ((k = 0; k < shards; k++)); do
-    echo "===== shard $k/$shards"; cat "$logs/$k.log"
+  # Tests that start GPU processes of their own run after the shards, alone: beside shards that
+  # hold 90% of the memory, a child JAX process found no usable device.
+  timeout "${GPU_TESTS_TIMEOUT:-420}" python3 -m pytest -m "gpu and gpu_processes" -q -rfEs \
+    -p no:cacheprovider ${GPU_TESTS:-tests} > "$logs/processes.log" 2>&1
+  for k in $(seq 0 $((shards - 1))) processes; do
+    echo "===== shard $k"; cat "$logs/$k.log"
   done > "$out/gpu_tests.log"
-  for ((k = 0; k < shards; k++)); do
-    echo "shard $k/$shards: $(tail -1 "$logs/$k.log")"
+  for k in $(seq 0 $((shards - 1))) processes; do
+    echo "shard $k: $(tail -1 "$logs/$k.log")"
     grep -E "^(FAILED|ERROR)" "$logs/$k.log" | head -20
   done | tee "$out/gpu_tests_summary.txt"
 fi

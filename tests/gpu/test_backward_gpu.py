@@ -310,6 +310,7 @@ print(json.dumps([hashlib.sha256(np.asarray(g).tobytes()).hexdigest() for g in g
 """
 
 
+@pytest.mark.gpu_processes
 def test_deterministic_mode_is_bitwise_equal_across_processes(seed):
     # No preallocation: the parent (and, in a sharded tier run, its sibling processes) already
     # hold their share of the GPU's memory.

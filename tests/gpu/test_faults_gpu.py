@@ -22,7 +22,7 @@ import pytest
 from fa4_jax.runtime import device, dispatch
 from tests.gpu.faults.build import FAULTS, OUT
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu_processes]
 
 TIMEOUT = 8  # FA4_JAX_PROBE_TIMEOUT: seconds a probe of one variant may run
 # Each fault's problem class (bf16 d128) as a call's options.
@@ -119,7 +119,7 @@ def environment(tmp_path_factory):
            if k not in ("FA4_JAX_TRUST_UNVERIFIED", "FA4_JAX_DISABLE_ARCHES", "FA4_JAX_UNVERIFIED_ARCHES")}
     env.update(FA4_JAX_LIBRARY=str(OUT), FA4_JAX_CACHE_DIR=str(tmp_path_factory.mktemp("verdicts")),
                FA4_JAX_PROBE_TIMEOUT=str(TIMEOUT), PYTHONPATH=str(Path(__file__).resolve().parents[2]),
-               XLA_PYTHON_CLIENT_MEM_FRACTION="0.3")
+               XLA_PYTHON_CLIENT_PREALLOCATE="false")
     return env
 
 
