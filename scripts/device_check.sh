@@ -12,7 +12,8 @@
 # then the tests that start GPU processes of their own, alone. With XLA's autotuning off
 # (tests/conftest.py), 12 shards ran the ~720 sharded tests in 4m23s on the 16-core H100
 # machine (2026-12-07), where 8 shards needed more than 330 s each; the tests run apart took
-# 71 s. The per-shard limit (GPU_TESTS_TIMEOUT) defaults to 420 s.
+# 71 s. The per-shard limit (GPU_TESTS_TIMEOUT) defaults to 420 s; it interrupts pytest (SIGINT)
+# rather than killing it, so a shard cut off still prints its summary and slowest tests.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-.device_out}
@@ -24,14 +25,14 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   logs=$(mktemp -d)
   fraction=$(python3 -c "print(round(0.9 / $shards, 3))")
   for ((k = 0; k < shards; k++)); do
-    XLA_PYTHON_CLIENT_MEM_FRACTION=$fraction timeout "${GPU_TESTS_TIMEOUT:-420}" \
+    XLA_PYTHON_CLIENT_MEM_FRACTION=$fraction timeout -s INT -k 20 "${GPU_TESTS_TIMEOUT:-420}" \
       python3 -m pytest -m "gpu and not gpu_processes" -q -rfEs -p no:cacheprovider --durations=15 --shard "$k/$shards" \
       ${GPU_TESTS:-tests} > "$logs/$k.log" 2>&1 &
   done
   wait
   # Tests that start GPU processes of their own run after the shards, alone: beside shards that
   # hold 90% of the memory, a child JAX process found no usable device.
-  timeout "${GPU_TESTS_TIMEOUT:-420}" python3 -m pytest -m "gpu and gpu_processes" -q -rfEs \
+  timeout -s INT -k 20 "${GPU_TESTS_TIMEOUT:-420}" python3 -m pytest -m "gpu and gpu_processes" -q -rfEs \
     -p no:cacheprovider ${GPU_TESTS:-tests} > "$logs/processes.log" 2>&1
   for k in $(seq 0 $((shards - 1))) processes; do
     echo "===== shard $k"; cat "$logs/$k.log"
