@@ -3,6 +3,7 @@
 Needs the library built first (`pip install -e .` or `python -m fa4_jax.aot.build`); the
 incremental and failure checks never recompile a menu variant.
 """
+import concurrent.futures
 import ctypes
 import itertools
 import json
@@ -110,7 +111,7 @@ def test_the_handler_routes_calls_as_fa4_jax_routing_does(library):
     assert _handler_choice(lib, missing) == ""
 
 
-def _sass(variant) -> str:
+def _disassemble(variant) -> str:
     """The disassembly of a menu variant's cached cubin(s)."""
     cubins = build.cubins([variant])[variant.name]
     assert cubins, f"no cached cubin for {variant.name} under {build.cache_dir()}"
@@ -121,21 +122,43 @@ def _sass(variant) -> str:
         pytest.fail(str(missing))
 
 
-@pytest.mark.parametrize("variant", [v for v in menu.MENU if v.arch == "sm_90a"],
-                         ids=lambda v: v.name)
-def test_sm90_cubin_holds_pipelined_hgmma(library, variant):
+SM90_MENU = [v for v in menu.MENU if v.arch == "sm_90a"]
+# The walk over every Hopper variant's SASS disassembles ~450 cubins at ~0.5 s each in cuobjdump,
+# which was most of the CPU tier's time spent here: each test reads the next variants ahead on
+# the other cores, and keeps no SASS once its own is read (~1 MB each).
+_READ_AHEAD = max(1, (os.cpu_count() or 1))
+_reader = concurrent.futures.ThreadPoolExecutor(_READ_AHEAD)
+_pending: dict[str, concurrent.futures.Future] = {}
+
+
+def _sass(variant, read_ahead: bool = False) -> str:
+    """The disassembly of `variant`; read_ahead: with the variants after it in the walk started."""
+    order = [v.name for v in SM90_MENU]
+    following = SM90_MENU[order.index(variant.name) + 1:][:_READ_AHEAD] if read_ahead else []
+    for v in [variant, *following]:
+        if v.name not in _pending:
+            _pending[v.name] = _reader.submit(_disassemble, v)
+    return _pending.pop(variant.name).result()
+
+
+@pytest.mark.parametrize("variant", SM90_MENU, ids=lambda v: v.name)
+def test_sm90_sass_keeps_the_gemms_pipelined(library, variant):
+    """Every Hopper variant's SASS: its WGMMAs in flight, and where the forward pins the wait for
+    P·V, the block's exponentials under that GEMM (two checks on one disassembly)."""
+    sass = _sass(variant, read_ahead=True)
     # Expected to hold for the real Hopper kernel (WGMMA -> HGMMA in SASS); the naive stand-in
     # kernel that preceded it had no tensor-core instructions and failed here by design.
     # When ptxas cannot keep WGMMAs in flight (C7512-C7515: too few registers, an accumulator
     # touched or a pipeline stage crossing a loop edge) it waits after every one of them, which
     # runs the kernel 2-3x slower but correctly: only the SASS shows it, as one
     # WARPGROUP.DEPBAR per HGMMA. The menu's kernels have at most one per five.
-    sass = _sass(variant)
     assert "HGMMA" in sass, f"{variant.name}: no HGMMA in its SASS"
     hgmma, waits = sass.count("HGMMA"), sass.count("WARPGROUP.DEPBAR")
     assert waits <= hgmma // 2, (
         f"{variant.name}: {waits} WGMMA waits for {hgmma} HGMMA: ptxas serialized the WGMMAs "
         f"(why: python scripts/ptxas_report.py {variant.name})")
+    if variant.kind == "fwd":
+        _check_pinned_pv_wait(variant, sass)
 
 
 # A ragged entry's padding V rows are zeroed in shared memory between a tile's first softmax and
@@ -192,13 +215,11 @@ def _fwd_sm90_config(variant):
     return construct_kernel(variant, menu.kernel_class(variant), menu.tuning_kwargs(variant)).config
 
 
-@pytest.mark.parametrize("variant", [v for v in menu.MENU if v.arch == "sm_90a" and v.kind == "fwd"],
-                         ids=lambda v: v.name)
-def test_pinned_pv_wait_keeps_the_softmax_under_the_gemm(library, variant):
+def _check_pinned_pv_wait(variant, sass: str) -> None:
     config = _fwd_sm90_config(variant)
     if not config.pv_wait_in_branch:
-        pytest.skip("the P·V wait is not pinned in this kernel (PV_OVERLAP_FLOORS covers some)")
-    gaps = load_script("ptxas_report").wgmma_wait_gaps(_sass(variant))
+        return  # the P·V wait is not pinned in this kernel (PV_OVERLAP_FLOORS covers some)
+    gaps = load_script("ptxas_report").wgmma_wait_gaps(sass)
     assert gaps, f"{variant.name}: no wait for S followed by a wait for P·V in its SASS"
     columns = config.tile_n // 4
     exponentials = 2 * sum(not config.softmax.uses_poly(c) for c in range(columns))
