@@ -111,17 +111,21 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def report(package_root: Path, old: bool = False):
+    """(modules, graph, circles, upward arrows) of the fa4_jax package under package_root."""
+    found = modules(package_root / "fa4_jax")
+    graph = {name: imports(path, name, set(found)) for name, path in found.items()}
+    upward = sorted((a, b) for a, targets in graph.items() for b in targets
+                    if None not in (layer(a, old), layer(b, old)) and layer(b, old) > layer(a, old))
+    return found, graph, circles(graph), upward
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--package-root", default=str(Path(__file__).resolve().parents[1]))
     parser.add_argument("--layers", choices=("new", "old"), default="new")
     args = parser.parse_args()
-    found = modules(Path(args.package_root) / "fa4_jax")
-    graph = {name: imports(path, name, set(found)) for name, path in found.items()}
-    old = args.layers == "old"
-    loops = circles(graph)
-    upward = sorted((a, b) for a, targets in graph.items() for b in targets
-                    if None not in (layer(a, old), layer(b, old)) and layer(b, old) > layer(a, old))
+    found, graph, loops, upward = report(Path(args.package_root), args.layers == "old")
     print(f"{len(found)} modules, {sum(map(len, graph.values()))} imports")
     print(f"{len(loops)} circle(s)")
     for loop in loops:
