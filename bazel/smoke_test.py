@@ -1,4 +1,5 @@
-"""The Bazel-built package: its library needs only libc, loads and registers the custom calls,
+"""The Bazel-built package: its library needs only libc, loads and registers the custom calls
+(a handler pair for every target of fa4_jax.abi.targets),
 its manifest is the shipping menu, and its router picks what fa4_jax.abi.routing picks."""
 import ctypes
 import itertools
@@ -7,13 +8,13 @@ import subprocess
 
 import fa4_jax
 from fa4_jax.runtime import ffi
-from fa4_jax.abi import routing
+from fa4_jax.abi import routing, targets
 from fa4_jax.aot import menu
 
 
 def main() -> None:
     library = ffi.load()
-    assert os.path.samefile(os.path.dirname(library.path), os.path.dirname(ffi.__file__) + "/_lib"), \
+    assert os.path.samefile(os.path.dirname(library.path), os.path.join(os.path.dirname(fa4_jax.__file__), "_lib")), \
         f"loaded {library.path}, not the package's own library"
     assert library.compiled == {v.name for v in menu.MENU}, "the manifest is not the shipping menu"
     dynamic = subprocess.run(["readelf", "-d", library.path], capture_output=True, text=True,
@@ -21,7 +22,11 @@ def main() -> None:
     needed = {line.split("[")[1].rstrip("]") for line in dynamic.splitlines() if "(NEEDED)" in line}
     assert needed <= {"libc.so.6", "libm.so.6", "libdl.so.2", "libpthread.so.0", "librt.so.1",
                       "ld-linux-x86-64.so.2"}, needed
-    choose = ctypes.CDLL(library.path).Fa4ChooseVariant
+    lib = ctypes.CDLL(library.path)
+    for target in targets.registered():
+        for stage in ("Instantiate", "Execute"):
+            assert hasattr(lib, target.handler + stage), f"{target.name}: no {target.handler}{stage}"
+    choose = lib.Fa4ChooseVariant
     choose.restype = ctypes.c_char_p
     choose.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                        ctypes.c_char_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
