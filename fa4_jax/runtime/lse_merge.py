@@ -1,5 +1,5 @@
 """Attention over disjoint key sets, merged by their logsumexp: the one formula that split-KV's
-chunks (split_kv.py) and ring attention's hops (context_parallel.py) combine their partial
+chunks (split_kv.py) and ring attention's hops (api/ring.py) combine their partial
 results with.
 
 For parts i of the same query rows, out = Σ exp(lse_i − lse) · out_i and lse = log Σ exp(lse_i),

@@ -52,7 +52,7 @@ USER = textwrap.dedent('''
         return opts
 
     def close(out, ref, lowp, factor=2):
-        comparison = numerics_rule.compare(out, ref, lowp, factor)
+        comparison = numerics.compare(out, ref, lowp, factor)
         return {"passed": comparison.passed, "text": comparison.describe("out")}
 
     options = json.loads(sys.argv[1])
@@ -67,7 +67,7 @@ USER = textwrap.dedent('''
             out = jax.jit(lambda q, k, v: fa4_jax.attention(q, k, v, **opts))(q, k, v).block_until_ready()
         (ref, _), (lowp, _) = reference_pair(q, k, v, **reference_options(opts))
         warned = [str(w.message) for w in caught if issubclass(w.category, fa4_jax.FallbackWarning)]
-        verdict = verification.results().get(name)
+        verdict = gate.results().get(name)
         report["calls"][name] = {"seconds": time.monotonic() - start, "warnings": warned,
                                  "verdict": verdict and verdict.verdict, "reason": verdict and verdict.reason,
                                  "close": close(out, ref, lowp, 3 if "softcap" in opts else 2)}

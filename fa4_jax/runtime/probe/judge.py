@@ -57,7 +57,7 @@ def _past_lengths(variant: routing.Variant, case: cases.Case, results: dict) -> 
 
 
 def compare(variant: routing.Variant, problem: Problem, results: dict) -> dict:
-    """name -> numerics_rule.Comparison of each result (and "past lengths" for a ragged batch)."""
+    """name -> numerics.Comparison of each result (and "past lengths" for a ragged batch)."""
     problem_class = cases.ProblemClass.of(variant)
     case = cases.case(problem_class, problem)
     exact, lowp = case.forward() if variant.kind == "fwd" else case.backward()
