@@ -286,14 +286,15 @@ def test_varlen_equals_each_sequence_alone(next_key, options, one_packing):
                                         options, one_packing)
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("draw", range(2))
 @pytest.mark.parametrize("options", [{"causal": True}, {"window_size": (3, 0)}, {"window_size": (1, 2)}],
                          ids=["causal", "window_left", "window_both"])
-def test_varlen_apart_with_a_mask_on_random_packings(next_key, seed, options):
+def test_varlen_apart_with_a_mask_on_random_packings(next_key, seed, draw, options):
     # Queries and keys packed apart under a mask, the aligned rows' case: random packings with
     # empty sequences on either side, length-1 ones, more keys than queries and fewer, and
-    # query tokens past the last sequence.
-    rng = np.random.default_rng(seed)
+    # query tokens past the last sequence. The packings are drawn from the test's seed, new on
+    # every run (FA4_JAX_TEST_SEED replays one), rather than four fixed ones per mask.
+    rng = np.random.default_rng([seed, draw])
     count = int(rng.integers(1, 12))
     lengths_q = tuple(int(x) for x in rng.integers(0, 9, count))
     lengths_k = tuple(int(x) for x in rng.integers(0, 9, count))

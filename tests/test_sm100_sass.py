@@ -6,6 +6,8 @@ instruction families (both MMA forms, TMEM loads and stores, allocation paired w
 the launch facts and the TMEM allocation against the plan's tables, local memory, and the
 exponentials of each softmax loop against the tile width.
 """
+import concurrent.futures
+import os
 from pathlib import Path
 
 import pytest
@@ -30,7 +32,10 @@ def all_facts():
     missing = sorted(name for name, cubins in found.items() if len(cubins) != 1)
     if missing:
         pytest.fail(f"no single cached cubin for {missing}: run python -m fa4_jax.aot.build")
-    return {name: sass_facts.facts(str(cubins[0])) for name, cubins in found.items()}
+    # cuobjdump per cubin (~1 s each) on every core.
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        facts = pool.map(lambda cubins: sass_facts.facts(str(cubins[0])), found.values())
+        return dict(zip(found, facts))
 
 
 @pytest.mark.parametrize("variant", sm100.MENU, ids=lambda v: v.name)
