@@ -246,7 +246,7 @@ def forward_kernels_only(monkeypatch):
     from fa4_jax.runtime import dispatch
 
     monkeypatch.setattr(dispatch, "unsupported_reason",
-                        lambda q, k, v, params, kind="fwd", library=None, segments=False, mask_array=False:
+                        lambda q, k, v, params, kind="fwd", library=None, kinds=None:
                         None if kind == "fwd" else "no backward kernel for this arch yet")
     monkeypatch.setattr(dispatch, "forward", lambda q, k, v, params, operands=KernelOperands(), **kwargs:
                         bodies._reference_fp32(q, k, v, params, operands))

@@ -22,7 +22,7 @@ from fa4_jax.fallbacks.reference import attention_reference
 from fa4_jax.ops import plan as planning
 from fa4_jax.ops.vjp import attention_op
 from fa4_jax.runtime import dispatch
-from fa4_jax.runtime.operands import kernel_operands
+from fa4_jax.runtime.operands import kernel_operands, kernel_view
 
 
 def attention(
@@ -277,9 +277,7 @@ def explain(query, key, value, **options) -> Explanation:
                          return_lse=return_lse)
     if plan.backend != "cute":
         return Explanation(plan.backend, plan.reason)
-    params = plan.params.rules_folded() if visibility.masked else plan.params
-    kinds = dispatch.OperandKinds(visibility.ragged, visibility.segmented or visibility.masked,
-                                  visibility.masked)
+    params, kinds = kernel_view(visibility, plan.params)
     forward = dispatch.forward_plan(query, key, value, params, kinds)
     backward = None
     if params.backward_reason is None:

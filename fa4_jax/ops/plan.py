@@ -16,6 +16,7 @@ from fa4_jax.core.params import AttentionParams
 from fa4_jax.core.visibility import Visibility
 from fa4_jax.fallbacks import cudnn as cudnn_route
 from fa4_jax.runtime import device, dispatch
+from fa4_jax.runtime.operands import kernel_view
 
 KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 BACKEND_NAMES = {"cute": "fa4_jax's kernels", "cudnn": "cuDNN (jax.nn.dot_product_attention)",
@@ -74,10 +75,7 @@ def forward_reason(query, key, value, params, visibility, bias=None) -> str | No
 
 
 def kernel_reason(query, key, value, params, visibility, kind: str) -> str | None:
-    """Why the library has no `kind` kernel for the call on this GPU, or None: a mask's call as
-    its kernels see it (the rules folded into the mask's bits)."""
-    if visibility.masked:
-        params = params.rules_folded()
-    return dispatch.unsupported_reason(query, key, value, params, kind,
-                                       segments=visibility.segmented or visibility.masked,
-                                       mask_array=visibility.masked)
+    """Why the library has no `kind` kernel for the call on this GPU, or None: the call as its
+    kernels see it (`kernel_view`: a mask's rules folded into its bits)."""
+    params, kinds = kernel_view(visibility, params)
+    return dispatch.unsupported_reason(query, key, value, params, kind, kinds=kinds)

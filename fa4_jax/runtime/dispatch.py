@@ -36,23 +36,9 @@ from fa4_jax.abi.segment_layout import WIDEST_BACKWARD_TILE_M
 from fa4_jax.runtime import device, ffi, gate, segments
 from fa4_jax.runtime import pack_gqa as packing
 from fa4_jax.runtime import split_kv as splitting
-from fa4_jax.runtime.operands import KernelOperands
+from fa4_jax.runtime.operands import KernelOperands, OperandKinds
 
 _DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16"}
-
-
-@dataclasses.dataclass(frozen=True)
-class OperandKinds:
-    """Which of the optional operands a call passes: lengths (a ragged batch), span tables
-    (segment ids, or a mask: the segments kernels), a mask's bits (the mask_array kernels)."""
-
-    ragged: bool = False
-    segments: bool = False
-    mask_array: bool = False
-
-    @classmethod
-    def of(cls, operands: KernelOperands) -> OperandKinds:
-        return cls(operands.ragged, operands.segments, operands.mask_array)
 
 
 def kernel_call(q, k, v, params, kind: str, arch: str, kinds: OperandKinds = OperandKinds()) -> routing.Call:
@@ -78,9 +64,10 @@ def served_head_dims(q, v, params, kind: str, arch: str, library: ffi.Library,
 
 
 def unsupported_reason(q, k, v, params, kind: str = "fwd", library: ffi.Library | None = None,
-                       segments: bool = False, mask_array: bool = False) -> str | None:
-    """Why the kernels do not serve a call of this problem class, or None. segments: the call
-    passes span tables (segment ids, or a mask); mask_array: a mask's bits."""
+                       kinds: OperandKinds = OperandKinds()) -> str | None:
+    """Why the kernels do not serve a call of this problem class, or None. kinds: the optional
+    operands the call passes (`fa4_jax.runtime.operands.kernel_view`); the variant the handler
+    routes the call to is the one the first-use gate is asked about."""
     arch, reason = device.device_arch()
     if reason is not None:
         return reason
@@ -94,11 +81,10 @@ def unsupported_reason(q, k, v, params, kind: str = "fwd", library: ffi.Library 
         return f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})"
     if k.shape[-1] != q.shape[-1]:
         return f"head dims of q ({q.shape[-1]}) and k ({k.shape[-1]}) differ"
-    kinds = OperandKinds(segments=segments, mask_array=mask_array)
     served = served_head_dims(q, v, params, kind, arch, library, kinds)
     if served is None:
         default = kernel_call(q, k, v, params, kind, arch, kinds).variant()
-        operands = ' with a mask array' if mask_array else ' with segment ids' if segments else ''
+        operands = ' with a mask array' if kinds.mask_array else ' with segment ids' if kinds.segments else ''
         return (f"no {kind} kernel for {default.arch} {default.dtype} {default.mask}"
                 f"{' softcap' if default.softcap else ''}{operands} "
                 f"at head dim {default.head_dim} (head dim of v {default.head_dim_v}) or wider is "
@@ -164,7 +150,7 @@ def _served(q, k, v, params, kind: str, kinds: OperandKinds, library: ffi.Librar
     """The compiled head dims that serve the call; raises when none does."""
     served = served_head_dims(q, v, params, kind, _arch(), library, kinds)
     if served is None:
-        reason = unsupported_reason(q, k, v, params, kind, library, kinds.segments, kinds.mask_array)
+        reason = unsupported_reason(q, k, v, params, kind, library, kinds)
         raise RuntimeError(f"fa4_jax {kind} kernel unavailable: {reason}")
     return served
 

@@ -8,6 +8,7 @@ backward's residuals), partitioned with the batch (fa4_jax/ops/sharding.py).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 from fa4_jax.core.params import AttentionParams
@@ -66,12 +67,36 @@ class KernelOperands(NamedTuple):
         return cls(**dict(zip(names, arrays)))
 
 
+@dataclasses.dataclass(frozen=True)
+class OperandKinds:
+    """Which of the optional operands a call passes: lengths (a ragged batch), span tables
+    (segment ids, or a mask: the segments kernels), a mask's bits (the mask_array kernels) — what
+    picks the kernels, known before the arrays are made."""
+
+    ragged: bool = False
+    segments: bool = False
+    mask_array: bool = False
+
+    @classmethod
+    def of(cls, operands: KernelOperands) -> OperandKinds:
+        return cls(operands.ragged, operands.segments, operands.mask_array)
+
+
+def kernel_view(visibility: Visibility, params: AttentionParams) -> tuple[AttentionParams, OperandKinds]:
+    """The call as the kernels see it: its params (a mask's call folds the rules into the bits,
+    so its params lose them) and the kinds of operands `kernel_operands` makes for it. The plan,
+    `explain` and the call itself all take the kernels' view from here."""
+    kinds = OperandKinds(visibility.ragged, visibility.segmented or visibility.masked, visibility.masked)
+    return (params.rules_folded() if visibility.masked else params), kinds
+
+
 def kernel_operands(visibility: Visibility, params: AttentionParams, batch: int, seqlen_q: int,
                     seqlen_k: int) -> tuple[AttentionParams, KernelOperands]:
     """(the params as the kernels see them, the operands) of a call whose arrays `visibility`
     holds: both lengths when ragged, clamped to the sequences (`fa4_jax.api.validation`); a mask
     shared by every head (one with a head axis runs each head as an entry of its own, before
-    this). A mask's call folds the rules into the bits, so its params lose them."""
+    this)."""
+    kernel_params, _ = kernel_view(visibility, params)
     lengths = (visibility.query_lengths, visibility.key_lengths) if visibility.ragged else None
     operands = KernelOperands(*(lengths or (None, None)))
     if visibility.masked:
@@ -80,7 +105,7 @@ def kernel_operands(visibility: Visibility, params: AttentionParams, batch: int,
             ids = visibility.query_segment_ids[:, :, None] == visibility.kv_segment_ids[:, None, :]
             mask = mask & ids
         tables = mask_bits.operands(mask, params, lengths, seqlen_q, seqlen_k, batch)
-        return params.rules_folded(), operands._replace(**dict(zip(KernelOperands._fields[2:], tables)))
+        return kernel_params, operands._replace(**dict(zip(KernelOperands._fields[2:], tables)))
     if visibility.segmented:
         tables = segments.operands((visibility.query_segment_ids, visibility.kv_segment_ids), lengths)
         return params, operands._replace(**dict(zip(KernelOperands._fields[2:6], tables)))

@@ -45,19 +45,10 @@ class Inputs:
 
 
 def visible(inputs: Inputs, params: AttentionParams) -> np.ndarray:
-    """Bool [b, sq, sk]: which (row, key) pairs take part in the softmax."""
-    seqlen_q, seqlen_k = inputs.q.shape[1], inputs.k.shape[1]
+    """Bool [b, sq, sk]: which (row, key) pairs take part in the softmax (the rules and lengths by
+    fa4_jax.core.visibility's one definition, on numpy arrays)."""
     q_len, kv_len = (np.asarray(x)[:, None, None] for x in (inputs.q_len, inputs.kv_len))
-    row = np.arange(seqlen_q)[None, :, None]
-    key = np.arange(seqlen_k)[None, None, :]
-    diagonal = row + (0 if params.top_left else kv_len - q_len)
-    seen = (row < q_len) & (key < kv_len)
-    if params.causal:
-        seen = seen & (key <= diagonal)
-    if params.window_left is not None:
-        seen = seen & (key >= diagonal - params.window_left)
-    if params.window_right is not None:
-        seen = seen & (key <= diagonal + params.window_right)
+    seen = params.rules.band(np.arange(inputs.q.shape[1]), np.arange(inputs.k.shape[1]), q_len, kv_len)
     return seen if inputs.extra is None else seen & inputs.extra
 
 
